@@ -1,0 +1,12 @@
+"""tracejit: a PyTorch-native tracing JIT.
+
+Record a step function's aten ops once, then replay them: checked against the Python function on
+every call, or compiled and run without it.
+"""
+
+from .errors import TraceCacheFullError, TraceMismatchError
+from .record.modes import exclude_from_trace, is_tracing
+from .trace import trace
+
+__all__ = ["TraceCacheFullError", "TraceMismatchError", "exclude_from_trace", "is_tracing", "trace"]
+__version__ = "0.1.0"

@@ -1,0 +1,9 @@
+"""Exceptions raised by tracejit."""
+
+
+class TraceMismatchError(RuntimeError):
+    """A call of a traced function diverged from its recorded trace."""
+
+
+class TraceCacheFullError(RuntimeError):
+    """A call needed a new trace but `max_traces` traces already exist."""

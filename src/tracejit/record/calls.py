@@ -1,0 +1,156 @@
+"""Splitting an op call into tensors, structural arguments and dynamic scalars.
+
+A Python float handed to an elementwise or optimizer op (a learning rate read from
+`param_groups`, Adam's step size computed from `step.item()`) changes from call to call without
+changing the program: it is a *dynamic scalar*, observed afresh on every replay. Every other
+non-tensor argument (dims, shapes, dtypes, flags) is *structural*: a change is a mismatch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .record import TENSOR, KwargStatic, ScalarSlot
+
+aten = torch.ops.aten
+
+# Ops whose float/Scalar arguments change values, never shapes, besides the pointwise ones.
+_VALUE_SCALAR_OPS = {
+    "addmm", "addmv", "addbmm", "baddbmm", "addr", "native_dropout", "native_dropout_backward",
+    "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
+    "native_layer_norm", "native_group_norm", "native_group_norm_backward", "fill", "fill_", "full",
+    "full_like", "new_full", "bernoulli", "bernoulli_", "uniform", "uniform_", "normal", "normal_",
+    "exponential_", "leaky_relu_backward", "hardtanh_backward", "elu_backward", "softplus_backward",
+    "threshold", "smooth_l1_loss", "smooth_l1_loss_backward", "huber_loss", "huber_loss_backward",
+    "rrelu_with_noise", "celu", "_fused_dropout", "dropout", "clamp", "clamp_min", "clamp_max",
+    "clamp_", "clamp_min_", "clamp_max_", "mse_loss", "l1_loss", "cross_entropy_loss",
+}
+# A Python number can also arrive in a Tensor slot: the dispatcher unwraps wrapped-number tensors
+# (`t / 0.5` reaches aten.div.Tensor with a float).
+_SCALAR_TYPES = {
+    "number", "float", "Optional[number]", "Optional[float]", "List[number]", "List[float]",
+    "Tensor", "Optional[Tensor]",
+}
+
+# Ops that hand a value to the host rather than producing a tensor.
+HOST_VALUE_OPS = frozenset({aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default})
+
+
+def _is_value_scalar_op(op: torch._ops.OpOverload) -> bool:
+    name = op._schema.name.split("::")[-1]
+    return (
+        torch.Tag.pointwise in op.tags
+        or name.startswith(("_foreach_", "_fused_"))
+        or name in _VALUE_SCALAR_OPS
+    )
+
+
+@functools.cache
+def dynamic_slots(op: torch._ops.OpOverload) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and keyword names of `op`'s arguments that carry dynamic scalars."""
+    if not isinstance(op, torch._ops.OpOverload) or not _is_value_scalar_op(op):
+        return frozenset(), frozenset()
+    positions, names = set(), set()
+    for i, arg in enumerate(op._schema.arguments):
+        if str(arg.type) in _SCALAR_TYPES:
+            names.add(arg.name)
+            if not arg.kwarg_only:
+                positions.add(i)
+    return frozenset(positions), frozenset(names)
+
+
+def _split(value: Any, dynamic: bool, tensors: list, scalars: list) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return TENSOR
+    if isinstance(value, (list, tuple)):
+        return tuple(_split(v, dynamic, tensors, scalars) for v in value)
+    if dynamic and type(value) in (float, int):  # bool stays structural
+        scalars.append(value)
+        return ScalarSlot(type(value))
+    return value
+
+
+def split_call(op: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple, list]:
+    """Return (tensors in argument order, structural description, dynamic scalar values)."""
+    positions, names = dynamic_slots(op)
+    tensors: list[torch.Tensor] = []
+    scalars: list = []
+    statics = [_split(a, i in positions, tensors, scalars) for i, a in enumerate(args)]
+    for name, value in kwargs.items():
+        statics.append(KwargStatic(name, _split(value, name in names, tensors, scalars)))
+    return tensors, tuple(statics), scalars
+
+
+def rebuild_call(statics: tuple, tensors: list, scalars: list) -> tuple[list, dict]:
+    """Inverse of `split_call`: put tensors and scalars back into the argument structure."""
+    tensor_iter = iter(tensors)
+    scalar_iter = iter(scalars)
+    args, kwargs = [], {}
+    for item in statics:
+        if isinstance(item, KwargStatic):
+            kwargs[item.name] = _fill(item.value, tensor_iter, scalar_iter)
+        else:
+            args.append(_fill(item, tensor_iter, scalar_iter))
+    return args, kwargs
+
+
+def _fill(value: Any, tensors: Iterator, scalars: Iterator) -> Any:
+    # A module-level function, not a closure: a recursive closure is a reference cycle that
+    # would keep every tensor of the call alive until the garbage collector runs.
+    if value is TENSOR:
+        return next(tensors)
+    if isinstance(value, ScalarSlot):
+        return next(scalars)
+    if isinstance(value, tuple):
+        return [_fill(v, tensors, scalars) for v in value]
+    return value
+
+
+def mutated_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among `op`'s arguments that it writes into (per its schema)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return []
+    positions, names = _mutated(op)
+    found: list[torch.Tensor] = []
+    for i in positions:
+        if i < len(args):
+            _split(args[i], False, found, [])
+    for name in names:
+        if name in kwargs:
+            _split(kwargs[name], False, found, [])
+    return found
+
+
+@functools.cache
+def _mutated(op: torch._ops.OpOverload) -> tuple[frozenset[int], frozenset[str]]:
+    positions, names = set(), set()
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            names.add(arg.name)
+            if not arg.kwarg_only:
+                positions.add(i)
+    return frozenset(positions), frozenset(names)
+
+
+@functools.cache
+def is_view_op(op: Any) -> bool:
+    """True when the op's tensor outputs alias an input without writing to it."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+@functools.cache
+def has_dynamic_output_shape(op: Any) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.dynamic_output_shape in op.tags
+
+
+def is_ignored_op(op: Any) -> bool:
+    """Profiler bookkeeping ops, which carry no computation and are never matched."""
+    return getattr(op, "namespace", "") == "profiler"

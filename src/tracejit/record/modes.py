@@ -1,0 +1,152 @@
+"""The two interposition modes of a traced call and the per-thread call context.
+
+A traced call runs the user function under a `TorchDispatchMode` that sees every aten op
+(forward, autograd's backward, optimizer) and a `TorchFunctionMode` that sees the host reads
+which never reach the dispatcher (`numpy()`, `tolist()`, `repr`). Both delegate to the call's
+*handler*: a recorder on the first call, a replayer afterwards. The handler can be swapped while
+the call runs (a replay that turns into a re-record).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+_T = torch.Tensor
+HOST_READ_METHODS = {
+    _T.item: "item()",
+    _T.tolist: "tolist()",
+    _T.numpy: "numpy()",
+    _T.__array__: "numpy.asarray()",
+    _T.__repr__: "repr()",
+    _T.__format__: "format()",
+    _T.__bool__: "bool()",
+    _T.__float__: "float()",
+    _T.__int__: "int()",
+    _T.__index__: "index()",
+    _T.__complex__: "complex()",
+}
+
+
+class Handler(Protocol):
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+
+    def on_host_read(self, tensor: torch.Tensor, what: str) -> None: ...
+
+    def on_excluded_block(self) -> None: ...
+
+
+class _DispatchMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in a dynamo-disable shim (~3.5 us per op here); a traced
+        # call never runs under torch.compile, so the shim buys nothing.
+        return False
+
+    def __init__(self, context: CallContext):
+        super().__init__()
+        self.context = context
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.context.handler.on_op(func, args, kwargs or {})
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, context: CallContext):
+        super().__init__()
+        self.context = context
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = HOST_READ_METHODS.get(func)
+        if what is not None and args and isinstance(args[0], torch.Tensor):
+            self.context.handler.on_host_read(args[0], what)
+            # The read itself (numpy's detach, item's _local_scalar_dense) is not part of the program.
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class CallContext:
+    """State of one traced call in progress on this thread."""
+
+    def __init__(self, trace: Any, handler: Handler, capture_as_const: bool):
+        self.trace = trace
+        self.handler = handler
+        self.capture_as_const = capture_as_const
+        self.excluded = 0
+
+    @property
+    def function_name(self) -> str:
+        return self.trace.__name__
+
+
+_local = threading.local()
+
+
+def current_context() -> CallContext | None:
+    return getattr(_local, "context", None)
+
+
+@contextlib.contextmanager
+def traced_call(context: CallContext) -> Iterator[CallContext]:
+    """Run a block as a traced call: install both modes and the thread's call context."""
+    outer = current_context()
+    if outer is not None and not outer.excluded:
+        raise RuntimeError(
+            f"tracejit: {context.function_name}() was called while {outer.function_name}() is being "
+            f"traced. Nested traced functions are not supported: call the inner function undecorated "
+            f"(its ops become part of the outer trace), or call it inside tracejit.exclude_from_trace()."
+        )
+    _local.context = context
+    try:
+        with _FunctionMode(context), _DispatchMode(context):
+            yield context
+    finally:
+        _local.context = outer
+
+
+def is_tracing() -> bool:
+    """True inside a traced call (recording or replaying), False inside exclude_from_trace()."""
+    context = current_context()
+    return context is not None and not context.excluded
+
+
+@contextlib.contextmanager
+def exclude_from_trace() -> Iterator[None]:
+    """Run the block eagerly on every call, outside the trace.
+
+    The block may read traced tensors (they are real by the time it runs) and may modify them in
+    place; tensors it creates enter the trace as external inputs wherever later code uses them.
+    """
+    context = current_context()
+    if context is None or context.excluded:
+        yield
+        return
+    if context.capture_as_const:
+        raise RuntimeError(
+            f"tracejit: exclude_from_trace() inside {context.function_name}(), which is traced with "
+            f"capture_as_const=True. A graph with captured constants must be self-contained; move the "
+            f"excluded code out of the traced function or trace without capture_as_const."
+        )
+    context.handler.on_excluded_block()
+    context.excluded += 1
+    try:
+        with _suspended_modes():
+            yield
+    finally:
+        context.excluded -= 1
+
+
+@contextlib.contextmanager
+def _suspended_modes() -> Iterator[None]:
+    from torch.overrides import _pop_mode_temporarily
+
+    with _disable_current_modes(), _pop_mode_temporarily():
+        yield

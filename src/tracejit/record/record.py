@@ -1,0 +1,247 @@
+"""The record: a handle-indexed sequence of the aten ops one call of a traced function dispatched.
+
+Every tensor object that takes part in the call gets a *handle*, an index into the table of
+`TensorInfo`. Ops refer to tensors only through handles, so the record holds no tensor of the
+call except constants (which it must keep to be replayable).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .source import SourceLocation
+
+
+class Kind(enum.Enum):
+    ARG = "arg"  # positional input of the traced function
+    KWARG = "kwarg"  # tensor keyword input
+    EXTERNAL = "external"  # reached from outside: parameter, buffer, optimizer state, closure
+    CONST = "const"  # created from Python data inside the call, or any external under capture_as_const
+    INTERNAL = "internal"  # output of a recorded op
+
+
+class Flag(enum.Flag):
+    NONE = 0
+    DATA_READ = enum.auto()  # the host read the tensor's memory (numpy, tolist, repr)
+    VALUE_READ = enum.auto()  # the host read a scalar out of it (item, bool, float)
+    MUTATED = enum.auto()  # some recorded op wrote into it
+    ESCAPED = enum.auto()  # alive after the call: returned, stored in .grad, in optimizer state...
+    RETURNED = enum.auto()  # part of the traced function's return value
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.device.type} {dtype}{list(self.shape)}"
+
+
+@dataclass
+class TensorInfo:
+    handle: int
+    kind: Kind
+    meta: TensorMeta
+    name: str  # argument name, keyword name, or a description of where it was first seen
+    producer: int | None = None  # index of the op that created it (INTERNAL only)
+    base: int | None = None  # handle of the tensor whose storage this view shares
+    flags: Flag = Flag.NONE
+    literal: bool = False  # CONST created from Python data (torch.tensor(...)) rather than captured
+
+    def label(self) -> str:
+        return f"t{self.handle}"
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One dispatched op.
+
+    `statics` is the op's argument structure with every tensor replaced by `TENSOR` and every
+    dynamic scalar by a `ScalarSlot`; everything else in it is a structural value that must
+    match on replay. `inputs` lists the tensor arguments' handles in argument order, `scalars`
+    the dynamic scalars' recorded values.
+    """
+
+    index: int
+    op: torch._ops.OpOverload
+    statics: tuple
+    inputs: tuple[int, ...]
+    scalars: tuple[Any, ...]
+    outputs: tuple[int | None, ...]  # one per tensor output (None where the op returned None)
+    out_kind: str  # "tensor" | "tuple" | "list" | "none" | "value"
+    out_metas: tuple[TensorMeta | None, ...]
+    mutated: tuple[int, ...]  # handles written in place
+    source: SourceLocation
+
+    @property
+    def name(self) -> str:
+        return str(self.op)
+
+
+@dataclass(frozen=True)
+class HostRead:
+    position: int  # number of ops recorded before the read
+    handle: int
+    what: str  # "item", "numpy", "repr", ...
+    source: SourceLocation
+
+
+@dataclass(frozen=True)
+class ExcludedBlock:
+    position: int  # ops recorded before the block began
+    source: SourceLocation
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """Structure of the traced function's return value: a tree of containers over handles."""
+
+    kind: str  # "tensor" | "none" | "tuple" | "list" | "dict"
+    handle: int | None = None
+    keys: tuple = ()
+    children: tuple[OutputSpec, ...] = ()
+
+    def handles(self) -> list[int]:
+        if self.kind == "tensor":
+            return [self.handle]
+        return [h for c in self.children for h in c.handles()]
+
+    def describe(self) -> str:
+        if self.kind == "tensor":
+            return f"t{self.handle}"
+        if self.kind == "none":
+            return "None"
+        if self.kind == "dict":
+            inner = ", ".join(f"{k!r}: {c.describe()}" for k, c in zip(self.keys, self.children))
+            return "{" + inner + "}"
+        inner = ", ".join(c.describe() for c in self.children)
+        return f"({inner},)" if self.kind == "tuple" else f"[{inner}]"
+
+
+@dataclass
+class Record:
+    function_name: str
+    tensors: list[TensorInfo]
+    ops: list[OpRecord]
+    output: OutputSpec
+    host_reads: list[HostRead] = field(default_factory=list)
+    excluded_blocks: list[ExcludedBlock] = field(default_factory=list)
+    # Tensors the record must hold to be replayable: captured constants (with the version
+    # counter they had), and the Python-data literals seen while recording.
+    constants: dict[int, torch.Tensor] = field(default_factory=dict)
+    constant_versions: dict[int, int] = field(default_factory=dict)
+    arg_handles: tuple[int, ...] = ()
+    kwarg_handles: dict[str, int] = field(default_factory=dict)
+    # A record whose call left new tensors in Python state (lazy optimizer state, a first .grad)
+    # may legitimately see a different op sequence on its first replay; see runtime/replay.py.
+    created_state: bool = False
+    rerecorded: bool = False
+
+    def info(self, handle: int) -> TensorInfo:
+        return self.tensors[handle]
+
+    def describe_handle(self, handle: int) -> str:
+        info = self.tensors[handle]
+        if info.kind is Kind.INTERNAL:
+            op = self.ops[info.producer]
+            where = f"output of op #{op.index} {op.name} at {op.source}"
+        elif info.kind is Kind.CONST and info.literal:
+            where = "a tensor created from Python data"
+        else:
+            where = f"{info.kind.value} {info.name}"
+        return f"t{handle} ({where}, {info.meta})"
+
+    def format_op(self, op: OpRecord) -> str:
+        args = render_statics(op.statics, [f"t{h}" for h in op.inputs], op.scalars)
+        outs = ", ".join("None" if h is None else f"t{h}" for h in op.outputs)
+        lhs = f"{outs} = " if outs else ""
+        return f"#{op.index} {lhs}{op.name}({args})"
+
+    def listing(self) -> str:
+        """Numbered listing of the record, one op per line with its source location."""
+        lines = [f"# record of {self.function_name}: {len(self.ops)} ops, {len(self.tensors)} tensors"]
+        for info in self.tensors:
+            if info.kind is not Kind.INTERNAL:
+                lines.append(f"#   t{info.handle}: {info.kind.value} {info.name} {info.meta}")
+        for op in self.ops:
+            lines.append(f"{self.format_op(op):<72} # {op.source}")
+        lines.append(f"return {self.output.describe()}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.listing()
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+TENSOR = _Marker("<tensor>")
+
+
+class ScalarSlot:
+    """Stands in `statics` for a dynamic scalar; only its Python type is structural."""
+
+    __slots__ = ("type",)
+
+    def __init__(self, type_: type):
+        self.type = type_
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScalarSlot) and other.type is self.type
+
+    def __hash__(self) -> int:
+        return hash(self.type)
+
+    def __repr__(self) -> str:
+        return f"<{self.type.__name__}>"
+
+
+def render_statics(statics: tuple, tensor_names: list[str], scalars: tuple | list) -> str:
+    """Render an op's arguments with tensors and scalars filled in, for listings and errors."""
+    tensors = iter(tensor_names)
+    values = iter(scalars)
+    parts = []
+    for item in statics:
+        if isinstance(item, KwargStatic):
+            parts.append(f"{item.name}={_render(item.value, tensors, values)}")
+        else:
+            parts.append(_render(item, tensors, values))
+    return ", ".join(parts)
+
+
+def _render(value: Any, tensors: Iterator, values: Iterator) -> str:
+    if value is TENSOR:
+        return next(tensors, "?")
+    if isinstance(value, ScalarSlot):
+        return repr(next(values, "?"))
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_render(v, tensors, values) for v in value) + "]"
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class KwargStatic:
+    name: str
+    value: Any

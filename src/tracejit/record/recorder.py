@@ -1,0 +1,258 @@
+"""The recording handler: runs each op eagerly and appends it to the record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .calls import (
+    HOST_VALUE_OPS,
+    is_ignored_op,
+    is_view_op,
+    mutated_tensors,
+    split_call,
+)
+from .handles import HandleMap
+from .names import ExternalNames
+from .record import (
+    ExcludedBlock,
+    Flag,
+    HostRead,
+    Kind,
+    OpRecord,
+    OutputSpec,
+    Record,
+    TensorInfo,
+    TensorMeta,
+)
+from .source import user_location
+
+_LITERAL_OPS = frozenset(
+    {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift.default}
+)
+
+
+class Recorder:
+    """Builds a `Record` from the ops of one call.
+
+    A recorder can also *resume* a record: a replay that diverges from a provisional record
+    hands over its handle map and the matched prefix, and recording continues from there.
+    """
+
+    def __init__(self, function_name: str, *, capture_as_const: bool, external_names: ExternalNames):
+        self.function_name = function_name
+        self.capture_as_const = capture_as_const
+        self.names = external_names
+        self.tensors: list[TensorInfo] = []
+        self.ops: list[OpRecord] = []
+        self.handles = HandleMap()
+        self.host_reads: list[HostRead] = []
+        self.excluded_blocks: list[ExcludedBlock] = []
+        self.constants: dict[int, torch.Tensor] = {}
+        self.constant_versions: dict[int, int] = {}
+        self.arg_handles: tuple[int, ...] = ()
+        self.kwarg_handles: dict[str, int] = {}
+        self.rerecorded = False
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def bind_inputs(self, args: tuple, kwargs: dict, arg_names: list[str]) -> None:
+        self.arg_handles = tuple(
+            self._new_handle(t, Kind.ARG, arg_names[i]) for i, t in enumerate(args)
+        )
+        self.kwarg_handles = {
+            name: self._new_handle(value, Kind.KWARG, name)
+            for name, value in kwargs.items()
+            if isinstance(value, torch.Tensor)
+        }
+
+    @classmethod
+    def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
+               capture_as_const: bool) -> Recorder:
+        """Continue `record` from op `position`, with the handles a replay bound so far."""
+        recorder = cls(record.function_name, capture_as_const=capture_as_const, external_names=external_names)
+        first_dropped = _first_handle_created_from(record, position)
+        recorder.tensors = [_copy_info(info) for info in record.tensors[:first_dropped]]
+        recorder.ops = list(record.ops[:position])
+        handles.drop_from(first_dropped)
+        recorder.handles = handles
+        recorder.host_reads = [r for r in record.host_reads if r.position <= position]
+        recorder.excluded_blocks = [b for b in record.excluded_blocks if b.position <= position]
+        recorder.constants = {h: t for h, t in record.constants.items() if h < first_dropped}
+        recorder.constant_versions = {h: v for h, v in record.constant_versions.items() if h < first_dropped}
+        recorder.arg_handles = record.arg_handles
+        recorder.kwarg_handles = dict(record.kwarg_handles)
+        recorder.rerecorded = True
+        return recorder
+
+    def _new_handle(self, tensor: torch.Tensor, kind: Kind, name: str, producer: int | None = None,
+                    base: int | None = None, literal: bool = False) -> int:
+        handle = len(self.tensors)
+        self.tensors.append(
+            TensorInfo(handle, kind, TensorMeta.of(tensor), name, producer=producer, base=base, literal=literal)
+        )
+        self.handles.set(tensor, handle)
+        return handle
+
+    def _input_handle(self, tensor: torch.Tensor, op: Any, index: int) -> int:
+        handle = self.handles.get(tensor)
+        if handle is not None:
+            return handle
+        literal = op in _LITERAL_OPS
+        name = "literal" if literal else self.names.name_of(tensor) or f"first used by op #{index} {op}"
+        if literal or self.capture_as_const:
+            handle = self._new_handle(tensor, Kind.CONST, name, literal=literal)
+            self.constants[handle] = tensor
+            self.constant_versions[handle] = tensor._version
+            return handle
+        return self._new_handle(tensor, Kind.EXTERNAL, name)
+
+    # -- handler protocol -----------------------------------------------------------------------
+
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if is_ignored_op(func):
+            return func(*args, **kwargs)
+        if func in HOST_VALUE_OPS:
+            self.on_host_read(args[0], str(func))
+            return func(*args, **kwargs)
+        tensors, statics, scalars = split_call(func, args, kwargs)
+        index = len(self.ops)
+        source = user_location()
+        inputs = tuple(self._input_handle(t, func, index) for t in tensors)
+        written = mutated_tensors(func, args, kwargs)
+        self._check_const_writes(func, written, index, source)
+        result = self.execute(func, args, kwargs)
+        outputs, out_kind, out_metas = self._register_outputs(func, result, index, inputs, tensors)
+        mutated = tuple(self.handles.get(t) for t in written)
+        for handle in mutated:
+            self.tensors[handle].flags |= Flag.MUTATED
+        self.ops.append(
+            OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source)
+        )
+        return result
+
+    def execute(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+    def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
+        handle = self.handles.get(tensor)
+        if handle is None:
+            return  # a tensor from outside the trace: its data is real
+        flag = Flag.DATA_READ if what in ("numpy()", "numpy.asarray()", "tolist()", "repr()") else Flag.VALUE_READ
+        self.tensors[handle].flags |= flag
+        self.host_reads.append(HostRead(len(self.ops), handle, what, user_location()))
+
+    def on_excluded_block(self) -> None:
+        self.excluded_blocks.append(ExcludedBlock(len(self.ops), user_location()))
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def _register_outputs(self, func: Any, result: Any, index: int, inputs: tuple[int, ...],
+                          tensors: list[torch.Tensor]) -> tuple[tuple, str, tuple]:
+        if isinstance(result, torch.Tensor):
+            kind, values = "tensor", [result]
+        elif isinstance(result, (tuple, list)) and all(v is None or isinstance(v, torch.Tensor) for v in result):
+            kind, values = ("tuple" if isinstance(result, tuple) else "list"), list(result)
+        elif result is None:
+            kind, values = "none", []
+        else:
+            kind, values = "value", []
+        base = None
+        if is_view_op(func) and inputs:
+            first = self.tensors[inputs[0]]
+            base = first.base if first.base is not None else first.handle
+        outputs, metas = [], []
+        for value in values:
+            if value is None:
+                outputs.append(None)
+                metas.append(None)
+                continue
+            handle = self.handles.get(value)
+            if handle is None:
+                handle = self._new_handle(value, Kind.INTERNAL, f"op #{index}", producer=index, base=base)
+            outputs.append(handle)
+            metas.append(TensorMeta.of(value))
+        return tuple(outputs), kind, tuple(metas)
+
+    def _check_const_writes(self, func: Any, written: list[torch.Tensor], index: int, source: Any) -> None:
+        for tensor in written:
+            handle = self.handles.get(tensor)
+            if handle is not None and self.tensors[handle].kind is Kind.CONST and not self.tensors[handle].literal:
+                raise RuntimeError(
+                    f"tracejit: op #{index} {func} at {source} writes into t{handle} "
+                    f"({self.tensors[handle].name}), which capture_as_const=True captured as a constant. "
+                    f"Constants cannot change inside the trace: trace training steps without "
+                    f"capture_as_const, or put the module in eval mode (BatchNorm updates its running "
+                    f"statistics in training mode)."
+                )
+
+    def output_spec(self, value: Any, path: str = "output") -> OutputSpec:
+        if value is None:
+            return OutputSpec("none")
+        if isinstance(value, torch.Tensor):
+            handle = self.handles.get(value)
+            if handle is None:
+                handle = self._new_handle(value, Kind.EXTERNAL, self.names.name_of(value) or path)
+            self.tensors[handle].flags |= Flag.RETURNED | Flag.ESCAPED
+            return OutputSpec("tensor", handle)
+        if isinstance(value, (tuple, list)):
+            children = tuple(self.output_spec(v, f"{path}[{i}]") for i, v in enumerate(value))
+            return OutputSpec("tuple" if isinstance(value, tuple) else "list", children=children)
+        if isinstance(value, dict):
+            keys = tuple(value)
+            children = tuple(self.output_spec(value[k], f"{path}[{k!r}]") for k in keys)
+            return OutputSpec("dict", keys=keys, children=children)
+        raise TypeError(
+            f"tracejit: {self.function_name}() returned {type(value).__name__} at {path}; a traced "
+            f"function returns a tensor, a tuple/list/dict of tensors, or None. Return tensors and "
+            f"convert them on the host after the call (e.g. loss.item())."
+        )
+
+    def finish(self, result: Any) -> Record:
+        output = self.output_spec(result)
+        record = Record(
+            function_name=self.function_name,
+            tensors=self.tensors,
+            ops=self.ops,
+            output=output,
+            host_reads=self.host_reads,
+            excluded_blocks=self.excluded_blocks,
+            constants=self.constants,
+            constant_versions=self.constant_versions,
+            arg_handles=self.arg_handles,
+            kwarg_handles=self.kwarg_handles,
+            rerecorded=self.rerecorded,
+        )
+        mark_escapes(record, self.handles)
+        return record
+
+
+def mark_escapes(record: Record, handles: HandleMap) -> None:
+    """Flag the internal tensors still alive after the call: they live on in Python state."""
+    created_state = False
+    for handle in handles.live():
+        info = record.tensors[handle] if handle < len(record.tensors) else None
+        if info is None or info.kind is not Kind.INTERNAL:
+            continue
+        info.flags |= Flag.ESCAPED
+        if not info.flags & Flag.RETURNED:
+            created_state = True
+    record.created_state = created_state
+
+
+def _first_handle_created_from(record: Record, position: int) -> int:
+    """The smallest handle first seen at or after op `position` (handles grow in order of appearance)."""
+    seen = set(record.arg_handles) | set(record.kwarg_handles.values())
+    for op in record.ops[:position]:
+        seen.update(op.inputs)
+        seen.update(h for h in op.outputs if h is not None)
+    limit = 0
+    while limit in seen:
+        limit += 1
+    return limit
+
+
+def _copy_info(info: TensorInfo) -> TensorInfo:
+    return TensorInfo(info.handle, info.kind, info.meta, info.name, info.producer, info.base,
+                      info.flags & ~(Flag.ESCAPED | Flag.RETURNED), info.literal)

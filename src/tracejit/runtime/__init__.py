@@ -1,0 +1,1 @@
+"""Running a record: programs, checked replay, mismatch messages."""

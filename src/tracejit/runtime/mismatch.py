@@ -1,0 +1,137 @@
+"""Messages of `TraceMismatchError`: what was recorded, where, and what came instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import TraceMismatchError
+from ..record.record import KwargStatic, OpRecord, Record, ScalarSlot, render_statics
+from ..record.source import SourceLocation
+
+
+def _recorded(record: Record, op: OpRecord) -> str:
+    return f"  recorded: {record.format_op(op)}\n            at {op.source}" + _code(op.source)
+
+
+def _code(source: SourceLocation) -> str:
+    code = source.code
+    return f": {code}" if code else ""
+
+
+def _header(record: Record, position: int, what: str) -> str:
+    return f"{record.function_name}() diverged from its trace at op #{position}: {what}\n"
+
+
+def _came(call: str, source: SourceLocation) -> str:
+    return f"\n  got:      {call}\n            at {source}" + _code(source)
+
+
+def _render_call(func: Any, statics: tuple, tensor_names: list[str], scalars: list) -> str:
+    return f"{func}({render_statics(statics, tensor_names, scalars)})"
+
+
+def different_op(record: Record, position: int, func: Any, statics: tuple, tensor_names: list[str],
+                 scalars: list, source: SourceLocation) -> TraceMismatchError:
+    op = record.ops[position]
+    return TraceMismatchError(
+        _header(record, position, f"a different op ran ({func} instead of {op.name})")
+        + _recorded(record, op)
+        + _came(_render_call(func, statics, tensor_names, scalars), source)
+    )
+
+
+def different_arguments(record: Record, position: int, statics: tuple, tensor_names: list[str],
+                        scalars: list, source: SourceLocation) -> TraceMismatchError:
+    op = record.ops[position]
+    detail = _first_difference(op.statics, statics)
+    return TraceMismatchError(
+        _header(record, position, f"{op.name} got different non-tensor arguments ({detail})")
+        + _recorded(record, op)
+        + _came(_render_call(op.op, statics, tensor_names, scalars), source)
+    )
+
+
+def _first_difference(recorded: tuple, got: tuple) -> str:
+    if len(recorded) != len(got):
+        return f"{len(got)} arguments instead of {len(recorded)}"
+    for i, (a, b) in enumerate(zip(recorded, got)):
+        if a != b:
+            name = a.name if isinstance(a, KwargStatic) else f"argument {i}"
+            va = a.value if isinstance(a, KwargStatic) else a
+            vb = b.value if isinstance(b, KwargStatic) else b
+            if isinstance(va, ScalarSlot) or isinstance(vb, ScalarSlot):
+                return f"{name}: a scalar of another type, {vb!r} instead of {va!r}"
+            return f"{name}: {_short(vb)} instead of {_short(va)}"
+    return "unknown difference"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def extra_op(record: Record, func: Any, statics: tuple, tensor_names: list[str], scalars: list,
+             source: SourceLocation) -> TraceMismatchError:
+    position = len(record.ops)
+    last = record.ops[-1] if record.ops else None
+    after = f"\n  the trace ended after {record.format_op(last)}\n            at {last.source}" if last else ""
+    return TraceMismatchError(
+        _header(record, position, f"more ops than recorded (the trace has {position})")
+        + after.lstrip("\n") + _came(_render_call(func, statics, tensor_names, scalars), source)
+    )
+
+
+def premature_end(record: Record, position: int, source: SourceLocation) -> TraceMismatchError:
+    op = record.ops[position]
+    return TraceMismatchError(
+        _header(record, position, f"premature end: the function returned after {position} of "
+                                  f"{len(record.ops)} recorded ops")
+        + "  next recorded: " + _recorded(record, op).lstrip()
+        + f"\n  got:      return at {source}"
+    )
+
+
+def wrong_input(record: Record, position: int, slot: int, expected: int, got: str, reason: str,
+                source: SourceLocation) -> TraceMismatchError:
+    op = record.ops[position]
+    return TraceMismatchError(
+        _header(record, position, f"tensor input {slot} of {op.name} {reason}")
+        + f"  expected: {record.describe_handle(expected)}\n  got:      {got}\n"
+        + _recorded(record, op) + f"\n  replayed at {source}" + _code(source)
+    )
+
+
+def const_violated(record: Record, position: int, handle: int, detail: str,
+                   source: SourceLocation) -> TraceMismatchError:
+    op = record.ops[position]
+    return TraceMismatchError(
+        _header(record, position, f"captured constant t{handle} ({record.tensors[handle].name}) {detail}")
+        + "  capture_as_const=True froze this tensor when the trace was recorded; a traced call must "
+          "see the same tensor object, unmodified (version counter unchanged).\n"
+        + _recorded(record, op) + f"\n  replayed at {source}" + _code(source)
+    )
+
+
+def output_mismatch(record: Record, detail: str, source: SourceLocation) -> TraceMismatchError:
+    return TraceMismatchError(
+        f"{record.function_name}() returned a different output than recorded: {detail}\n"
+        f"  recorded output: {record.output.describe()}\n  returned at {source}" + _code(source)
+    )
+
+
+def shape_changed(record: Record, position: int, got: list, source: SourceLocation) -> TraceMismatchError:
+    op = record.ops[position]
+    recorded = ", ".join(str(m) for m in op.out_metas)
+    got_text = ", ".join(str(m) for m in got)
+    return TraceMismatchError(
+        _header(record, position, f"{op.name} produced outputs of another shape (data-dependent shape)")
+        + f"  recorded outputs: {recorded}\n  got:              {got_text}\n" + _recorded(record, op)
+        + f"\n  replayed at {source}"
+    )
+
+
+def describe_tensor(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{tensor.device.type} {dtype}{list(tensor.shape)}"

@@ -1,0 +1,246 @@
+"""Checked replay: the function runs again, every op is matched with the record, the program computes.
+
+Each dispatched op is compared with the record at the current position (same op, same
+structural arguments, inputs wired to the same handles) and is not executed eagerly: the
+program's node for that position fires instead and its values are handed back to the host.
+
+Lazy state. A record whose call left new tensors in Python state (optimizer state created on
+the first `step()`, a first `.grad`) is *provisional*: the next call legitimately dispatches
+different ops (no `zeros_like`, state tensors now come from outside). If the first replay of
+such a record diverges, it re-records from the point of divergence (the matched prefix has
+already run and is kept), once. Any later divergence raises `TraceMismatchError`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ..record.calls import HOST_VALUE_OPS, has_dynamic_output_shape, is_ignored_op, split_call
+from ..record.handles import HandleMap
+from ..record.names import ExternalNames
+from ..record.record import Kind, Record, TensorMeta
+from ..record.recorder import Recorder
+from ..record.source import user_location
+from . import mismatch
+from .program import Program
+
+
+class Replayer:
+    """Handler of a checked replay; may turn itself into a recorder (see module docstring)."""
+
+    def __init__(self, program: Program, args: tuple, kwargs: dict, *, may_rerecord: bool,
+                 external_names: ExternalNames, capture_as_const: bool):
+        self.program = program
+        self.record: Record = program.record
+        self.position = 0
+        self.handles = HandleMap()
+        self.env = program.new_env()
+        self.scalars = list(program.initial_scalars)
+        self.may_rerecord = may_rerecord
+        self.names = external_names
+        self.capture_as_const = capture_as_const
+        self.recorder: Recorder | None = None  # set when the replay turned into a re-record
+        # Externals bound so far in this call, held weakly: an extra strong reference changes
+        # what autograd dispatches (AccumulateGrad steals a gradient only if nobody else holds it).
+        self.bound_externals: dict[int, weakref.ref] = {}
+        for handle, tensor in zip(self.record.arg_handles, args):
+            self.handles.set(tensor, handle)
+        for name, handle in self.record.kwarg_handles.items():
+            self.handles.set(kwargs[name], handle)
+
+    def _bind_external(self, tensor: torch.Tensor, handle: int) -> None:
+        self.handles.set(tensor, handle)
+        self.bound_externals[handle] = weakref.ref(tensor)
+
+    # -- handler protocol -----------------------------------------------------------------------
+
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.recorder is not None:
+            return self.recorder.on_op(func, args, kwargs)
+        if is_ignored_op(func):
+            return func(*args, **kwargs)
+        if func in HOST_VALUE_OPS:
+            self.on_host_read(args[0], str(func))
+            return func(*args, **kwargs)
+        record = self.record
+        position = self.position
+        tensors, statics, scalars = split_call(func, args, kwargs)
+        if position >= len(record.ops):
+            return self._diverge(func, args, kwargs, lambda: mismatch.extra_op(
+                record, func, statics, self._names(tensors), scalars, user_location()))
+        op = record.ops[position]
+        if func is not op.op:
+            return self._diverge(func, args, kwargs, lambda: mismatch.different_op(
+                record, position, func, statics, self._names(tensors), scalars, user_location()))
+        if statics != op.statics:
+            return self._diverge(func, args, kwargs, lambda: mismatch.different_arguments(
+                record, position, statics, self._names(tensors), scalars, user_location()))
+        error = self._check_inputs(tensors, op.inputs, position)
+        if error is not None:
+            return self._diverge(func, args, kwargs, error)
+        env = self.env
+        for tensor, handle in zip(tensors, op.inputs):
+            if env[handle] is None:
+                env[handle] = tensor
+        if scalars:
+            start = self.program.scalar_offsets[position]
+            self.scalars[start:start + len(scalars)] = scalars
+        result = self.program.fire(position, env, self.scalars)
+        self._map_outputs(op, result, position)
+        self.program.release_checked(position, env)
+        self.position = position + 1
+        return result
+
+    def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
+        if self.recorder is not None:
+            return self.recorder.on_host_read(tensor, what)
+        handle = self.handles.get(tensor)
+        if handle is not None:
+            self.program.materialize(self.env, handle)
+
+    def on_excluded_block(self) -> None:
+        if self.recorder is not None:
+            return self.recorder.on_excluded_block()
+        self.program.complete(self.env)
+
+    # -- matching -------------------------------------------------------------------------------
+
+    def _check_inputs(self, tensors: list[torch.Tensor], expected: tuple[int, ...], position: int):
+        """Return a factory of the mismatch error, or None when every input is wired as recorded."""
+        record = self.record
+        for slot, (tensor, handle) in enumerate(zip(tensors, expected)):
+            got = self.handles.get(tensor)
+            info = record.tensors[handle]
+            if got == handle:
+                continue
+            if got is not None:
+                reason = ("is an internal tensor where an external one was recorded"
+                          if info.kind in (Kind.EXTERNAL, Kind.CONST) and record.tensors[got].kind is Kind.INTERNAL
+                          else "comes from a different producer")
+                return self._input_error(position, slot, handle, record.describe_handle(got), reason)
+            if info.kind is Kind.INTERNAL:
+                return self._input_error(position, slot, handle, f"an external tensor, {_describe(tensor)}",
+                                         "is an external tensor where an internal one was recorded")
+            if info.kind in (Kind.ARG, Kind.KWARG):
+                return self._input_error(position, slot, handle, f"an external tensor, {_describe(tensor)}",
+                                         f"is not the {info.kind.value} {info.name} it was recorded as")
+            bound = self.bound_externals.get(handle)
+            if bound is not None and bound() is not tensor:
+                return self._input_error(position, slot, handle, f"another tensor, {_describe(tensor)}",
+                                         "is a different object than the one this external was bound to "
+                                         "earlier in the call")
+            if info.kind is Kind.CONST and not info.literal:
+                error = self._check_constant(tensor, handle, position)
+                if error is not None:
+                    return error
+            elif TensorMeta.of(tensor) != info.meta and not info.literal:
+                return self._input_error(position, slot, handle, _describe(tensor),
+                                         f"changed shape, stride, dtype or device (recorded {info.meta})")
+            self._bind_external(tensor, handle)
+        return None
+
+    def _check_constant(self, tensor: torch.Tensor, handle: int, position: int):
+        record = self.record
+        captured = record.constants[handle]
+        if tensor is not captured:
+            detail = f"is a different tensor object now ({_describe(tensor)})"
+        elif tensor._version != record.constant_versions[handle]:
+            detail = (f"was modified in place since it was captured (version "
+                      f"{record.constant_versions[handle]} -> {tensor._version})")
+        else:
+            return None
+        return lambda: mismatch.const_violated(record, position, handle, detail, user_location())
+
+    def _input_error(self, position: int, slot: int, handle: int, got: str, reason: str):
+        return lambda: mismatch.wrong_input(self.record, position, slot, handle, got, reason, user_location())
+
+    def _map_outputs(self, op, result: Any, position: int) -> None:
+        if op.out_kind == "tensor":
+            self.handles.set(result, op.outputs[0])
+            values = (result,)
+        elif op.out_kind in ("tuple", "list"):
+            values = result
+            for handle, value in zip(op.outputs, result):
+                if handle is not None:
+                    self.handles.set(value, handle)
+        else:
+            return
+        if has_dynamic_output_shape(op.op):
+            metas = [None if v is None else TensorMeta.of(v) for v in values]
+            if tuple(metas) != op.out_metas:
+                raise mismatch.shape_changed(self.record, position, metas, user_location())
+
+    def _names(self, tensors: list[torch.Tensor]) -> list[str]:
+        names = []
+        for tensor in tensors:
+            handle = self.handles.get(tensor)
+            names.append(f"t{handle}" if handle is not None else f"<external {_describe(tensor)}>")
+        return names
+
+    # -- divergence -----------------------------------------------------------------------------
+
+    def _diverge(self, func: Any, args: tuple, kwargs: dict, error_factory) -> Any:
+        if not self.may_rerecord:
+            raise error_factory()
+        self._start_rerecord()
+        return self.recorder.on_op(func, args, kwargs)
+
+    def _start_rerecord(self) -> None:
+        self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
+                                        self.capture_as_const)
+
+    def finish(self, result: Any) -> Record | None:
+        """Check the end of the call; return a new record if the call re-recorded."""
+        if self.recorder is None and self.position < len(self.record.ops):
+            if not self.may_rerecord:
+                raise mismatch.premature_end(self.record, self.position, user_location())
+            self._start_rerecord()
+        if self.recorder is not None:
+            return self.recorder.finish(result)
+        error = self._check_output(self.record.output, result, "output")
+        if error is not None:
+            if not self.may_rerecord:
+                raise mismatch.output_mismatch(self.record, error, user_location())
+            self._start_rerecord()
+            return self.recorder.finish(result)
+        self.program.complete(self.env)
+        return None
+
+    def _check_output(self, spec, value: Any, path: str) -> str | None:
+        if spec.kind == "tensor":
+            if not isinstance(value, torch.Tensor):
+                return f"{path} is {type(value).__name__}, recorded a tensor (t{spec.handle})"
+            got = self.handles.get(value)
+            if got == spec.handle:
+                return None
+            info = self.record.tensors[spec.handle]
+            if got is None and info.kind is Kind.EXTERNAL:
+                self._bind_external(value, spec.handle)
+                return None
+            now = self.record.describe_handle(got) if got is not None else f"an untraced tensor {_describe(value)}"
+            return f"{path} is {now}, not the recorded {self.record.describe_handle(spec.handle)}"
+        if spec.kind == "none":
+            return None if value is None else f"{path} is {type(value).__name__}, recorded None"
+        expected_type = {"tuple": tuple, "list": list, "dict": dict}[spec.kind]
+        if not isinstance(value, expected_type):
+            return f"{path} is {type(value).__name__}, recorded a {spec.kind}"
+        if spec.kind == "dict":
+            if tuple(value) != spec.keys:
+                return f"{path} has keys {list(value)}, recorded {list(spec.keys)}"
+            items = [(f"{path}[{k!r}]", value[k]) for k in spec.keys]
+        else:
+            if len(value) != len(spec.children):
+                return f"{path} has {len(value)} elements, recorded {len(spec.children)}"
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        for child, (child_path, child_value) in zip(spec.children, items):
+            error = self._check_output(child, child_value, child_path)
+            if error is not None:
+                return error
+        return None
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return mismatch.describe_tensor(tensor)

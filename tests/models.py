@@ -1,0 +1,125 @@
+"""Small real models and training steps shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(64, 128, 128, 10)):
+        super().__init__()
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.drop = nn.Dropout(0.25)
+        self.fc = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc(self.drop(x.flatten(1)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim=32, heads=4, hidden=64, classes=10):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
+        y = (self.drop(att) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return self.head(x.mean(dim=1))
+
+
+def batch(kind: str, step: int, batch_size: int = 8):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        x = torch.randn(batch_size, 64, generator=g)
+    elif kind == "cnn":
+        x = torch.randn(batch_size, 3, 16, 16, generator=g)
+    else:
+        x = torch.randn(batch_size, 6, 32, generator=g)
+    y = torch.randint(0, 10, (batch_size,), generator=g)
+    return x, y
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return {"mlp": MLP, "cnn": CNN, "transformer": TransformerBlock}[kind]()
+
+
+def make_optimizer(name: str, params, lr: float = 1e-2):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    family, _, variant = name.partition("_")
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[family]
+    options = {"": {}, "foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}[variant]
+    return cls(params, lr=lr, **options)
+
+
+def train_step(x, y, *, model, opt):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def twin(model: nn.Module, opt_name: str, lr: float = 1e-2):
+    """Two identical (model, optimizer) pairs: one for eager, one for the traced run."""
+    a = model
+    b = copy.deepcopy(model)
+    return (a, make_optimizer(opt_name, a.parameters(), lr)), (b, make_optimizer(opt_name, b.parameters(), lr))
+
+
+def assert_same_state(model_a, opt_a, model_b, opt_b, exact=True, atol=1e-6):
+    check = (lambda a, b: torch.equal(a, b)) if exact else (lambda a, b: torch.allclose(a, b, atol=atol, rtol=1e-5))
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+        assert check(a, b), f"{name} differs: max |diff| {(a.double() - b.double()).abs().max().item()}"
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert (pa.grad is None) == (pb.grad is None)
+        if pa.grad is not None:
+            assert check(pa.grad, pb.grad)
+    state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        for field, value in state_a[key].items():
+            other = state_b[key][field]
+            if isinstance(value, torch.Tensor):
+                assert check(value, other), f"optimizer state {key}.{field} differs"
+            else:
+                assert value == other

@@ -1,0 +1,150 @@
+"""Host reads inside a traced function, and exclude_from_trace."""
+
+import numpy as np
+import pytest
+import torch
+
+import tracejit
+
+
+def test_numpy_in_the_middle_sees_the_right_numbers_every_call():
+    seen = []
+
+    @tracejit.trace
+    def f(x):
+        y = x * 2
+        seen.append(y.numpy().copy())
+        return y + 1
+
+    for i in range(4):
+        x = torch.full((3,), float(i))
+        out = f(x)
+        np.testing.assert_array_equal(seen[-1], np.full(3, 2.0 * i, dtype=np.float32))
+        assert torch.equal(out, x * 2 + 1)
+    record = f.records[0]
+    assert [r.what for r in record.host_reads] == ["numpy()"]
+    assert len(record.ops) == 2  # the read itself is not an op of the program
+
+
+@pytest.mark.parametrize("read", ["item", "tolist", "bool", "float", "int", "repr", "format", "asarray"])
+def test_host_reads_of_every_kind(read):
+    seen = []
+
+    @tracejit.trace
+    def f(x):
+        y = x.sum()
+        value = {
+            "item": lambda: y.item(),
+            "tolist": lambda: y.tolist(),
+            "bool": lambda: bool(y > 0),
+            "float": lambda: float(y),
+            "int": lambda: int(y),
+            "repr": lambda: repr(y),
+            "format": lambda: f"{y:.3f}",
+            "asarray": lambda: float(np.asarray(y)),
+        }[read]()
+        seen.append(value)
+        return y * 2
+
+    for i in range(3):
+        x = torch.arange(4.0) + i
+        assert torch.equal(f(x), x.sum() * 2)
+    fresh = [x for x in seen]
+    assert fresh[0] != fresh[1] or read == "bool"
+    assert len(f.records[0].host_reads) >= 1
+
+
+def test_data_dependent_python_branch_is_caught():
+    @tracejit.trace
+    def f(x):
+        s = x.sum()
+        return x * 2 if s.item() > 0 else x - 2
+
+    f(torch.ones(3))
+    with pytest.raises(tracejit.TraceMismatchError, match="aten.sub.Tensor instead of aten.mul.Tensor"):
+        f(-torch.ones(3))
+
+
+def test_print_every_n_calls_is_not_a_mismatch(capsys):
+    @tracejit.trace
+    def f(x, *, step):
+        loss = (x * x).sum()
+        if step % 2 == 0:
+            print(f"loss {loss.item():.2f}")
+        return loss
+
+    for step in range(5):
+        x = torch.full((2,), float(step))
+        assert f(x, step=step).item() == 2 * step * step
+    assert capsys.readouterr().out.split("\n")[:3] == ["loss 0.00", "loss 8.00", "loss 32.00"]
+
+
+def test_exclude_from_trace_seed_example():
+    # The MegEngine guide's example: outputs 3, 2, 3 for i = 0, 1, 2.
+    i = 0
+
+    @tracejit.trace
+    def f(x):
+        x += 1
+        with tracejit.exclude_from_trace():
+            if i % 2 == 0:
+                x += 1
+        return x
+
+    outputs = []
+    for i in range(3):  # noqa: B007 - f reads the global i
+        x = torch.tensor([1])
+        outputs.append(f(x).item())
+    assert outputs == [3, 2, 3]
+    assert len(f.records[0].ops) == 1
+    assert len(f.records[0].excluded_blocks) == 1
+
+
+def test_exclude_block_reads_traced_values_and_feeds_new_tensors_back():
+    log = []
+
+    @tracejit.trace
+    def f(x):
+        y = x.exp()
+        with tracejit.exclude_from_trace():
+            assert not tracejit.is_tracing()
+            log.append(y.sum().item())
+            bias = torch.full_like(y, len(log))  # created outside the trace
+        return y + bias
+
+    for i in range(3):
+        x = torch.full((2,), float(i))
+        out = f(x)
+        assert torch.equal(out, x.exp() + (i + 1))
+        assert log[-1] == pytest.approx(2 * np.exp(i))
+
+
+def test_exclude_from_trace_outside_a_trace_is_a_no_op():
+    with tracejit.exclude_from_trace():
+        assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
+
+
+def test_exclude_from_trace_refused_under_capture_as_const():
+    @tracejit.trace(capture_as_const=True)
+    def f(x):
+        with tracejit.exclude_from_trace():
+            pass
+        return x * 2
+
+    with pytest.raises(RuntimeError, match="exclude_from_trace\\(\\) inside f\\(\\), which is traced with capture_as_const=True"):
+        f(torch.randn(2))
+
+
+def test_is_tracing():
+    states = []
+
+    @tracejit.trace
+    def f(x):
+        states.append(tracejit.is_tracing())
+        return x + 1
+
+    assert not tracejit.is_tracing()
+    f(torch.randn(2))
+    f(torch.randn(2))
+    assert states == [True, True]
+    assert not tracejit.is_tracing()

@@ -1,0 +1,232 @@
+"""Exceptions, nesting, in-place updates, randomness and the signature cache."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tracejit
+
+
+def test_exception_while_recording_records_again_next_call():
+    fail = {"on": True}
+
+    @tracejit.trace
+    def f(x):
+        y = x * 2
+        if fail["on"]:
+            raise ValueError("boom")
+        return y + 1
+
+    x = torch.randn(3)
+    with pytest.raises(ValueError, match="boom"):
+        f(x)
+    assert f.records == []
+    assert not tracejit.is_tracing()
+    fail["on"] = False
+    assert torch.equal(f(x), x * 2 + 1)
+    assert torch.equal(f(x), x * 2 + 1)
+    assert len(f.records) == 1
+
+
+def test_exception_while_replaying_leaves_the_trace_clean():
+    fail = {"on": False}
+
+    @tracejit.trace
+    def f(x):
+        y = x * 2
+        if fail["on"]:
+            raise KeyError("replay boom")
+        return y + 1
+
+    x = torch.randn(3)
+    f(x)
+    fail["on"] = True
+    with pytest.raises(KeyError):
+        f(x)
+    fail["on"] = False
+    for _ in range(2):
+        assert torch.equal(f(x), x * 2 + 1)
+    # eager code outside works after the failure: no mode left on the stack
+    assert torch.equal(torch.ones(2) * 3, torch.full((2,), 3.0))
+
+
+def test_nested_traces_raise_a_clear_error():
+    @tracejit.trace
+    def inner(x):
+        return x + 1
+
+    @tracejit.trace
+    def outer(x):
+        return inner(x) * 2
+
+    with pytest.raises(RuntimeError, match=r"inner\(\) was called while outer\(\) is being traced"):
+        outer(torch.randn(2))
+    # and it does not poison either function
+    x = torch.randn(2)
+    assert torch.equal(inner(x), x + 1)
+
+
+def test_traced_call_inside_exclude_block_is_allowed():
+    @tracejit.trace
+    def inner(x):
+        return x + 1
+
+    @tracejit.trace
+    def outer(x):
+        y = x * 2
+        with tracejit.exclude_from_trace():
+            z = inner(y)
+        return y + z
+
+    for _ in range(3):
+        x = torch.randn(2)
+        assert torch.equal(outer(x), x * 2 + (x * 2 + 1))
+
+
+def test_in_place_on_inputs():
+    @tracejit.trace
+    def f(x, y):
+        x.mul_(2)
+        y[1:].add_(x[1:])
+        return x.sum() + y.sum()
+
+    for i in range(4):
+        x, y = torch.randn(5), torch.randn(5)
+        xe, ye = x.clone(), y.clone()
+        out = f(x, y)
+        xe.mul_(2)
+        ye[1:].add_(xe[1:])
+        assert torch.equal(x, xe) and torch.equal(y, ye)
+        assert torch.equal(out, xe.sum() + ye.sum())
+
+
+def test_in_place_on_views_of_externals():
+    table = torch.zeros(4, 3)
+    counter = torch.zeros(())
+
+    @tracejit.trace
+    def f(x):
+        table[1].add_(x)        # a view of an external, written in place
+        table[:, 2].mul_(0.5)
+        counter.add_(1)
+        return table.sum(0)
+
+    expected_table = torch.zeros(4, 3)
+    for i in range(4):
+        x = torch.full((3,), float(i + 1))
+        out = f(x)
+        expected_table[1].add_(x)
+        expected_table[:, 2].mul_(0.5)
+        assert torch.equal(table, expected_table)
+        assert torch.equal(out, expected_table.sum(0))
+    assert counter.item() == 4
+
+
+def test_batchnorm_running_stats_updated_in_place():
+    bn_a, bn_b = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+
+    @tracejit.trace
+    def f(x, *, bn):
+        return bn(x)
+
+    for i in range(4):
+        x = torch.randn(8, 4) * (i + 1)
+        assert torch.equal(bn_a(x), f(x, bn=bn_b))
+    assert torch.equal(bn_a.running_mean, bn_b.running_mean)
+    assert torch.equal(bn_a.running_var, bn_b.running_var)
+    assert bn_b.num_batches_tracked.item() == 4
+
+
+def test_random_ops_draw_fresh_numbers_and_match_eager_bitwise():
+    def f(x):
+        return torch.nn.functional.dropout(x, 0.5) + torch.rand_like(x) + torch.randn(x.shape)
+
+    traced = tracejit.trace(f)
+    x = torch.ones(64)
+    outs = []
+    for i in range(4):
+        torch.manual_seed(i)
+        expected = f(x)
+        torch.manual_seed(i)
+        got = traced(x)
+        assert torch.equal(got, expected)
+        outs.append(got)
+    assert not torch.equal(outs[1], outs[2])
+
+
+def test_new_signature_records_a_new_trace():
+    @tracejit.trace
+    def f(x):
+        return x.sum(0) * 2
+
+    for shape in [(2, 3), (4, 3), (2, 3), (4, 3)]:
+        x = torch.randn(*shape)
+        assert torch.equal(f(x), x.sum(0) * 2)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    assert torch.equal(f(x), x.sum(0) * 2)
+    x = torch.randn(2, 3, requires_grad=True)
+    assert torch.equal(f(x), x.sum(0) * 2)
+    x = torch.randn(3, 2).t()  # same shape, other strides
+    assert torch.equal(f(x), x.sum(0) * 2)
+    assert len(f.records) == 5
+
+
+def test_max_traces_bound_lists_the_signatures():
+    @tracejit.trace(max_traces=2)
+    def f(x):
+        return x + 1
+
+    f(torch.randn(1))
+    f(torch.randn(2))
+    with pytest.raises(tracejit.TraceCacheFullError) as info:
+        f(torch.randn(3))
+    message = str(info.value)
+    assert "max_traces=2" in message
+    assert "new: (x: cpu float32[3])" in message
+    assert "(x: cpu float32[1])" in message and "(x: cpu float32[2])" in message
+    assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))  # existing traces still work
+
+
+def test_returning_an_external_and_an_input():
+    w = torch.randn(3)
+
+    @tracejit.trace
+    def f(x):
+        return x, w, x * w
+
+    for _ in range(3):
+        x = torch.randn(3)
+        a, b, c = f(x)
+        assert a is x and b is w and torch.equal(c, x * w)
+
+
+def test_returning_a_python_number_is_a_type_error():
+    @tracejit.trace
+    def f(x):
+        return x.sum().item()
+
+    with pytest.raises(TypeError, match="returned float at output"):
+        f(torch.randn(3))
+
+
+def test_tensor_literals_inside_the_function_follow_python_data():
+    offsets = {"v": 1.0}
+
+    @tracejit.trace
+    def f(x):
+        return x + torch.tensor([offsets["v"], 2.0])
+
+    for v in (1.0, 5.0, -3.0):
+        offsets["v"] = v
+        x = torch.zeros(2)
+        assert torch.equal(f(x), torch.tensor([v, 2.0]))
+
+
+def test_data_dependent_shape_change_is_caught():
+    @tracejit.trace
+    def f(x):
+        return x[x > 0].sum()
+
+    f(torch.tensor([1.0, -1.0, 2.0]))
+    with pytest.raises(tracejit.TraceMismatchError, match="data-dependent shape"):
+        f(torch.tensor([1.0, 1.0, 2.0]))
