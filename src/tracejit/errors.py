@@ -7,3 +7,7 @@ class TraceMismatchError(RuntimeError):
 
 class TraceCacheFullError(RuntimeError):
     """A call needed a new trace but `max_traces` traces already exist."""
+
+
+class HostDependencyError(RuntimeError):
+    """without_host=True cannot skip a function whose trace depends on values only the host computes."""

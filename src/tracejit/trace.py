@@ -5,18 +5,22 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import TraceCacheFullError, TraceMismatchError
+from .errors import HostDependencyError, TraceCacheFullError, TraceMismatchError
 from .options import TraceOptions
 from .record.modes import CallContext, traced_call
 from .record.names import ExternalNames
 from .record.record import Record
 from .record.recorder import Recorder
-from .runtime.program import Program, build_program
+from .ir import build_graph
+from .passes import run_pipeline
+from .record.handles import HandleMap
+from .runtime.hostfree import GuardFailure, HostFreeRunner
+from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.replay import Replayer
 from .signature import describe_signature, signature
 
@@ -27,8 +31,17 @@ class TraceEntry:
 
     key: tuple
     record: Record
-    program: Program
+    program: CheckedProgram
     replays: int = 0
+    host_free: HostFreeRunner | None = None  # without_host: the program run without the function
+    host_free_error: Exception | None = None  # why this trace cannot run without its function
+    host_free_calls: int = 0
+    history: list = field(default_factory=list)  # (pass, graph, seconds) of the host-free pipeline
+
+    @property
+    def provisional(self) -> bool:
+        """Its first replay may still re-record (the recorded call created Python-side state)."""
+        return self.record.created_state and not self.record.rerecorded and self.replays == 0
 
 
 class trace:
@@ -75,6 +88,17 @@ class trace:
         entry = self._traces.get(key)
         if entry is None:
             return self._record(key, args, kwargs)
+        if self.options.without_host:
+            if entry.host_free_error is not None:
+                raise entry.host_free_error
+            if entry.host_free is not None and entry.host_free.prologue is not None:
+                entry.host_free_calls += 1
+                every = self.options.verify_every
+                if not (every and entry.host_free_calls % every == 0):
+                    try:
+                        return entry.host_free(args, kwargs)
+                    except GuardFailure:
+                        pass  # the world changed under the trace: run the function, which rebinds
         return self._replay(entry, args, kwargs)
 
     def _check_arguments(self, args: tuple, kwargs: dict) -> None:
@@ -112,7 +136,8 @@ class trace:
         with traced_call(CallContext(self, recorder, self.options.capture_as_const)):
             result = self._function(*args, **kwargs)
         record = recorder.finish(result)
-        self._traces[key] = TraceEntry(key, record, self._compile(record))
+        entry = self._traces[key] = TraceEntry(key, record, self._compile(record))
+        self._prepare_host_free(entry, recorder.handles, recorder.names, kwargs)
         return result
 
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
@@ -127,13 +152,32 @@ class trace:
             result = self._function(*args, **kwargs)
         new_record = replayer.finish(result)
         if new_record is not None:
-            self._traces[entry.key] = TraceEntry(entry.key, new_record, self._compile(new_record))
+            entry = self._traces[entry.key] = TraceEntry(entry.key, new_record, self._compile(new_record))
+            self._prepare_host_free(entry, replayer.recorder.handles, replayer.names, kwargs)
         else:
             entry.replays += 1
+            self._prepare_host_free(entry, replayer.handles, replayer.names, kwargs)
         return result
 
-    def _compile(self, record: Record) -> Program:
-        return build_program(record)
+    def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, kwargs: dict) -> None:
+        """After a call that ran the function: (re)bind the program that runs without it."""
+        if not self.options.without_host or entry.provisional:
+            return
+        try:
+            if entry.host_free is None:
+                graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
+                pipeline = run_pipeline(graph, self.options.opt_level)
+                entry.history = pipeline.history
+                entry.host_free = HostFreeRunner(entry.record, HostFreeProgram(pipeline.graph), self._function)
+            entry.host_free.bind(handles.live(), kwargs, names)
+        except HostDependencyError as error:
+            entry.host_free_error = error
+        except GuardFailure:
+            entry.host_free.prologue = None  # some external is gone: the next call runs the function
+
+    def _compile(self, record: Record) -> CheckedProgram:
+        graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)
+        return CheckedProgram(record, graph)
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -141,6 +185,22 @@ class trace:
     def records(self) -> list[Record]:
         """The current record of every input signature, oldest first."""
         return [entry.record for entry in self._traces.values()]
+
+    @property
+    def history(self) -> list:
+        """(pass name, graph after it, seconds) for the most recent host-free compilation."""
+        for entry in reversed(list(self._traces.values())):
+            if entry.history:
+                return entry.history
+        return []
+
+    def program_source(self) -> str:
+        """The generated Python of the most recent without_host program."""
+        for entry in reversed(list(self._traces.values())):
+            if entry.host_free is not None:
+                return entry.host_free.program.source
+        raise RuntimeError(f"{self.__name__}() has no host-free program yet: trace with without_host=True "
+                           f"and call it at least twice")
 
     def listing(self) -> str:
         """The records as numbered op listings with source lines."""

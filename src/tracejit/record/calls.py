@@ -112,6 +112,26 @@ def _fill(value: Any, tensors: Iterator, scalars: Iterator) -> Any:
     return value
 
 
+def scalar_slot_names(op: Any, statics: tuple) -> list[str]:
+    """Schema argument name of each dynamic scalar slot in `statics`, in slot order."""
+    arguments = op._schema.arguments if isinstance(op, torch._ops.OpOverload) else []
+    names: list[str] = []
+    for index, item in enumerate(statics):
+        if isinstance(item, KwargStatic):
+            _slot_names(item.value, item.name, names)
+        else:
+            _slot_names(item, arguments[index].name if index < len(arguments) else f"arg{index}", names)
+    return names
+
+
+def _slot_names(value: Any, name: str, names: list[str]) -> None:
+    if isinstance(value, ScalarSlot):
+        names.append(name)
+    elif isinstance(value, tuple):
+        for item in value:
+            _slot_names(item, name, names)
+
+
 def mutated_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors among `op`'s arguments that it writes into (per its schema)."""
     if not isinstance(op, torch._ops.OpOverload):

@@ -15,6 +15,11 @@ class HandleMap:
     def __init__(self) -> None:
         self._entries: dict[int, tuple[int, weakref.ref]] = {}
 
+    @property
+    def table(self) -> dict[int, tuple[int, weakref.ref]]:
+        """The raw id -> (handle, weak reference) table, for generated code on the hot path."""
+        return self._entries
+
     def get(self, tensor: torch.Tensor) -> int | None:
         entry = self._entries.get(id(tensor))
         if entry is not None and entry[1]() is tensor:
@@ -35,7 +40,8 @@ class HandleMap:
 
     def drop_from(self, limit: int) -> None:
         """Forget every binding to a handle >= limit."""
-        self._entries = {k: v for k, v in self._entries.items() if v[0] < limit}
+        for key in [k for k, v in self._entries.items() if v[0] >= limit]:
+            del self._entries[key]  # in place: generated code holds the table itself
 
     def copy(self) -> HandleMap:
         other = HandleMap()

@@ -1,59 +1,99 @@
-"""Readable names for external tensors ("model.fc1.weight", "opt.state[fc1.weight].exp_avg").
+"""Where external tensors live: readable names and locators.
 
-Names only make messages and listings clearer; nothing depends on finding one.
+A *locator* is the chain of lookups that leads from a root the traced function can see (a
+keyword argument, a global, a closure cell) to a tensor: `kwargs["model"]._modules["fc1"]
+._parameters["weight"]`, or `kwargs["opt"].state[<param>]["exp_avg"]`. Names make messages and
+listings clear; locators let `without_host` check, without running the function, that the
+function would still reach the same tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class Locator:
+    root: tuple[str, Any]  # ("kwarg", name) | ("global", name) | ("cell", index)
+    steps: tuple[tuple[str, Any], ...]  # ("module", child) | ("param", name) | ("buffer", name)
+    state_of: Locator | None = None  # optimizer state: the parameter whose state dict holds it
+    state_key: str | None = None
+
+    def describe(self) -> str:
+        kind, name = self.root
+        text = {"kwarg": f"kwargs[{name!r}]", "global": f"globals()[{name!r}]", "cell": f"closure[{name}]"}[kind]
+        if self.state_of is not None:
+            return f"{text}.state[{self.state_of.describe()}][{self.state_key!r}]"
+        for step, key in self.steps:
+            text += {"module": f"._modules[{key!r}]", "param": f"._parameters[{key!r}]",
+                     "buffer": f"._buffers[{key!r}]"}[step]
+        return text
 
 
 class ExternalNames:
     def __init__(self, function: Callable, kwargs: dict):
         self._function = function
         self._kwargs = kwargs
-        self._names: dict[int, str] | None = None
+        self._found: dict[int, tuple[str, Locator | None]] | None = None
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
-        if self._names is None:
-            self._names = self._collect()
-        return self._names.get(id(tensor))
+        entry = self._lookup().get(id(tensor))
+        return entry[0] if entry else None
 
-    def _roots(self) -> list[tuple[str, Any]]:
-        roots = list(self._kwargs.items())
+    def locator_of(self, tensor: torch.Tensor) -> Locator | None:
+        entry = self._lookup().get(id(tensor))
+        return entry[1] if entry else None
+
+    def _lookup(self) -> dict[int, tuple[str, Locator | None]]:
+        if self._found is None:
+            self._found = self._collect()
+        return self._found
+
+    def _roots(self) -> list[tuple[str, tuple[str, Any], Any]]:
+        roots = [(name, ("kwarg", name), value) for name, value in self._kwargs.items()]
         code = getattr(self._function, "__code__", None)
         if code is not None:
             globals_ = getattr(self._function, "__globals__", {})
-            roots += [(n, globals_[n]) for n in code.co_names if n in globals_]
+            roots += [(n, ("global", n), globals_[n]) for n in code.co_names if n in globals_]
             closure = getattr(self._function, "__closure__", None) or ()
-            for name, cell in zip(code.co_freevars, closure):
+            for index, (name, cell) in enumerate(zip(code.co_freevars, closure)):
                 try:
-                    roots.append((name, cell.cell_contents))
+                    roots.append((name, ("cell", index), cell.cell_contents))
                 except ValueError:  # empty cell
                     pass
         return roots
 
-    def _collect(self) -> dict[int, str]:
-        names: dict[int, str] = {}
-        param_names: dict[int, str] = {}
+    def _collect(self) -> dict[int, tuple[str, Locator | None]]:
+        found: dict[int, tuple[str, Locator | None]] = {}
         roots = self._roots()
-        for root, value in roots:
+        for name, root, value in roots:
             if isinstance(value, torch.nn.Module):
-                for name, tensor in value.named_parameters():
-                    names.setdefault(id(tensor), f"{root}.{name}")
-                    param_names.setdefault(id(tensor), f"{root}.{name}")
-                for name, tensor in value.named_buffers():
-                    names.setdefault(id(tensor), f"{root}.{name}")
+                _walk_module(value, name, Locator(root, ()), found)
             elif isinstance(value, torch.Tensor):
-                names.setdefault(id(value), root)
-        for root, value in roots:
+                found.setdefault(id(value), (name, Locator(root, ())))
+        for name, root, value in roots:
             if isinstance(value, torch.optim.Optimizer):
                 for param, state in value.state.items():
-                    owner = param_names.get(id(param), "param")
+                    owner_name, owner_locator = found.get(id(param), ("param", None))
                     for key, tensor in state.items():
                         if isinstance(tensor, torch.Tensor):
-                            names.setdefault(id(tensor), f"{root}.state[{owner}].{key}")
-        return names
+                            locator = Locator(root, (), owner_locator, key) if owner_locator else None
+                            found.setdefault(id(tensor), (f"{name}.state[{owner_name}].{key}", locator))
+        return found
+
+
+def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: dict) -> None:
+    for name, param in module._parameters.items():
+        if param is not None:
+            found.setdefault(id(param), (f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("param", name)))))
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            found.setdefault(id(buffer), (f"{prefix}.{name}",
+                                          Locator(locator.root, (*locator.steps, ("buffer", name)))))
+    for name, child in module._modules.items():
+        if child is not None:
+            _walk_module(child, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("module", name))), found)

@@ -85,6 +85,7 @@ class OpRecord:
     out_metas: tuple[TensorMeta | None, ...]
     mutated: tuple[int, ...]  # handles written in place
     source: SourceLocation
+    regions: tuple[str, ...] = ()  # enclosing profiler ranges, e.g. "Optimizer.step#Adam.step"
 
     @property
     def name(self) -> str:

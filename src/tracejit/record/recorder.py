@@ -15,6 +15,7 @@ from .calls import (
 )
 from .handles import HandleMap
 from .names import ExternalNames
+from .regions import RegionTracker
 from .record import (
     ExcludedBlock,
     Flag,
@@ -54,6 +55,7 @@ class Recorder:
         self.arg_handles: tuple[int, ...] = ()
         self.kwarg_handles: dict[str, int] = {}
         self.rerecorded = False
+        self.regions = RegionTracker()
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -69,7 +71,7 @@ class Recorder:
 
     @classmethod
     def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
-               capture_as_const: bool) -> Recorder:
+               capture_as_const: bool, regions: RegionTracker) -> Recorder:
         """Continue `record` from op `position`, with the handles a replay bound so far."""
         recorder = cls(record.function_name, capture_as_const=capture_as_const, external_names=external_names)
         first_dropped = _first_handle_created_from(record, position)
@@ -84,6 +86,7 @@ class Recorder:
         recorder.arg_handles = record.arg_handles
         recorder.kwarg_handles = dict(record.kwarg_handles)
         recorder.rerecorded = True
+        recorder.regions = regions
         return recorder
 
     def _new_handle(self, tensor: torch.Tensor, kind: Kind, name: str, producer: int | None = None,
@@ -112,7 +115,7 @@ class Recorder:
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if is_ignored_op(func):
-            return func(*args, **kwargs)
+            return self.regions.run(func, args, kwargs)
         if func in HOST_VALUE_OPS:
             self.on_host_read(args[0], str(func))
             return func(*args, **kwargs)
@@ -128,7 +131,8 @@ class Recorder:
         for handle in mutated:
             self.tensors[handle].flags |= Flag.MUTATED
         self.ops.append(
-            OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source)
+            OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source,
+                     self.regions.current())
         )
         return result
 

@@ -23,15 +23,17 @@ from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
 from ..record.recorder import Recorder
+from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
-from .program import Program
+from .fastpath import MISS
+from .program import CheckedProgram
 
 
 class Replayer:
     """Handler of a checked replay; may turn itself into a recorder (see module docstring)."""
 
-    def __init__(self, program: Program, args: tuple, kwargs: dict, *, may_rerecord: bool,
+    def __init__(self, program: CheckedProgram, args: tuple, kwargs: dict, *, may_rerecord: bool,
                  external_names: ExternalNames, capture_as_const: bool):
         self.program = program
         self.record: Record = program.record
@@ -43,6 +45,11 @@ class Replayer:
         self.names = external_names
         self.capture_as_const = capture_as_const
         self.recorder: Recorder | None = None  # set when the replay turned into a re-record
+        self.regions = RegionTracker()
+        self._ops = self.record.ops
+        self._length = len(self._ops)
+        self._steps = program.steps
+        self._table = self.handles.table
         # Externals bound so far in this call, held weakly: an extra strong reference changes
         # what autograd dispatches (AccumulateGrad steals a gradient only if nobody else holds it).
         self.bound_externals: dict[int, weakref.ref] = {}
@@ -58,10 +65,23 @@ class Replayer:
     # -- handler protocol -----------------------------------------------------------------------
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if self.recorder is not None:
-            return self.recorder.on_op(func, args, kwargs)
+        if self.recorder is None:
+            position = self.position
+            if position < self._length and func is self._ops[position].op:
+                step = self._steps[position]
+                if step is not None:
+                    result = step(args, kwargs, self._table, self._bind_first_seen)
+                    if result is not MISS:
+                        self.position = position + 1
+                        return result
+            return self._on_op_generic(func, args, kwargs)
+        return self.recorder.on_op(func, args, kwargs)
+
+    def _on_op_generic(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Everything the generated step does not handle: ignored ops, host reads, first-seen
+        externals, and the precise analysis of a divergence."""
         if is_ignored_op(func):
-            return func(*args, **kwargs)
+            return self.regions.run(func, args, kwargs)
         if func in HOST_VALUE_OPS:
             self.on_host_read(args[0], str(func))
             return func(*args, **kwargs)
@@ -81,16 +101,11 @@ class Replayer:
         error = self._check_inputs(tensors, op.inputs, position)
         if error is not None:
             return self._diverge(func, args, kwargs, error)
-        env = self.env
-        for tensor, handle in zip(tensors, op.inputs):
-            if env[handle] is None:
-                env[handle] = tensor
         if scalars:
             start = self.program.scalar_offsets[position]
             self.scalars[start:start + len(scalars)] = scalars
-        result = self.program.fire(position, env, self.scalars)
+        result = self.program.execute(position, args, kwargs, self.env, self.scalars)
         self._map_outputs(op, result, position)
-        self.program.release_checked(position, env)
         self.position = position + 1
         return result
 
@@ -127,20 +142,33 @@ class Replayer:
             if info.kind in (Kind.ARG, Kind.KWARG):
                 return self._input_error(position, slot, handle, f"an external tensor, {_describe(tensor)}",
                                          f"is not the {info.kind.value} {info.name} it was recorded as")
-            bound = self.bound_externals.get(handle)
-            if bound is not None and bound() is not tensor:
-                return self._input_error(position, slot, handle, f"another tensor, {_describe(tensor)}",
-                                         "is a different object than the one this external was bound to "
-                                         "earlier in the call")
-            if info.kind is Kind.CONST and not info.literal:
-                error = self._check_constant(tensor, handle, position)
-                if error is not None:
-                    return error
-            elif TensorMeta.of(tensor) != info.meta and not info.literal:
-                return self._input_error(position, slot, handle, _describe(tensor),
-                                         f"changed shape, stride, dtype or device (recorded {info.meta})")
+            error = self._first_seen_error(tensor, handle, position, slot)
+            if error is not None:
+                return error
             self._bind_external(tensor, handle)
         return None
+
+    def _first_seen_error(self, tensor: torch.Tensor, handle: int, position: int, slot: int):
+        """Why a tensor seen for the first time in this call cannot be the recorded external (or None)."""
+        info = self.record.tensors[handle]
+        bound = self.bound_externals.get(handle)
+        if bound is not None and bound() is not tensor:
+            return self._input_error(position, slot, handle, f"another tensor, {_describe(tensor)}",
+                                     "is a different object than the one this external was bound to "
+                                     "earlier in the call")
+        if info.kind is Kind.CONST and not info.literal:
+            return self._check_constant(tensor, handle, position)
+        if not info.literal and TensorMeta.of(tensor) != info.meta:
+            return self._input_error(position, slot, handle, _describe(tensor),
+                                     f"changed shape, stride, dtype or device (recorded {info.meta})")
+        return None
+
+    def _bind_first_seen(self, tensor: torch.Tensor, handle: int) -> bool:
+        """Binding hook of the generated steps: True if `tensor` may be bound as external `handle`."""
+        if self._first_seen_error(tensor, handle, self.position, 0) is not None:
+            return False
+        self._bind_external(tensor, handle)
+        return True
 
     def _check_constant(self, tensor: torch.Tensor, handle: int, position: int):
         record = self.record
@@ -190,7 +218,7 @@ class Replayer:
 
     def _start_rerecord(self) -> None:
         self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
-                                        self.capture_as_const)
+                                        self.capture_as_const, self.regions)
 
     def finish(self, result: Any) -> Record | None:
         """Check the end of the call; return a new record if the call re-recorded."""

@@ -1,0 +1,9 @@
+"""The graph IR: Graph, Node, Value; building from a record; printing; verification."""
+
+from .build import build_graph
+from .graph import Graph, Node, Op, Value
+from .printer import format_graph, tabular
+from .verify import GraphVerificationError, verify
+
+__all__ = ["Graph", "GraphVerificationError", "Node", "Op", "Value", "build_graph", "format_graph", "tabular",
+           "verify"]

@@ -1,0 +1,87 @@
+"""Record -> Graph: SSA versions from in-place writes, aliasing from view bases."""
+
+from __future__ import annotations
+
+from ..record.record import Flag, Kind, Record
+from .graph import INPUT_OP_OF_KIND, Graph, Node, Op, Value
+
+
+class _Versions:
+    """Tracks the current version value of every handle while walking the record."""
+
+    def __init__(self, record: Record):
+        self.record = record
+        self.values: list[Value] = []
+        self.current: dict[int, int] = {}  # handle -> value id of its current version
+        self.root_version: dict[int, int] = {}
+        self.aliases: dict[int, list[int]] = {}  # root handle -> handles sharing its storage
+
+    def root(self, handle: int) -> int:
+        base = self.record.tensors[handle].base
+        return handle if base is None else base
+
+    def create(self, handle: int) -> int:
+        """First value of a handle: an input, or a fresh output (a view shares its base's version)."""
+        root = self.root(handle)
+        version = self.root_version.setdefault(root, 0)
+        self.aliases.setdefault(root, []).append(handle)
+        return self._new_value(handle, version)
+
+    def _new_value(self, handle: int, version: int) -> int:
+        value = Value(len(self.values), handle, version, self.record.tensors[handle].meta, self.root(handle))
+        self.values.append(value)
+        self.current[handle] = value.id
+        return value.id
+
+    def read(self, handle: int) -> int:
+        return self.current[handle]
+
+    def write(self, handles: tuple[int, ...]) -> tuple[int, ...]:
+        """New versions of every handle sharing storage with the written ones."""
+        roots = {self.root(h) for h in handles}
+        new_values = []
+        for root in sorted(roots):
+            self.root_version[root] += 1
+            for alias in self.aliases[root]:
+                new_values.append(self._new_value(alias, self.root_version[root]))
+        return tuple(new_values)
+
+
+def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = False) -> Graph:
+    versions = _Versions(record)
+    nodes: list[Node] = []
+    read_handles = {h for op in record.ops for h in op.inputs}
+    for info in record.tensors:
+        if info.kind is not Kind.INTERNAL and info.handle in read_handles:
+            value = versions.create(info.handle)
+            nodes.append(Node(INPUT_OP_OF_KIND[info.kind], None, (), (value,), attrs=(("name", info.name),)))
+    scalar_base = 0
+    for op in record.ops:
+        inputs = tuple(versions.read(h) for h in op.inputs)
+        writes = versions.write(op.mutated) if op.mutated else ()
+        outputs = tuple(
+            None if h is None else (versions.read(h) if h in op.mutated else versions.create(h))
+            for h in op.outputs
+        )
+        attrs = (("statics", op.statics), ("scalars", op.scalars), ("out_kind", op.out_kind),
+                 ("scalar_base", scalar_base), ("input_metas", tuple(record.tensors[h].meta for h in op.inputs)))
+        scalar_base += len(op.scalars)
+        nodes.append(Node(Op.CALL, op.op, inputs, outputs, writes, attrs, (op.index,), op.source))
+    for handle in record.output.handles():
+        if handle not in versions.current:  # returned without being used by any op
+            info = record.tensors[handle]
+            nodes.append(Node(INPUT_OP_OF_KIND[info.kind], None, (), (versions.create(handle),),
+                              attrs=(("name", info.name),)))
+    escaped = frozenset(i.handle for i in record.tensors if i.kind is Kind.INTERNAL and i.flags & Flag.ESCAPED)
+    return Graph(
+        function_name=record.function_name,
+        values=tuple(versions.values),
+        nodes=tuple(nodes),
+        outputs=tuple(versions.read(h) for h in record.output.handles()),
+        escaped=escaped,
+        host_visible=host_visible,
+        num_handles=len(record.tensors),
+        capture_as_const=capture_as_const,
+        constants=dict(record.constants),
+    )
+

@@ -1,0 +1,126 @@
+"""The graph IR: nodes over SSA values, built from a record.
+
+A `Value` is one *version* of a record handle. Handles that share storage (views of one base)
+share a version counter: an in-place write through any of them creates new versions of all of
+them, so a read after the write depends on the writer. Nodes keep the record order, which is a
+valid schedule; passes may drop nodes, merge them, or mark them as members of a fused group.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..record.record import Kind, TensorMeta
+from ..record.source import SourceLocation
+
+
+class Op(enum.Enum):
+    # graph inputs, one node per input handle
+    ARG = "arg"
+    KWARG = "kwarg"
+    EXTERNAL = "external"
+    CONST = "const"
+    # one aten op of the record
+    CALL = "call"
+    # a group of elementwise ops run as one kernel (see passes/group.py)
+    FUSED = "fused"
+
+
+INPUT_OPS = frozenset({Op.ARG, Op.KWARG, Op.EXTERNAL, Op.CONST})
+INPUT_OP_OF_KIND = {Kind.ARG: Op.ARG, Kind.KWARG: Op.KWARG, Kind.EXTERNAL: Op.EXTERNAL, Kind.CONST: Op.CONST}
+
+
+@dataclass(frozen=True)
+class Value:
+    id: int
+    handle: int  # the record handle this is a version of; the runtime keeps one slot per handle
+    version: int  # version of the handle's storage (all views of one base count together)
+    meta: TensorMeta
+    root: int  # handle of the base whose storage this value lives in (itself if not a view)
+
+
+@dataclass(frozen=True)
+class Node:
+    op: Op
+    target: Any  # OpOverload for CALL, a kernel description for FUSED, None for inputs
+    inputs: tuple[int, ...]  # value ids read
+    outputs: tuple[int | None, ...]  # value ids produced; None where the op returned None
+    writes: tuple[int, ...] = ()  # value ids of new versions this node creates by writing in place
+    attrs: tuple[tuple[str, Any], ...] = ()
+    positions: tuple[int, ...] = ()  # record positions it covers; a node fires at the last one
+    source: SourceLocation | None = None
+    members: tuple[Node, ...] = ()  # the CALL nodes a FUSED node replaces, in order
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        for key, value in self.attrs:
+            if key == name:
+                return value
+        return default
+
+    def with_attrs(self, **updates: Any) -> Node:
+        merged = dict(self.attrs)
+        merged.update(updates)
+        return replace(self, attrs=tuple(merged.items()))
+
+    @property
+    def fire_at(self) -> int:
+        return max(self.positions) if self.positions else -1
+
+    @property
+    def name(self) -> str:
+        if self.op is Op.CALL:
+            return str(self.target)
+        if self.op is Op.FUSED:
+            return getattr(self.target, "name", "fused")
+        return self.op.value
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A static graph. `host_visible` graphs serve checked replay: the host sees every op's
+    outputs at their recorded position, so passes must keep each of them a real, distinct tensor."""
+
+    function_name: str
+    values: tuple[Value, ...]
+    nodes: tuple[Node, ...]
+    outputs: tuple[int, ...]  # value ids returned by the traced function (flattened)
+    escaped: frozenset[int]  # handles whose final value outlives the call (Python state)
+    host_visible: bool
+    num_handles: int
+    capture_as_const: bool = False
+    provenance: str = "record"  # which pass produced this graph, and its time
+    arena_bytes: int = 0  # size of the persistent buffer arena planned by plan_memory
+    # handle -> constant tensor (captured or folded); shared, never mutated by passes
+    constants: dict[int, Any] = field(default_factory=dict, compare=False)
+
+    def value(self, value_id: int) -> Value:
+        return self.values[value_id]
+
+    def producers(self) -> dict[int, Node]:
+        """value id -> the node that produced it (its writer, for in-place versions)."""
+        produced = {}
+        for node in self.nodes:
+            for vid in node.outputs:
+                if vid is not None:
+                    produced[vid] = node
+            for vid in node.writes:
+                produced[vid] = node
+        return produced
+
+    def users(self) -> dict[int, list[Node]]:
+        """value id -> the nodes that read it, in order."""
+        used: dict[int, list[Node]] = {}
+        for node in self.nodes:
+            for vid in node.inputs:
+                used.setdefault(vid, []).append(node)
+        return used
+
+    def with_nodes(self, nodes, provenance: str, **changes: Any) -> Graph:
+        return replace(self, nodes=tuple(nodes), provenance=provenance, **changes)
+
+    def __str__(self) -> str:
+        from .printer import format_graph
+
+        return format_graph(self)

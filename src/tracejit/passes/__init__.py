@@ -1,0 +1,65 @@
+"""Graph passes and the pipeline that runs them.
+
+Every pass is a plain function `Graph -> Graph` in a file of its own. `run_pipeline` owns the
+cross-cutting work: the order, timing, optional verification, and the history of graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..ir.graph import Graph
+from ..ir.verify import verify
+from .cse import eliminate_common_subexpressions
+from .dce import eliminate_dead_code
+from .fold_constants import fold_constants
+from .group import group_elementwise
+from .hoist import hoist_external_views
+from .noop import remove_noop_views
+from .plan_memory import plan_memory
+
+Pass = Callable[[Graph], Graph]
+
+# (minimum opt_level, pass), in order.
+PIPELINE: list[tuple[int, Pass]] = [
+    # Step 1: aliases the program does not need (detach, alias) become the value they alias.
+    (1, remove_noop_views),
+    # Step 2: constants captured with capture_as_const are folded through the ops they feed.
+    (1, fold_constants),
+    # Step 3: identical pure ops on identical inputs run once.
+    (2, eliminate_common_subexpressions),
+    # Step 4: ops whose results nothing uses and that write nothing observable disappear.
+    (1, eliminate_dead_code),
+    # Step 5: views of external tensors are computed once and kept across calls.
+    (2, hoist_external_views),
+    # Step 6: elementwise chains become fused kernel nodes (the fused-kernel backends fill this).
+    (2, group_elementwise),
+    # Step 7: intermediate buffers get persistent storage, reused when lifetimes do not overlap.
+    (2, plan_memory),
+]
+
+
+@dataclass
+class PipelineResult:
+    graph: Graph
+    history: list[tuple[str, Graph, float]] = field(default_factory=list)  # (pass name, graph after, seconds)
+
+
+def run_pipeline(graph: Graph, opt_level: int, *, check: bool = False,
+                 passes: list[tuple[int, Pass]] | None = None) -> PipelineResult:
+    """Run every pass enabled at `opt_level` (0 runs none: the record executes as recorded)."""
+    result = PipelineResult(graph, [("record", graph, 0.0)])
+    for level, graph_pass in passes if passes is not None else PIPELINE:
+        if opt_level < level:
+            continue
+        start = time.perf_counter()
+        after = graph_pass(result.graph)
+        seconds = time.perf_counter() - start
+        after = after.with_nodes(after.nodes, f"{graph_pass.__name__} ({seconds * 1e3:.1f} ms)")
+        if check:
+            verify(after)
+        result.graph = after
+        result.history.append((graph_pass.__name__, after, seconds))
+    return result

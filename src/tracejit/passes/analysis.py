@@ -1,0 +1,70 @@
+"""Facts about a graph that several passes need."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..ir.graph import INPUT_OPS, Graph, Node, Op
+
+
+def observable_roots(graph: Graph) -> set[int]:
+    """Storage roots whose contents outlive the call: inputs, returned and escaped tensors."""
+    roots = {graph.values[n.outputs[0]].root for n in graph.nodes if n.op in INPUT_OPS}
+    roots |= {graph.values[v].root for v in graph.outputs}
+    roots |= {graph.values[v].root for v in range(len(graph.values)) if graph.values[v].handle in graph.escaped}
+    return roots
+
+
+def has_side_effect(graph: Graph, node: Node, observable: set[int]) -> bool:
+    """Writes into observable storage, or draws random numbers (keeping the RNG stream as eager's)."""
+    if node.op in INPUT_OPS:
+        return False
+    if any(graph.values[v].root in observable for v in node.writes):
+        return True
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def is_pure_call(node: Node) -> bool:
+    target = node.target
+    return (
+        node.op is Op.CALL
+        and not node.writes
+        and isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and node.attr("out_kind") in ("tensor", "tuple", "list")
+    )
+
+
+def versions_of(graph: Graph) -> dict[int, list[int]]:
+    """handle -> its value ids, oldest first."""
+    found: dict[int, list[int]] = {}
+    for value in graph.values:
+        found.setdefault(value.handle, []).append(value.id)
+    return found
+
+
+def single_version_handles(graph: Graph) -> set[int]:
+    """Handles whose storage nobody writes after they are created."""
+    return {handle for handle, ids in versions_of(graph).items() if len(ids) == 1}
+
+
+def replace_uses(graph: Graph, nodes: list[Node], mapping: dict[int, int]) -> tuple[list[Node], tuple[int, ...]]:
+    """Rewrite node inputs and graph outputs through `mapping` (value id -> value id)."""
+    if not mapping:
+        return nodes, graph.outputs
+
+    def resolve(vid: int) -> int:
+        while vid in mapping:
+            vid = mapping[vid]
+        return vid
+
+    rewritten = []
+    for node in nodes:
+        inputs = tuple(resolve(v) for v in node.inputs)
+        if inputs != node.inputs:
+            node = replace(node, inputs=inputs)
+        rewritten.append(node)
+    return rewritten, tuple(resolve(v) for v in graph.outputs)

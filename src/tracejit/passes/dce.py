@@ -1,0 +1,37 @@
+"""eliminate_dead_code: drop ops whose results nothing uses and that write nothing observable.
+
+Before (host-free graph):          After:
+    t5 = aten.relu.default(t4)         t5 = aten.relu.default(t4)
+    t6 = aten.neg.default(t4)          return (t5,)
+    return (t5,)
+
+A node stays if a kept node reads one of its values, if it writes into storage that outlives
+the call (an input, a returned or escaped tensor), or if it draws random numbers (the RNG
+stream must advance exactly as in eager mode). Host-visible graphs are left alone: the host
+may use every value.
+"""
+
+from __future__ import annotations
+
+from ..ir.graph import INPUT_OPS, Graph
+from .analysis import has_side_effect, observable_roots, versions_of
+
+
+def eliminate_dead_code(graph: Graph) -> Graph:
+    if graph.host_visible:
+        return graph
+    observable = observable_roots(graph)
+    versions = versions_of(graph)
+    live = set(graph.outputs) | {versions[h][-1] for h in graph.escaped if h in versions}
+    kept = []
+    for node in reversed(graph.nodes):
+        produces = [v for v in (*node.outputs, *node.writes) if v is not None]
+        if node.op in INPUT_OPS:
+            keep = any(v in live for v in produces)
+        else:
+            keep = has_side_effect(graph, node, observable) or any(v in live for v in produces)
+        if keep:
+            kept.append(node)
+            live.update(node.inputs)
+    kept.reverse()
+    return graph.with_nodes(kept, "eliminate_dead_code")

@@ -1,0 +1,111 @@
+"""plan_memory: persistent buffers for intermediates, reused when lifetimes do not overlap.
+
+Before (host-free graph):                 After:
+    t5 = aten.addmm.default(t4, t0, t3)       t5 = aten.addmm.default(t4, t0, t3)  # arena[0:4194304]
+    t6 = aten.relu.default(t5)                t6 = aten.relu.default(t5)           # arena[4194304:8388608]
+    t7 = aten.mm.default(t6, t8)              t7 = aten.mm.default(t6, t8)         # arena[0:4194304]
+
+A planned value is written into its slice of one arena (allocated once, kept across calls)
+through the op's `out=` variant instead of a fresh allocation. Planned: dense intermediates of
+at least `min_bytes`, produced by an op with an `out=` overload, not views, not returned or
+kept in Python state. The lifetime of a value ends at the last use of any view of its storage.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..ir.graph import INPUT_OPS, Graph, Op
+from ..record.calls import is_view_op
+from .analysis import observable_roots
+
+ALIGNMENT = 64
+DEFAULT_MIN_BYTES = 1 << 20  # small tensors come from the allocator's cache as fast as from a buffer
+
+
+def plan_memory(graph: Graph, min_bytes: int = DEFAULT_MIN_BYTES) -> Graph:
+    if graph.host_visible:
+        return graph
+    lifetimes = _storage_lifetimes(graph)
+    outliving = observable_roots(graph)  # storage the caller or Python state can still see
+    candidates = []
+    for index, node in enumerate(graph.nodes):
+        if node.op is not Op.CALL or node.attr("out_kind") != "tensor" or out_overload(node.target) is None:
+            continue
+        value = graph.values[node.outputs[0]]
+        nbytes = _dense_bytes(value.meta)
+        if (nbytes is None or nbytes < min_bytes or value.root in outliving
+                or is_view_op(node.target) or value.root != value.handle):
+            continue
+        candidates.append((nbytes, index, lifetimes[value.handle], value.handle))
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    offsets: dict[int, tuple[int, int]] = {}
+    for nbytes, index, (first, last), handle in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        offset = 0
+        for other_offset, other_end, other_first, other_last in sorted(placed):
+            overlaps_in_time = not (last < other_first or other_last < first)
+            if overlaps_in_time and offset < other_end and other_offset < offset + nbytes:
+                offset = _align(other_end)
+        placed.append((offset, offset + nbytes, first, last))
+        offsets[handle] = (offset, nbytes)
+    nodes = []
+    for node in graph.nodes:
+        if node.op is Op.CALL and node.outputs and node.outputs[0] is not None:
+            handle = graph.values[node.outputs[0]].handle
+            if handle in offsets and graph.values[node.outputs[0]].version == 0:
+                offset, nbytes = offsets[handle]
+                node = node.with_attrs(buffer=(offset, nbytes), buffers=(f"arena[{offset}:{offset + nbytes}]",))
+        nodes.append(node)
+    arena = max((end for _, end, _, _ in placed), default=0)
+    return graph.with_nodes(nodes, "plan_memory", arena_bytes=_align(arena))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _dense_bytes(meta) -> int | None:
+    numel = 1
+    for size in meta.shape:
+        numel *= size
+    if numel == 0 or meta.stride != _contiguous_strides(meta.shape):
+        return None
+    return numel * torch.empty((), dtype=meta.dtype).element_size()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _storage_lifetimes(graph: Graph) -> dict[int, tuple[int, int]]:
+    """root handle -> (index of the node creating it, index of the last node touching its storage)."""
+    lifetimes: dict[int, list[int]] = {}
+    for index, node in enumerate(graph.nodes):
+        if node.op in INPUT_OPS:
+            continue
+        for vid in (*node.inputs, *(v for v in node.outputs if v is not None), *node.writes):
+            root = graph.values[vid].root
+            span = lifetimes.setdefault(root, [index, index])
+            span[1] = index
+    return {root: (span[0], span[1]) for root, span in lifetimes.items()}
+
+
+@functools.cache
+def out_overload(op) -> torch._ops.OpOverload | None:
+    """The `.out` overload of a functional aten op, if it has one taking a single `out` tensor."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
+    overload = getattr(packet, "out", None) if packet is not None else None
+    if overload is None:
+        return None
+    names = [a.name for a in overload._schema.arguments]
+    if names[-1:] != ["out"] or [a.name for a in op._schema.arguments] != names[:-1]:
+        return None
+    return overload

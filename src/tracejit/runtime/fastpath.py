@@ -1,0 +1,120 @@
+"""Generated per-position steps of checked replay: the hot path of a replayed op.
+
+For each recorded op a small function is generated that checks exactly what the record says
+(argument count, each structural value, each tensor's handle, each scalar's type), executes the
+op through its verified callable on the arguments the host passed, and maps the outputs to their
+handles. It returns `MISS` at the first surprise, and the replayer's generic path then redoes the
+work slowly: it either finds a legitimate case (an external seen for the first time in an odd
+way) or produces the precise mismatch error. The generated code never raises on a mismatch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..record.record import TENSOR, Kind, KwargStatic, OpRecord, Record, ScalarSlot
+
+MISS = object()
+_INLINE = (int, bool, str, type(None))
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.namespace: dict[str, Any] = {"MISS": MISS, "REF": weakref.ref}
+        self.counter = 0
+
+    def name(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def constant(self, value: Any) -> str:
+        name = self.name("k")
+        self.namespace[name] = value
+        return name
+
+    def literal(self, value: Any) -> str:
+        if type(value) in _INLINE:
+            return repr(value)
+        return self.constant(value)
+
+
+def _tensor_check(w: _Writer, expr: str, handle: int, bindable: bool, indent: str) -> list[str]:
+    t, e = w.name("t"), w.name("e")
+    unknown = f"if not BIND({t}, {handle}): return MISS" if bindable else "return MISS"
+    return [
+        f"{indent}{t} = {expr}",
+        f"{indent}{e} = E.get(id({t}))",
+        f"{indent}if {e} is None or {e}[1]() is not {t}:",
+        f"{indent}    {unknown}",
+        f"{indent}elif {e}[0] != {handle}: return MISS",
+    ]
+
+
+def _value_check(w: _Writer, expr: str, static: Any, handles: list[int], bindable: set[int],
+                 indent: str) -> list[str]:
+    if static is TENSOR:
+        handle = handles.pop(0)
+        return _tensor_check(w, expr, handle, handle in bindable, indent)
+    if isinstance(static, ScalarSlot):
+        return [f"{indent}if type({expr}) is not {static.type.__name__}: return MISS"]
+    if isinstance(static, tuple):
+        if not any(_is_slot(v) for v in static):
+            return [f"{indent}if {expr} != {w.constant(list(static))} and {expr} != {w.constant(static)}: return MISS"]
+        seq = w.name("l")
+        lines = [f"{indent}{seq} = {expr}", f"{indent}if len({seq}) != {len(static)}: return MISS"]
+        for i, item in enumerate(static):
+            lines += _value_check(w, f"{seq}[{i}]", item, handles, bindable, indent)
+        return lines
+    if static is None:
+        return [f"{indent}if {expr} is not None: return MISS"]
+    literal = w.literal(static)
+    return [f"{indent}if type({expr}) is not {w.constant(type(static))} or {expr} != {literal}: return MISS"]
+
+
+def _is_slot(value: Any) -> bool:
+    """Tensors and dynamic scalars are checked one by one; plain values compare as a whole."""
+    if value is TENSOR or isinstance(value, ScalarSlot):
+        return True
+    return isinstance(value, tuple) and any(_is_slot(v) for v in value)
+
+
+def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable) -> list[str]:
+    positional = [s for s in op.statics if not isinstance(s, KwargStatic)]
+    keywords = [s for s in op.statics if isinstance(s, KwargStatic)]
+    bindable = {h for h in op.inputs if record.tensors[h].kind in (Kind.EXTERNAL, Kind.CONST)}
+    handles = list(op.inputs)
+    body = [f"if len(args) != {len(positional)} or len(kwargs) != {len(keywords)}: return MISS"]
+    for i, static in enumerate(positional):
+        body += _value_check(w, f"args[{i}]", static, handles, bindable, "")
+    for item in keywords:
+        body.append(f"if {item.name!r} not in kwargs: return MISS")
+        body += _value_check(w, f"kwargs[{item.name!r}]", item.value, handles, bindable, "")
+    body.append(f"r = {w.constant(function)}(*args, **kwargs)")
+    if op.out_kind == "tensor":
+        body.append(f"E[id(r)] = ({op.outputs[0]}, REF(r))")
+    elif op.out_kind in ("tuple", "list"):
+        for i, handle in enumerate(op.outputs):
+            if handle is not None:
+                body.append(f"E[id(r[{i}])] = ({handle}, REF(r[{i}]))")
+    body.append("return r")
+    return body
+
+
+def generate_steps(record: Record, callables: list[Callable | None], fast: list[bool]) -> list[Callable | None]:
+    """One step function per position (None where the position needs the generic path).
+
+    A step is called as `step(args, kwargs, E, BIND)` with E the replay's id -> (handle, ref)
+    table and BIND(tensor, handle) -> bool the replayer's binding of a first-seen external.
+    """
+    w = _Writer()
+    source = []
+    for op in record.ops:
+        if not fast[op.index] or callables[op.index] is None:
+            continue
+        body = _step_source(w, record, op, callables[op.index])
+        source.append(f"def step{op.index}(args, kwargs, E, BIND):\n" + "\n".join(f"    {line}" for line in body))
+    exec(compile("\n\n".join(source) + "\n", f"<tracejit replay steps {record.function_name}>", "exec"), w.namespace)
+    return [w.namespace.get(f"step{op.index}") for op in record.ops]

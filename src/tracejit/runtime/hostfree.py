@@ -1,0 +1,241 @@
+"""without_host=True: run a trace without its Python function.
+
+Before the program runs, a generated *prologue* checks what the skipped function would have
+checked by running: the keyword arguments are the recorded ones (same primitive values), every
+external tensor is still where the function finds it (same object, reached through the same
+module/optimizer attributes, same shape/dtype/device), and it binds the inputs and the learning
+rates read from `param_groups`. A failed check is not an error: the call falls back to a checked
+replay, which runs the function and rebinds. The *epilogue* builds the return value from fresh
+tensors and writes the values that escaped into Python state (`.grad`, state created inside the
+call) into the objects Python holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import HostDependencyError
+from ..record.calls import scalar_slot_names
+from ..record.names import ExternalNames, Locator
+from ..record.record import Flag, Kind, OutputSpec, Record
+from ..record.regions import in_optimizer_step
+from .program import HostFreeProgram, scalar_layout
+
+_PRIMITIVES = (bool, int, float, str, type(None))
+
+
+class GuardFailure(Exception):
+    """The prologue found the world changed; the call runs as a checked replay instead."""
+
+
+def refuse_host_dependencies(record: Record) -> None:
+    """Raise if skipping the function would freeze a value the host computes from tensor data."""
+    if record.host_reads:
+        lines = "\n".join(f"    {r.what} of t{r.handle} at {r.source}: {r.source.code}" for r in record.host_reads[:5])
+        raise HostDependencyError(
+            f"without_host=True cannot skip {record.function_name}(): the traced call reads tensor values "
+            f"on the host, and without the function those values would be frozen at their recorded "
+            f"value:\n{lines}\n"
+            f"Remedies: keep such reads out of the traced function (return the tensor and read it after "
+            f"the call); pass changing values as tensors; for torch.optim use fused=True (Adam/AdamW "
+            f"read step.item() otherwise) or capturable=True; or trace without without_host."
+        )
+    if record.excluded_blocks:
+        block = record.excluded_blocks[0]
+        raise HostDependencyError(
+            f"without_host=True cannot skip {record.function_name}(): it contains an exclude_from_trace() "
+            f"block at {block.source}, which must run on every call. Move it out of the traced function "
+            f"or trace without without_host."
+        )
+
+
+@dataclass(frozen=True)
+class LrBinding:
+    slot: int  # index in the flat scalar list
+    kwarg: str  # the optimizer's keyword argument
+    group: int  # index in param_groups
+    sign: float
+
+
+def find_lr_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: dict) -> list[LrBinding]:
+    """Scalar slots of optimizer ops that carry a param group's learning rate.
+
+    Only slots whose meaning is the learning rate are bound: the `lr` argument of the fused
+    optimizer ops, and the `alpha`/`value` of an update written into a parameter (SGD's
+    `param.add_(d_p, alpha=-lr)`), when the recorded value equals +-lr of the parameter's group.
+    """
+    groups: dict[int, tuple[str, int, float]] = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.optim.Optimizer):
+            for index, group in enumerate(value.param_groups):
+                if isinstance(group.get("lr"), float):
+                    for param in group["params"]:
+                        groups[id(param)] = (name, index, group["lr"])
+    if not groups:
+        return []
+    offsets, _ = scalar_layout(record)
+    bindings = []
+    for op in record.ops:
+        if not op.scalars or not in_optimizer_step(op.regions):
+            continue
+        owner = next((groups[id(objects[h])] for h in op.inputs if h in objects and id(objects[h]) in groups), None)
+        if owner is None:
+            continue
+        name, index, lr = owner
+        writes_param = any(h in objects and id(objects[h]) in groups for h in op.mutated)
+        fused = op.op._schema.name.split("::")[-1].startswith("_fused_")
+        for k, (slot_name, value) in enumerate(zip(scalar_slot_names(op.op, op.statics), op.scalars)):
+            wanted = slot_name == "lr" if fused else (writes_param and slot_name in ("alpha", "value"))
+            if wanted and isinstance(value, float) and value in (lr, -lr) and lr != 0.0:
+                bindings.append(LrBinding(offsets[op.index] + k, name, index, 1.0 if value == lr else -1.0))
+    return bindings
+
+
+class _Source:
+    """Accumulates generated code and the constants it refers to by name."""
+
+    def __init__(self, function: Any) -> None:
+        self.namespace: dict[str, Any] = {
+            "GuardFailure": GuardFailure,
+            "EMPTY": {},
+            "GLOBALS": getattr(function, "__globals__", {}),
+            "CELLS": getattr(function, "__closure__", None) or (),
+        }
+        self.resolved: dict[Locator, str] = {}  # locators already bound to a local
+
+    def constant(self, value: Any, prefix: str) -> str:
+        name = f"{prefix}{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def locator(self, locator: Locator) -> str:
+        if locator in self.resolved:
+            return self.resolved[locator]
+        kind, key = locator.root
+        expr = {"kwarg": f"kw[{key!r}]", "global": f"GLOBALS[{key!r}]", "cell": f"CELLS[{key}].cell_contents"}[kind]
+        if locator.state_of is not None:
+            return f"{expr}.state.get({self.locator(locator.state_of)}, EMPTY).get({locator.state_key!r})"
+        for step, name in locator.steps:
+            expr += {"module": "._modules", "param": "._parameters", "buffer": "._buffers"}[step] + f"[{name!r}]"
+        return expr
+
+    def function(self, name: str, params: str, body: list[str]) -> tuple[str, Any]:
+        source = f"def {name}({params}):\n" + "\n".join(f"    {line}" for line in body or ["pass"]) + "\n"
+        exec(compile(source, f"<tracejit {name}>", "exec"), self.namespace)
+        return source, self.namespace[name]
+
+
+def _fail(condition: str, message: str) -> str:
+    return f"if {condition}: raise GuardFailure({message!r})"
+
+
+class HostFreeRunner:
+    def __init__(self, record: Record, program: HostFreeProgram, function: Any):
+        refuse_host_dependencies(record)
+        self.record = record
+        self.program = program
+        self.function = function
+        _, self.initial_scalars = scalar_layout(record)
+        self.prologue = None
+        self.epilogue = None
+        self.sources: dict[str, str] = {}
+        self.env_template: list = []
+
+    def bind(self, objects: dict[int, torch.Tensor], kwargs: dict, names: ExternalNames) -> None:
+        """Specialize the prologue and epilogue to the objects a host-run call just used."""
+        src = _Source(self.function)
+        lines = [_fail(f"kw.keys() != {src.constant(set(kwargs), 'keys')}", "the keyword arguments changed")]
+        for name, value in sorted(kwargs.items()):
+            if isinstance(value, _PRIMITIVES):
+                lines.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}",
+                                   f"keyword argument {name!r} is not {value!r} anymore"))
+        for info in self.record.tensors:
+            if info.kind is Kind.EXTERNAL:
+                lines += self._external_guard(info, objects.get(info.handle), src, names)
+        for index, handle in enumerate(self.record.arg_handles):
+            lines.append(f"env[{handle}] = args[{index}]")
+        for name, handle in self.record.kwarg_handles.items():
+            lines.append(f"env[{handle}] = kw[{name!r}]")
+        for binding in find_lr_bindings(self.record, objects, kwargs):
+            sign = "-" if binding.sign < 0 else ""
+            lines.append(f"s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups[{binding.group}]['lr']")
+        body = ["try:", *(f"    {line}" for line in lines),
+                "except (KeyError, AttributeError, IndexError, TypeError) as error:",
+                "    raise GuardFailure(f'lookup failed: {error!r}') from error"]
+        self.sources["prologue"], self.prologue = src.function("prologue", "args, kw, env, s", body)
+        self._bind_epilogue(objects)
+        self._compute_hoisted(objects)
+
+    def _compute_hoisted(self, objects: dict[int, torch.Tensor]) -> None:
+        """Views of externals are made once per binding and handed to every call in the template."""
+        template = [None] * len(self.record.tensors)
+        for handle, tensor in self.record.constants.items():
+            template[handle] = tensor
+        if self.program.hoisted:
+            env = list(template)
+            for info in self.record.tensors:
+                if info.kind is Kind.EXTERNAL:
+                    env[info.handle] = objects[info.handle]
+            with torch.no_grad():
+                self.program.init(env)
+            for handle in self.program.hoisted:
+                template[handle] = env[handle]
+        self.env_template = template
+
+    def _external_guard(self, info: Any, obj: torch.Tensor | None, src: _Source, names: ExternalNames) -> list[str]:
+        if obj is None:
+            raise GuardFailure(f"external t{info.handle} ({info.name}) is no longer alive")
+        local = f"e{info.handle}"
+        lines = [f"{local} = {src.constant(weakref.ref(obj), 'r')}()", _fail(f"{local} is None", f"{info.name} was freed")]
+        locator = names.locator_of(obj)
+        if locator is not None:
+            lines.append(_fail(f"{src.locator(locator)} is not {local}", f"{locator.describe()} is another tensor now"))
+            src.resolved[locator] = local
+        meta = info.meta
+        lines.append(_fail(
+            f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.dtype is not {src.constant(meta.dtype, 'd')}"
+            f" or {local}.device != {src.constant(meta.device, 'v')}",
+            f"{info.name} changed shape, dtype or device (recorded {meta})"))
+        if info.handle in self.program.hoisted_roots:  # views of it are kept: its storage must stay
+            lines.append(_fail(f"{local}.data_ptr() != {obj.data_ptr()}", f"{info.name} got new storage"))
+        lines.append(f"env[{info.handle}] = {local}")
+        return lines
+
+    def _bind_epilogue(self, objects: dict[int, torch.Tensor]) -> None:
+        src = _Source(self.function)
+        body = []
+        for handle in sorted(self.program.graph.escaped):
+            obj = objects.get(handle)
+            if obj is not None and not self.record.tensors[handle].flags & Flag.RETURNED:
+                ref = src.constant(weakref.ref(obj), "r")
+                body += [f"o = {ref}()", f"if o is not None and o is not env[{handle}]:",
+                         f"    o.copy_(env[{handle}])"]
+        body.append(f"return {_output_expr(self.record.output)}")
+        self.sources["epilogue"], self.epilogue = src.function("epilogue", "env", body)
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        env = list(self.env_template)
+        scalars = list(self.initial_scalars)
+        self.prologue(args, kwargs, env, scalars)
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            self.program.run(env, scalars)
+            return self.epilogue(env)
+        finally:
+            torch._C._set_grad_enabled(previous)
+
+
+def _output_expr(spec: OutputSpec) -> str:
+    if spec.kind == "tensor":
+        return f"env[{spec.handle}]"
+    if spec.kind == "none":
+        return "None"
+    if spec.kind == "dict":
+        return "{" + ", ".join(f"{k!r}: {_output_expr(c)}" for k, c in zip(spec.keys, spec.children)) + "}"
+    inner = ", ".join(_output_expr(c) for c in spec.children)
+    return f"({inner},)" if spec.kind == "tuple" else f"[{inner}]"
