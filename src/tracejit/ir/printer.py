@@ -10,6 +10,15 @@ def value_name(value: Value) -> str:
     return f"t{value.handle}" if value.version == 0 else f"t{value.handle}_{value.version}"
 
 
+def _name(graph: Graph, value_id: int | None) -> str:
+    """Name of a value id; robust to the broken graphs verify() prints."""
+    if value_id is None:
+        return "_"
+    if not 0 <= value_id < len(graph.values):
+        return f"<bad value {value_id}>"
+    return value_name(graph.values[value_id])
+
+
 def _meta(value: Value) -> str:
     meta = value.meta
     dtype = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
@@ -18,20 +27,20 @@ def _meta(value: Value) -> str:
 
 
 def _call_text(graph: Graph, node: Node) -> str:
-    names = [value_name(graph.values[v]) for v in node.inputs]
+    names = [_name(graph, v) for v in node.inputs]
     args = render_statics(node.attr("statics", ()), names, node.attr("scalars", ()))
     return f"{node.name}({args})"
 
 
 def _lhs(graph: Graph, node: Node) -> str:
-    outs = [value_name(graph.values[v]) if v is not None else "_" for v in node.outputs]
+    outs = [_name(graph, v) for v in node.outputs]
     if node.writes and not outs:
-        outs = [value_name(graph.values[v]) for v in node.writes]
+        outs = [_name(graph, v) for v in node.writes]
     return ", ".join(outs) + " = " if outs else ""
 
 
 def _comment(graph: Graph, node: Node) -> str:
-    parts = [", ".join(_meta(graph.values[v]) for v in node.outputs if v is not None)]
+    parts = [", ".join(_meta(graph.values[v]) for v in node.outputs if v is not None and v < len(graph.values))]
     buffer = node.attr("buffers")
     if buffer:
         parts.append(" ".join(buffer))
@@ -56,13 +65,13 @@ def format_graph(graph: Graph) -> str:
         lines.append(f"{text:<64}{_comment(graph, node)}")
         for member in node.members:
             lines.append(f"    # {_lhs(graph, member)}{_call_text(graph, member)}")
-    outs = ", ".join(value_name(graph.values[v]) for v in graph.outputs)
+    outs = ", ".join(_name(graph, v) for v in graph.outputs)
     lines.append(f"  return ({outs}{',' if len(graph.outputs) == 1 else ''})")
     return "\n".join(lines)
 
 
 def _fused_text(graph: Graph, node: Node) -> str:
-    names = ", ".join(value_name(graph.values[v]) for v in node.inputs)
+    names = ", ".join(_name(graph, v) for v in node.inputs)
     return f"{node.name}({names})"
 
 
@@ -70,8 +79,8 @@ def tabular(graph: Graph) -> str:
     """One numbered row per node: index, op, inputs, outputs, record positions."""
     rows = [f"{'#':>4}  {'op':<40} {'inputs':<24} {'outputs':<20} positions"]
     for i, node in enumerate(graph.nodes):
-        ins = " ".join(value_name(graph.values[v]) for v in node.inputs)
-        outs = " ".join(value_name(graph.values[v]) for v in node.outputs if v is not None)
+        ins = " ".join(_name(graph, v) for v in node.inputs)
+        outs = " ".join(_name(graph, v) for v in node.outputs if v is not None)
         pos = ",".join(map(str, node.positions))
         rows.append(f"{i:>4}  {node.name:<40} {ins:<24} {outs:<20} {pos}")
     return "\n".join(rows)

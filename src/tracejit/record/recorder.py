@@ -228,21 +228,61 @@ class Recorder:
             kwarg_handles=self.kwarg_handles,
             rerecorded=self.rerecorded,
         )
-        mark_escapes(record, self.handles)
+        mark_escapes(record, self.handles, autograd_saved(result))
         return record
 
 
-def mark_escapes(record: Record, handles: HandleMap) -> None:
-    """Flag the internal tensors still alive after the call: they live on in Python state."""
+def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[tuple] = frozenset()) -> None:
+    """Flag the internal tensors still alive after the call: they live on in Python state.
+
+    Tensors kept alive only because the autograd graph of a returned tensor saved them for a
+    backward pass are not state: a call without the function returns tensors with no graph.
+    """
     created_state = False
-    for handle in handles.live():
+    for handle, tensor in handles.live().items():
         info = record.tensors[handle] if handle < len(record.tensors) else None
-        if info is None or info.kind is not Kind.INTERNAL:
+        if info is None or info.kind is not Kind.INTERNAL or _view_key(tensor) in saved_for_backward:
             continue
         info.flags |= Flag.ESCAPED
         if not info.flags & Flag.RETURNED:
             created_state = True
     record.created_state = created_state
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    """Identifies a view of memory: autograd unpacks a saved tensor as a new object over it."""
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+
+
+def autograd_saved(result: Any) -> set[tuple]:
+    """Views of memory the autograd graphs of the returned tensors hold for backward."""
+    pending = [t.grad_fn for t in _tensors_in(result) if t.grad_fn is not None]
+    seen_nodes: set[int] = set()
+    saved: set[tuple] = set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # already freed by a backward pass
+                    continue
+                saved.update(_view_key(t) for t in _tensors_in(value))
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return saved
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
 
 
 def _first_handle_created_from(record: Record, position: int) -> int:

@@ -1,0 +1,196 @@
+"""without_host=True: the program runs, the Python function does not."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import assert_same_state, batch, make_model, train_step, twin
+
+import tracejit
+from tracejit.errors import HostDependencyError
+
+HOST_FREE_OPTIMIZERS = ["sgd", "sgd_momentum", "adam_fused", "adamw_fused"]
+
+
+class Counted:
+    """Wraps a step function and counts how often Python actually ran it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = 0
+        self.__name__ = fn.__name__
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("opt_name", HOST_FREE_OPTIMIZERS)
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_training_matches_eager_and_skips_python(kind, opt_name):
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), opt_name)
+    sched_a = torch.optim.lr_scheduler.ExponentialLR(opt_a, gamma=0.8)
+    sched_b = torch.optim.lr_scheduler.ExponentialLR(opt_b, gamma=0.8)
+    counted = Counted(train_step)
+    traced = tracejit.trace(counted, without_host=True)
+    steps = 6
+    for i in range(steps):
+        x, y = batch(kind, i)
+        torch.manual_seed(100 + i)
+        loss_a = train_step(x, y, model=model_a, opt=opt_a)
+        torch.manual_seed(100 + i)
+        loss_b = traced(x, y, model=model_b, opt=opt_b)
+        assert torch.equal(loss_a, loss_b), f"step {i}"
+        sched_a.step(), sched_b.step()
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    # the record, and its one checked replay when the first call created optimizer state
+    assert counted.calls <= 2 and counted.calls < steps
+
+
+def test_optimizer_reading_step_on_the_host_is_refused():
+    (model, opt), _ = twin(make_model("mlp"), "adam_loop")  # Adam(foreach=False) calls step.item()
+    traced = tracejit.trace(train_step, without_host=True)
+    x, y = batch("mlp", 0)
+    traced(x, y, model=model, opt=opt)
+    with pytest.raises(HostDependencyError) as info:
+        for _ in range(2):
+            traced(x, y, model=model, opt=opt)
+    message = str(info.value)
+    assert "item() of t" in message and "models.py" in message and "opt.step()" in message
+    assert "fused=True" in message and "capturable=True" in message
+
+
+def test_exclude_block_is_refused():
+    @tracejit.trace(without_host=True)
+    def f(x):
+        with tracejit.exclude_from_trace():
+            pass
+        return x + 1
+
+    f(torch.ones(2))
+    with pytest.raises(HostDependencyError, match=r"exclude_from_trace\(\) block at test_without_host.py"):
+        f(torch.ones(2))
+
+
+def test_returned_tensors_are_fresh_and_inputs_bind_per_call():
+    counted = Counted(lambda x, *, model: model(x).relu())
+    traced = tracejit.trace(counted, without_host=True)
+    model = nn.Linear(3, 3)
+    outs = []
+    for i in range(4):
+        x = torch.full((2, 3), float(i))
+        out = traced(x, model=model)
+        outs.append(out)
+        assert torch.equal(out, model(x).relu().detach())
+    assert counted.calls == 1
+    assert len({o.data_ptr() for o in outs}) == 4  # earlier results are not overwritten
+    assert not outs[-1].requires_grad
+
+
+def test_escaped_gradients_are_updated_in_place():
+    def step(x, y, *, model, opt):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Linear(4, 2), "sgd_momentum")
+    counted = Counted(step)
+    traced = tracejit.trace(counted, without_host=True)
+    grads = None
+    for i in range(5):
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        assert torch.equal(step(x, y, model=model_a, opt=opt_a), traced(x, y, model=model_b, opt=opt_b))
+        # call 0 records with no .grad; call 1 sees .grad set and records a second trace, which
+        # call 2 replays checked (its first call created gradients); calls 3+ skip Python
+        if i >= 3:
+            assert grads == [id(p.grad) for p in model_b.parameters()]  # same objects, new values
+        grads = [id(p.grad) for p in model_b.parameters()]
+        for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+            assert torch.equal(pa.grad, pb.grad)
+    assert counted.calls == 3
+
+
+def test_replaced_parameter_falls_back_to_a_checked_replay():
+    model_a, model_b = nn.Linear(3, 2), nn.Linear(3, 2)
+    model_b.load_state_dict(model_a.state_dict())
+    counted = Counted(lambda x, *, model: model(x))
+    traced = tracejit.trace(counted, without_host=True)
+    x = torch.randn(4, 3)
+    for _ in range(3):
+        traced(x, model=model_b)
+    assert counted.calls == 1
+    new_weight = torch.randn(2, 3)
+    model_a.weight = nn.Parameter(new_weight.clone())
+    model_b.weight = nn.Parameter(new_weight.clone())
+    assert torch.equal(traced(x, model=model_b), model_a(x))  # guard failed: the function ran
+    assert counted.calls == 2
+    assert torch.equal(traced(x, model=model_b), model_a(x))  # rebound: host-free again
+    assert counted.calls == 2
+
+
+def test_parameter_data_swap_is_noticed():
+    model = nn.Linear(3, 2)
+    counted = Counted(lambda x, *, model: model(x))
+    traced = tracejit.trace(counted, without_host=True)
+    x = torch.randn(4, 3)
+    traced(x, model=model), traced(x, model=model)
+    with torch.no_grad():
+        model.weight.data = torch.randn(2, 3)  # same object, new storage: hoisted views are stale
+    assert torch.equal(traced(x, model=model), model(x))
+    assert counted.calls == 2
+
+
+def test_primitive_keyword_change_runs_the_function():
+    counted = Counted(lambda x, *, scale, model: model(x) * scale)
+    traced = tracejit.trace(counted, without_host=True)
+    model = nn.Linear(2, 2)
+    x = torch.randn(3, 2)
+    traced(x, scale=2.0, model=model), traced(x, scale=2.0, model=model)
+    assert counted.calls == 1
+    assert torch.equal(traced(x, scale=3.0, model=model), model(x) * 3.0)
+    assert counted.calls == 2
+
+
+def test_verify_every_runs_a_checked_replay_and_catches_divergence():
+    state = {"op": "relu"}
+
+    def f(x, *, model):
+        y = model(x)
+        return y.relu() if state["op"] == "relu" else y.sigmoid()
+
+    counted = Counted(f)
+    traced = tracejit.trace(counted, without_host=True, verify_every=3)
+    model = nn.Linear(2, 2)
+    x = torch.randn(3, 2)
+    for _ in range(7):
+        traced(x, model=model)
+    assert counted.calls == 3  # the record, then the 3rd and 6th calls after it were checked
+    state["op"] = "sigmoid"
+    traced(x, model=model), traced(x, model=model)  # host-free: the change goes unseen...
+    with pytest.raises(tracejit.TraceMismatchError, match="aten.sigmoid.default instead of aten.relu.default"):
+        traced(x, model=model)  # ...until the next verification
+
+
+def test_inference_with_capture_as_const_folds_weights():
+    model = make_model("mlp").eval()
+
+    @tracejit.trace(capture_as_const=True, without_host=True)
+    def infer(x):
+        with torch.no_grad():
+            return model(x)
+
+    for i in range(3):
+        x, _ = batch("mlp", i)
+        with torch.no_grad():
+            assert torch.equal(infer(x), model(x))
+    source = infer.program_source()
+    assert "aten.t.default" not in source.split("def init")[0]  # folded at compile time
+    assert any(name == "fold_constants" for name, _, _ in infer.history)
+
+
+def test_program_source_before_any_host_free_program():
+    traced = tracejit.trace(lambda x: x + 1, without_host=True)
+    with pytest.raises(RuntimeError, match="no host-free program yet"):
+        traced.program_source()
