@@ -39,7 +39,6 @@ class TraceOptions:
             raise ValueError(f"tracejit.trace: backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         unimplemented = {
             "symbolic": self.symbolic,
-            "profiling": self.profiling,
             "sublinear_memory_config": self.sublinear_memory_config is not None,
             "backend": self.backend != "auto",
         }

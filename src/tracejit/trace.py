@@ -20,6 +20,7 @@ from .ir import build_graph
 from .passes import run_pipeline
 from .record.handles import HandleMap
 from .runtime.hostfree import GuardFailure, HostFreeRunner
+from .runtime.profile import CLOCK, Profiler, write_chrome_trace
 from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.replay import Replayer
 from .signature import describe_signature, signature
@@ -79,10 +80,20 @@ class trace:
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
+        self._profiler = Profiler(self.__name__) if profiling else None
 
     # -- calling --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._profiler is None:
+            return self._call(args, kwargs)
+        start = CLOCK()
+        traces = len(self._traces)
+        result = self._call(args, kwargs)
+        self._profiler.call_done(start, recorded=len(self._traces) != traces)
+        return result
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         self._check_arguments(args, kwargs)
         key = signature(args, kwargs)
         entry = self._traces.get(key)
@@ -168,7 +179,8 @@ class trace:
                 graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
                 pipeline = run_pipeline(graph, self.options.opt_level)
                 entry.history = pipeline.history
-                entry.host_free = HostFreeRunner(entry.record, HostFreeProgram(pipeline.graph), self._function)
+                program = HostFreeProgram(pipeline.graph, self._profiler)
+                entry.host_free = HostFreeRunner(entry.record, program, self._function)
             entry.host_free.bind(handles.live(), kwargs, names)
         except HostDependencyError as error:
             entry.host_free_error = error
@@ -177,7 +189,7 @@ class trace:
 
     def _compile(self, record: Record) -> CheckedProgram:
         graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)
-        return CheckedProgram(record, graph)
+        return CheckedProgram(record, graph, self._profiler)
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -185,6 +197,20 @@ class trace:
     def records(self) -> list[Record]:
         """The current record of every input signature, oldest first."""
         return [entry.record for entry in self._traces.values()]
+
+    def get_profile(self) -> dict:
+        """Per-node timings of the compiled program as a JSON-compatible dict (profiling=True)."""
+        return self._require_profiler().report()
+
+    def export_chrome_trace(self, path: str) -> None:
+        """Write the recent node timings as a Chrome trace (opens in Perfetto and chrome://tracing)."""
+        write_chrome_trace(self._require_profiler(), path)
+
+    def _require_profiler(self) -> Profiler:
+        if self._profiler is None:
+            raise RuntimeError(f"{self.__name__}() was traced without profiling; pass profiling=True to "
+                               f"tracejit.trace to collect a profile")
+        return self._profiler
 
     @property
     def history(self) -> list:

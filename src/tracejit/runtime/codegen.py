@@ -20,6 +20,7 @@ from ..ir.graph import INPUT_OPS, Graph, Node, Op
 from ..passes.plan_memory import out_overload
 from ..record.record import TENSOR, KwargStatic, ScalarSlot
 from .callables import resolve_callable
+from .profile import CLOCK, Profiler, Row
 
 _INLINE_TYPES = (int, bool, str, type(None))
 
@@ -97,7 +98,30 @@ class _Emitter:
         return f"{self.targets(node)}{function}({', '.join(args)})  # {node.name}"
 
 
-def generate_straight_line(graph: Graph) -> GeneratedProgram:
+def _profiled(emitter: _Emitter, profiler: Profiler | None, node: Node, line: str, program: str) -> list[str]:
+    """The node's call line, timed into its own profile row when profiling."""
+    if profiler is None:
+        return [line]
+    members = node.members or (node,)
+    row = profiler.add_row(Row(
+        node.name, tuple(m.name for m in members),
+        tuple(str(m.source) for m in members if m.source is not None), program,
+        cuda=any(v.meta.device.type == "cuda" for v in (emitter.graph.values[o] for o in node.outputs if o is not None)),
+    ))
+    label = emitter.constant(profiler.label(row), "label")
+    for name, value in (("CLOCK", CLOCK), ("STOP", profiler.stop), ("PROFILER_ON", torch._C._autograd._profiler_enabled),
+                        ("ENTER", torch.ops.profiler._record_function_enter_new), ("EXIT", torch.ops.profiler._record_function_exit)):
+        emitter.namespace[name] = value
+    return [
+        "_t = CLOCK()",
+        f"_rf = ENTER({label}) if PROFILER_ON() else None",  # shows the node inside torch.profiler
+        line,
+        "if _rf is not None: EXIT(_rf)",
+        f"STOP({row}, _t)",
+    ]
+
+
+def generate_straight_line(graph: Graph, profiler: Profiler | None = None) -> GeneratedProgram:
     emitter = _Emitter(graph)
     arena = _allocate_arena(graph)
     hoisted = [n for n in graph.nodes if n.op is Op.CALL and n.attr("hoisted")]
@@ -108,10 +132,8 @@ def generate_straight_line(graph: Graph) -> GeneratedProgram:
     for index, node in enumerate(graph.nodes):
         if node.op in INPUT_OPS or node.attr("hoisted"):
             continue
-        if node.op is Op.FUSED:
-            run_lines.append(_fused_call(emitter, node))
-        else:
-            run_lines.append(emitter.call(node, arena))
+        line = _fused_call(emitter, node) if node.op is Op.FUSED else emitter.call(node, arena)
+        run_lines += _profiled(emitter, profiler, node, line, "without_host")
         dead = sorted(h for h, last in last_use.items() if last == index and h not in keep)
         if dead:
             run_lines.append("del " + ", ".join(f"h{h}" for h in dead))

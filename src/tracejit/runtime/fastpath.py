@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..record.record import TENSOR, Kind, KwargStatic, OpRecord, Record, ScalarSlot
+from .profile import CLOCK
 
 MISS = object()
 _INLINE = (int, bool, str, type(None))
@@ -81,7 +82,7 @@ def _is_slot(value: Any) -> bool:
     return isinstance(value, tuple) and any(_is_slot(v) for v in value)
 
 
-def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable) -> list[str]:
+def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable, profile_row: int | None) -> list[str]:
     positional = [s for s in op.statics if not isinstance(s, KwargStatic)]
     keywords = [s for s in op.statics if isinstance(s, KwargStatic)]
     bindable = {h for h in op.inputs if record.tensors[h].kind in (Kind.EXTERNAL, Kind.CONST)}
@@ -92,7 +93,11 @@ def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable) -
     for item in keywords:
         body.append(f"if {item.name!r} not in kwargs: return MISS")
         body += _value_check(w, f"kwargs[{item.name!r}]", item.value, handles, bindable, "")
-    body.append(f"r = {w.constant(function)}(*args, **kwargs)")
+    call = f"r = {w.constant(function)}(*args, **kwargs)"
+    if profile_row is None:
+        body.append(call)
+    else:
+        body += ["_t = CLOCK()", call, f"STOP({profile_row}, _t)"]
     if op.out_kind == "tensor":
         body.append(f"E[id(r)] = ({op.outputs[0]}, REF(r))")
     elif op.out_kind in ("tuple", "list"):
@@ -103,18 +108,22 @@ def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable) -
     return body
 
 
-def generate_steps(record: Record, callables: list[Callable | None], fast: list[bool]) -> list[Callable | None]:
+def generate_steps(record: Record, callables: list[Callable | None], fast: list[bool],
+                   profile_rows: list[int] | None = None, profiler: Any = None) -> list[Callable | None]:
     """One step function per position (None where the position needs the generic path).
 
     A step is called as `step(args, kwargs, E, BIND)` with E the replay's id -> (handle, ref)
     table and BIND(tensor, handle) -> bool the replayer's binding of a first-seen external.
     """
     w = _Writer()
+    if profiler is not None:
+        w.namespace.update(CLOCK=CLOCK, STOP=profiler.stop)
     source = []
     for op in record.ops:
         if not fast[op.index] or callables[op.index] is None:
             continue
-        body = _step_source(w, record, op, callables[op.index])
+        row = profile_rows[op.index] if profile_rows is not None else None
+        body = _step_source(w, record, op, callables[op.index], row)
         source.append(f"def step{op.index}(args, kwargs, E, BIND):\n" + "\n".join(f"    {line}" for line in body))
     exec(compile("\n\n".join(source) + "\n", f"<tracejit replay steps {record.function_name}>", "exec"), w.namespace)
     return [w.namespace.get(f"step{op.index}") for op in record.ops]

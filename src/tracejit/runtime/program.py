@@ -23,6 +23,7 @@ from ..record.record import Record
 from ..record.calls import has_dynamic_output_shape
 from .codegen import callable_for, generate_straight_line
 from .fastpath import generate_steps
+from .profile import CLOCK, Profiler, Row
 
 
 def scalar_layout(record: Record) -> tuple[list[int], list]:
@@ -35,9 +36,10 @@ def scalar_layout(record: Record) -> tuple[list[int], list]:
 
 
 class CheckedProgram:
-    def __init__(self, record: Record, graph: Graph):
+    def __init__(self, record: Record, graph: Graph, profiler: Profiler | None = None):
         self.record = record
         self.graph = graph
+        self.profiler = profiler
         self.scalar_offsets, self.initial_scalars = scalar_layout(record)
         self.callables: list[Callable | None] = [None] * len(record.ops)
         for node in graph.nodes:
@@ -45,14 +47,23 @@ class CheckedProgram:
                 self.callables[node.positions[0]] = callable_for(node)
         # Data-dependent output shapes are checked on the generic path.
         fast = [self.callables[op.index] is not None and not has_dynamic_output_shape(op.op) for op in record.ops]
-        self.steps = generate_steps(record, self.callables, fast)
+        self.profile_rows = None
+        if profiler is not None:
+            self.profile_rows = [profiler.add_row(Row(op.name, (op.name,), (str(op.source),), "checked replay"))
+                                 for op in record.ops]
+        self.steps = generate_steps(record, self.callables, fast, self.profile_rows, profiler)
 
     def new_env(self) -> list:
         return [None] * len(self.record.tensors)
 
     def execute(self, position: int, args: tuple, kwargs: dict, env: list, scalars: list) -> Any:
         """Run what the graph does at `position`; return the recorded op's result."""
-        return self.callables[position](*args, **kwargs)
+        if self.profiler is None:
+            return self.callables[position](*args, **kwargs)
+        start = CLOCK()
+        result = self.callables[position](*args, **kwargs)
+        self.profiler.stop(self.profile_rows[position], start)
+        return result
 
     def materialize(self, env: list, handle: int) -> torch.Tensor | None:
         """Make the value of `handle` real before the host reads it (plain nodes always are)."""
@@ -63,9 +74,9 @@ class CheckedProgram:
 
 
 class HostFreeProgram:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, profiler: Profiler | None = None):
         self.graph = graph
-        generated = generate_straight_line(graph)
+        generated = generate_straight_line(graph, profiler)
         self.source = generated.source
         self.run = generated.run  # run(env, scalars)
         self.init = generated.init  # init(env): computes the hoisted values
