@@ -23,7 +23,7 @@ from .runtime.hostfree import GuardFailure, HostFreeRunner
 from .runtime.profile import CLOCK, Profiler, write_chrome_trace
 from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.replay import Replayer
-from .signature import describe_signature, signature
+from .signature import describe_signature, gradient_snapshot, gradient_state, signature
 
 
 @dataclass
@@ -33,6 +33,7 @@ class TraceEntry:
     key: tuple
     record: Record
     program: CheckedProgram
+    grad_state: tuple | None  # gradient state of keyword modules it was recorded in; None: irrelevant
     replays: int = 0
     host_free: HostFreeRunner | None = None  # without_host: the program run without the function
     host_free_error: Exception | None = None  # why this trace cannot run without its function
@@ -76,7 +77,8 @@ class trace:
             profiling=profiling, backend=backend, sublinear_memory_config=sublinear_memory_config,
         )
         self._function = function
-        self._traces: dict[tuple, TraceEntry] = {}
+        # signature -> the traces recorded for it, one per gradient state when that matters
+        self._traces: dict[tuple, list[TraceEntry]] = {}
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
@@ -88,15 +90,15 @@ class trace:
         if self._profiler is None:
             return self._call(args, kwargs)
         start = CLOCK()
-        traces = len(self._traces)
+        traces = len(self._entries())
         result = self._call(args, kwargs)
-        self._profiler.call_done(start, recorded=len(self._traces) != traces)
+        self._profiler.call_done(start, recorded=len(self._entries()) != traces)
         return result
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         self._check_arguments(args, kwargs)
         key = signature(args, kwargs)
-        entry = self._traces.get(key)
+        entry = self._lookup(key, kwargs)
         if entry is None:
             return self._record(key, args, kwargs)
         if self.options.without_host:
@@ -111,6 +113,18 @@ class trace:
                     except GuardFailure:
                         pass  # the world changed under the trace: run the function, which rebinds
         return self._replay(entry, args, kwargs)
+
+    def _lookup(self, key: tuple, kwargs: dict) -> TraceEntry | None:
+        entries = self._traces.get(key)
+        if not entries:
+            return None
+        if entries[0].grad_state is None:
+            return entries[0]
+        state = gradient_state(kwargs)
+        return next((e for e in entries if e.grad_state == state), None)
+
+    def _entries(self) -> list[TraceEntry]:
+        return [entry for entries in self._traces.values() for entry in entries]
 
     def _check_arguments(self, args: tuple, kwargs: dict) -> None:
         for i, value in enumerate(args):
@@ -133,21 +147,29 @@ class trace:
                 )
 
     def _record(self, key: tuple, args: tuple, kwargs: dict) -> Any:
-        if len(self._traces) >= self.options.max_traces:
-            seen = "\n".join(f"  {describe_signature(k, self._arg_names)}" for k in self._traces)
+        grad_state = gradient_state(kwargs)
+        if len(self._entries()) >= self.options.max_traces:
+            seen = "\n".join(f"  {describe_signature(e.key, self._arg_names, e.grad_state)}" for e in self._entries())
             raise TraceCacheFullError(
                 f"{self.__name__}() was called with a new input signature, but max_traces="
                 f"{self.options.max_traces} traces exist already.\n  new: "
-                f"{describe_signature(key, self._arg_names)}\nrecorded signatures:\n{seen}\n"
+                f"{describe_signature(key, self._arg_names, grad_state)}\nrecorded signatures:\n{seen}\n"
                 f"Pad or bucket inputs to a few shapes, or raise max_traces."
             )
+        grads_before = gradient_snapshot(kwargs)
         recorder = Recorder(self.__name__, capture_as_const=self.options.capture_as_const,
                             external_names=ExternalNames(self._function, kwargs))
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
         with traced_call(CallContext(self, recorder, self.options.capture_as_const)):
             result = self._function(*args, **kwargs)
         record = recorder.finish(result)
-        entry = self._traces[key] = TraceEntry(key, record, self._compile(record))
+        # A call that created or accumulated gradients depends on which .grad exist when it starts.
+        depends = gradient_snapshot(kwargs) != grads_before
+        entry = TraceEntry(key, record, self._compile(record), grad_state if depends else None)
+        if not depends:
+            self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]
+        self._traces.setdefault(key, []).append(entry)
+        self._traces[key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
         self._prepare_host_free(entry, recorder.handles, recorder.names, kwargs)
         return result
 
@@ -163,8 +185,10 @@ class trace:
             result = self._function(*args, **kwargs)
         new_record = replayer.finish(result)
         if new_record is not None:
-            entry = self._traces[entry.key] = TraceEntry(entry.key, new_record, self._compile(new_record))
-            self._prepare_host_free(entry, replayer.recorder.handles, replayer.names, kwargs)
+            replaced = TraceEntry(entry.key, new_record, self._compile(new_record), entry.grad_state)
+            entries = self._traces[entry.key]
+            entries[entries.index(entry)] = replaced
+            self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, kwargs)
         else:
             entry.replays += 1
             self._prepare_host_free(entry, replayer.handles, replayer.names, kwargs)
@@ -196,7 +220,7 @@ class trace:
     @property
     def records(self) -> list[Record]:
         """The current record of every input signature, oldest first."""
-        return [entry.record for entry in self._traces.values()]
+        return [entry.record for entry in self._entries()]
 
     def get_profile(self) -> dict:
         """Per-node timings of the compiled program as a JSON-compatible dict (profiling=True)."""
@@ -215,14 +239,14 @@ class trace:
     @property
     def history(self) -> list:
         """(pass name, graph after it, seconds) for the most recent host-free compilation."""
-        for entry in reversed(list(self._traces.values())):
+        for entry in reversed(self._entries()):
             if entry.history:
                 return entry.history
         return []
 
     def program_source(self) -> str:
         """The generated Python of the most recent without_host program."""
-        for entry in reversed(list(self._traces.values())):
+        for entry in reversed(self._entries()):
             if entry.host_free is not None:
                 return entry.host_free.program.source
         raise RuntimeError(f"{self.__name__}() has no host-free program yet: trace with without_host=True "

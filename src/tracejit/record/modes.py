@@ -1,10 +1,17 @@
-"""The two interposition modes of a traced call and the per-thread call context.
+"""The interposition of a traced call and the per-thread call context.
 
 A traced call runs the user function under a `TorchDispatchMode` that sees every aten op
-(forward, autograd's backward, optimizer) and a `TorchFunctionMode` that sees the host reads
-which never reach the dispatcher (`numpy()`, `tolist()`, `repr`). Both delegate to the call's
-*handler*: a recorder on the first call, a replayer afterwards. The handler can be swapped while
-the call runs (a replay that turns into a re-record).
+(forward, autograd's backward, optimizer), with hooks on the `torch.Tensor` methods that read
+values on the host without reaching the dispatcher (`numpy()`, `tolist()`, `repr`) or that
+should stay out of the op sequence (`item()`, `bool()`). Both delegate to the call's *handler*:
+a recorder on the first call, a replayer afterwards. The handler can be swapped while the call
+runs (a replay that turns into a re-record).
+
+Why hooks and not a `TorchFunctionMode`: a function mode intercepts every torch call of the
+function (each `F.linear`, each tensor method and attribute the optimizer touches) in Python,
+which made checked replay ~12% slower; the hooks cost nothing except on the reads themselves.
+They are installed on `torch.Tensor` only while a traced call runs, and act only on the thread
+that runs it.
 """
 
 from __future__ import annotations
@@ -15,22 +22,20 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-_T = torch.Tensor
 HOST_READ_METHODS = {
-    _T.item: "item()",
-    _T.tolist: "tolist()",
-    _T.numpy: "numpy()",
-    _T.__array__: "numpy.asarray()",
-    _T.__repr__: "repr()",
-    _T.__format__: "format()",
-    _T.__bool__: "bool()",
-    _T.__float__: "float()",
-    _T.__int__: "int()",
-    _T.__index__: "index()",
-    _T.__complex__: "complex()",
+    "item": "item()",
+    "tolist": "tolist()",
+    "numpy": "numpy()",
+    "__array__": "numpy.asarray()",
+    "__repr__": "repr()",
+    "__format__": "format()",
+    "__bool__": "bool()",
+    "__float__": "float()",
+    "__int__": "int()",
+    "__index__": "index()",
+    "__complex__": "complex()",
 }
 
 
@@ -57,20 +62,46 @@ class _DispatchMode(TorchDispatchMode):
         return self.context.handler.on_op(func, args, kwargs or {})
 
 
-class _FunctionMode(TorchFunctionMode):
-    def __init__(self, context: CallContext):
-        super().__init__()
-        self.context = context
+def _host_read_hook(original: Any, what: str) -> Any:
+    def hook(self, *args, **kwargs):
+        context = current_context()
+        if context is None or context.excluded:
+            return original(self, *args, **kwargs)
+        context.handler.on_host_read(self, what)
+        # The read itself (numpy's detach, item's _local_scalar_dense) is not part of the program.
+        with _disable_current_modes():
+            return original(self, *args, **kwargs)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        what = HOST_READ_METHODS.get(func)
-        if what is not None and args and isinstance(args[0], torch.Tensor):
-            self.context.handler.on_host_read(args[0], what)
-            # The read itself (numpy's detach, item's _local_scalar_dense) is not part of the program.
-            with _disable_current_modes():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+    hook.__name__ = getattr(original, "__name__", what)
+    hook.__doc__ = getattr(original, "__doc__", None)
+    return hook
+
+
+_HOOKS = {name: _host_read_hook(getattr(torch.Tensor, name), what) for name, what in HOST_READ_METHODS.items()}
+_ORIGINALS = {name: torch.Tensor.__dict__.get(name) for name in HOST_READ_METHODS}
+_hooks_lock = threading.Lock()
+_hooks_users = 0
+
+
+@contextlib.contextmanager
+def _host_read_hooks() -> Iterator[None]:
+    global _hooks_users
+    with _hooks_lock:
+        if _hooks_users == 0:
+            for name, hook in _HOOKS.items():
+                setattr(torch.Tensor, name, hook)
+        _hooks_users += 1
+    try:
+        yield
+    finally:
+        with _hooks_lock:
+            _hooks_users -= 1
+            if _hooks_users == 0:
+                for name, original in _ORIGINALS.items():
+                    if original is None:
+                        delattr(torch.Tensor, name)  # it was inherited from TensorBase
+                    else:
+                        setattr(torch.Tensor, name, original)
 
 
 class CallContext:
@@ -106,7 +137,7 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
         )
     _local.context = context
     try:
-        with _FunctionMode(context), _DispatchMode(context):
+        with _host_read_hooks(), _DispatchMode(context):
             yield context
     finally:
         _local.context = outer
@@ -144,9 +175,5 @@ def exclude_from_trace() -> Iterator[None]:
         context.excluded -= 1
 
 
-@contextlib.contextmanager
-def _suspended_modes() -> Iterator[None]:
-    from torch.overrides import _pop_mode_temporarily
-
-    with _disable_current_modes(), _pop_mode_temporarily():
-        yield
+def _suspended_modes():
+    return _disable_current_modes()

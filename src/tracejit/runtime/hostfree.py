@@ -106,6 +106,8 @@ class _Source:
             "CELLS": getattr(function, "__closure__", None) or (),
         }
         self.resolved: dict[Locator, str] = {}  # locators already bound to a local
+        self.prefixes: dict[str, str] = {}  # module paths already bound to a local
+        self.pending: list[str] = []  # assignments of new prefix locals, to emit before use
 
     def constant(self, value: Any, prefix: str) -> str:
         name = f"{prefix}{len(self.namespace)}"
@@ -113,15 +115,26 @@ class _Source:
         return name
 
     def locator(self, locator: Locator) -> str:
+        """An expression for the tensor at `locator`; module paths shared by several tensors are
+        looked up once per call (the assignments go to `pending`)."""
         if locator in self.resolved:
             return self.resolved[locator]
         kind, key = locator.root
         expr = {"kwarg": f"kw[{key!r}]", "global": f"GLOBALS[{key!r}]", "cell": f"CELLS[{key}].cell_contents"}[kind]
         if locator.state_of is not None:
-            return f"{expr}.state.get({self.locator(locator.state_of)}, EMPTY).get({locator.state_key!r})"
+            return f"{self._shared(expr)}.state.get({self.locator(locator.state_of)}, EMPTY).get({locator.state_key!r})"
         for step, name in locator.steps:
-            expr += {"module": "._modules", "param": "._parameters", "buffer": "._buffers"}[step] + f"[{name!r}]"
+            if step == "module":
+                expr = self._shared(f"{expr}._modules[{name!r}]")
+            else:
+                expr += {"param": "._parameters", "buffer": "._buffers"}[step] + f"[{name!r}]"
         return expr
+
+    def _shared(self, expr: str) -> str:
+        if expr not in self.prefixes:
+            self.prefixes[expr] = f"m{len(self.prefixes)}"
+            self.pending.append(f"{self.prefixes[expr]} = {expr}")
+        return self.prefixes[expr]
 
     def function(self, name: str, params: str, body: list[str]) -> tuple[str, Any]:
         source = f"def {name}({params}):\n" + "\n".join(f"    {line}" for line in body or ["pass"]) + "\n"
@@ -193,7 +206,10 @@ class HostFreeRunner:
         lines = [f"{local} = {src.constant(weakref.ref(obj), 'r')}()", _fail(f"{local} is None", f"{info.name} was freed")]
         locator = names.locator_of(obj)
         if locator is not None:
-            lines.append(_fail(f"{src.locator(locator)} is not {local}", f"{locator.describe()} is another tensor now"))
+            expr = src.locator(locator)
+            lines += src.pending
+            src.pending.clear()
+            lines.append(_fail(f"{expr} is not {local}", f"{locator.describe()} is another tensor now"))
             src.resolved[locator] = local
         meta = info.meta
         lines.append(_fail(
