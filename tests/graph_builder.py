@@ -19,6 +19,8 @@ class Ref:
 
 
 class GraphBuilder:
+    last_scalars: list = []  # the scalars of the graph a test runs (see test_passes.run_with_kernels)
+
     def __init__(self, name: str = "f"):
         self.name = name
         self.values: list[Value] = []

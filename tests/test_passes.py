@@ -1,5 +1,7 @@
 """Each pass on hand-built graphs: what it removes, what it must keep."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,10 +12,11 @@ from tracejit.passes import run_pipeline
 from tracejit.passes.cse import eliminate_common_subexpressions
 from tracejit.passes.dce import eliminate_dead_code
 from tracejit.passes.fold_constants import fold_constants
-from tracejit.passes.group import legal_group
+from tracejit.passes.group import group_elementwise
 from tracejit.passes.hoist import hoist_external_views
 from tracejit.passes.noop import remove_noop_views
 from tracejit.passes.plan_memory import plan_memory
+from tracejit.runtime.fused import compile_fused_nodes
 from tracejit.runtime.program import HostFreeProgram
 
 aten = torch.ops.aten
@@ -205,17 +208,92 @@ def test_plan_memory_never_plans_returned_storage():
     assert after.arena_bytes == 0
 
 
-def test_legal_group_respects_consumers_inside_the_span():
+def pointwise(graph, node):
+    return torch.Tag.pointwise in node.target.tags
+
+
+def fused_nodes(graph):
+    return [n for n in graph.nodes if n.op is Op.FUSED]
+
+
+def run_with_kernels(graph, *inputs):
+    kernels = compile_fused_nodes(graph)
+    program = HostFreeProgram(graph, kernels=kernels)
+    env = [None] * graph.num_handles
+    for node, value in zip([n for n in graph.nodes if n.op is Op.ARG], inputs):
+        env[graph.values[node.outputs[0]].handle] = value
+    program.run(env, list(GraphBuilder.last_scalars))
+    return [env[graph.values[v].handle] for v in graph.outputs]
+
+
+def test_group_fuses_a_chain_and_keeps_only_needed_outputs():
+    b = GraphBuilder()
+    x, y = b.arg(torch.randn(8)), b.arg(torch.randn(8))
+    m = b.call(aten.mul.Tensor, x, y)
+    a = b.call(aten.add.Tensor, m, 1.0)
+    out = b.call(aten.sigmoid.default, a)
+    graph = verify(b.build([out]))
+    after = verify(group_elementwise(graph, pointwise))
+    (fused,) = fused_nodes(after)
+    assert [str(n.target) for n in fused.members] == ["aten.mul.Tensor", "aten.add.Tensor", "aten.sigmoid.default"]
+    assert fused.outputs == graph.outputs and len(fused.inputs) == 2
+    assert fused.positions == (0, 1, 2)
+    assert "fused0_mul_add_sigmoid" in str(after) and "#   t" not in str(after).split("def")[0]
+    GraphBuilder.last_scalars = b.scalars
+    x_value, y_value = torch.randn(8), torch.randn(8)
+    assert torch.equal(run_with_kernels(after, x_value, y_value)[0], torch.sigmoid(x_value * y_value + 1.0))
+
+
+def test_group_stops_at_a_consumer_inside_the_span():
     b = GraphBuilder()
     x = b.arg(torch.randn(4))
     a = b.call(aten.exp.default, x)
-    other = b.call(aten.sum.default, a)  # reads a between the two members
+    other = b.call(aten.sum.default, a)  # needs a before sin would run the group
     c = b.call(aten.sin.default, a)
-    graph = b.build([c, other])
-    members = [n for n in graph.nodes if n.op is Op.CALL and str(n.target) in ("aten.exp.default", "aten.sin.default")]
-    assert not legal_group(graph, members)
-    assert legal_group(graph, members[:1])
-    assert not legal_group(graph, [n for n in graph.nodes if n.op is Op.CALL][1:], host_read_positions={1})
+    after = group_elementwise(verify(b.build([c, other])), pointwise)
+    assert fused_nodes(after) == []
+
+
+def test_group_stops_at_a_write_to_a_member_input():
+    b = GraphBuilder()
+    x = b.arg(torch.randn(4))
+    w = b.external(torch.randn(4))
+    a = b.call(aten.mul.Tensor, x, w)
+    b.call(aten.add_.Tensor, w, x, writes=(w,))  # w changes between the members
+    c = b.call(aten.add.Tensor, a, w)
+    after = group_elementwise(verify(b.build([c])), pointwise)
+    assert fused_nodes(after) == []
+
+
+def test_group_never_spans_a_host_read():
+    b = GraphBuilder()
+    x = b.arg(torch.randn(4))
+    a = b.call(aten.exp.default, x)
+    c = b.call(aten.sin.default, a)
+    graph = dataclasses.replace(verify(b.build([c])), barriers=(1,))
+    assert fused_nodes(group_elementwise(graph, pointwise)) == []
+
+
+def test_group_outputs_values_needed_outside():
+    b = GraphBuilder()
+    x = b.arg(torch.randn(4))
+    a = b.call(aten.exp.default, x)
+    c = b.call(aten.sin.default, a)
+    d = b.call(aten.cos.default, c)
+    after = group_elementwise(verify(b.build([d, a])), pointwise)  # a is returned too
+    (fused,) = fused_nodes(after)
+    assert [after.values[v].handle for v in fused.outputs] == [a.handle, d.handle]
+
+
+def test_host_visible_group_refuses_outside_readers_of_its_inputs():
+    b = GraphBuilder()
+    x = b.arg(torch.randn(4))
+    a = b.call(aten.exp.default, x)
+    other = b.call(aten.neg.default, x)  # reads the group's input inside the span
+    c = b.call(aten.sin.default, a)
+    host_free = group_elementwise(verify(b.build([c, other])), pointwise)
+    host_visible = group_elementwise(verify(b.build([c, other], host_visible=True)), pointwise)
+    assert len(fused_nodes(host_free)) == 1 and fused_nodes(host_visible) == []
 
 
 @pytest.mark.parametrize("opt_level", [0, 1, 2, 3])

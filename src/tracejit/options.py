@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-BACKENDS = ("auto", "triton", "c", "aten")
+BACKENDS = ("auto", "triton", "c", "aten", "reference")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TraceOptions:
         unimplemented = {
             "symbolic": self.symbolic,
             "sublinear_memory_config": self.sublinear_memory_config is not None,
-            "backend": self.backend != "auto",
+            "backend": self.backend not in ("auto", "aten", "reference"),
         }
         for name, requested in unimplemented.items():
             if requested:

@@ -17,7 +17,10 @@ from .record.names import ExternalNames
 from .record.record import Record
 from .record.recorder import Recorder
 from .ir import build_graph
-from .passes import run_pipeline
+from .ir.graph import Graph
+from .passes import PipelineResult, pipeline, run_pipeline
+from .runtime.fused import compile_fused_nodes
+from .runtime.fusion import resolve_fusion
 from .record.handles import HandleMap
 from .runtime.hostfree import GuardFailure, HostFreeRunner
 from .runtime.profile import CLOCK, Profiler, write_chrome_trace
@@ -83,6 +86,7 @@ class trace:
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
         self._profiler = Profiler(self.__name__) if profiling else None
+        self._fusion = resolve_fusion(backend)
 
     # -- calling --------------------------------------------------------------------------------
 
@@ -201,9 +205,9 @@ class trace:
         try:
             if entry.host_free is None:
                 graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
-                pipeline = run_pipeline(graph, self.options.opt_level)
-                entry.history = pipeline.history
-                program = HostFreeProgram(pipeline.graph, self._profiler)
+                result = self._optimize(graph)
+                entry.history = result.history
+                program = HostFreeProgram(result.graph, self._profiler, self._kernels(result.graph))
                 entry.host_free = HostFreeRunner(entry.record, program, self._function)
             entry.host_free.bind(handles.live(), kwargs, names)
         except HostDependencyError as error:
@@ -213,7 +217,16 @@ class trace:
 
     def _compile(self, record: Record) -> CheckedProgram:
         graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)
-        return CheckedProgram(record, graph, self._profiler)
+        if self._fusion is not None:  # the only pass that changes a host-visible graph
+            graph = self._optimize(graph).graph
+        return CheckedProgram(record, graph, self._profiler, self._kernels(graph))
+
+    def _optimize(self, graph: Graph) -> PipelineResult:
+        can_fuse = self._fusion.can_fuse if self._fusion is not None else None
+        return run_pipeline(graph, self.options.opt_level, passes=pipeline(can_fuse))
+
+    def _kernels(self, graph: Graph) -> dict:
+        return compile_fused_nodes(graph, self._fusion.compile if self._fusion is not None else None)
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -83,5 +83,7 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         num_handles=len(record.tensors),
         capture_as_const=capture_as_const,
         constants=dict(record.constants),
+        host_reads=frozenset(r.handle for r in record.host_reads),
+        barriers=tuple(sorted({r.position for r in record.host_reads} | {b.position for b in record.excluded_blocks})),
     )
 

@@ -92,6 +92,8 @@ class Graph:
     capture_as_const: bool = False
     provenance: str = "record"  # which pass produced this graph, and its time
     arena_bytes: int = 0  # size of the persistent buffer arena planned by plan_memory
+    host_reads: frozenset[int] = frozenset()  # handles the host read (numpy, item, print...)
+    barriers: tuple[int, ...] = ()  # positions of host reads and excluded blocks
     # handle -> constant tensor (captured or folded); shared, never mutated by passes
     constants: dict[int, Any] = field(default_factory=dict, compare=False)
 

@@ -15,7 +15,7 @@ from ..ir.verify import verify
 from .cse import eliminate_common_subexpressions
 from .dce import eliminate_dead_code
 from .fold_constants import fold_constants
-from .group import group_elementwise
+from .group import CanFuse, group_elementwise
 from .hoist import hoist_external_views
 from .noop import remove_noop_views
 from .plan_memory import plan_memory
@@ -39,6 +39,18 @@ PIPELINE: list[tuple[int, Pass]] = [
     # Step 7: intermediate buffers get persistent storage, reused when lifetimes do not overlap.
     (2, plan_memory),
 ]
+
+
+def pipeline(can_fuse: CanFuse | None = None) -> list[tuple[int, Pass]]:
+    """PIPELINE with the fusion backend's `can_fuse` given to the grouping pass."""
+    if can_fuse is None:
+        return PIPELINE
+
+    def group_elementwise_for_backend(graph: Graph) -> Graph:
+        return group_elementwise(graph, can_fuse)
+
+    group_elementwise_for_backend.__name__ = "group_elementwise"
+    return [(level, group_elementwise_for_backend if p is group_elementwise else p) for level, p in PIPELINE]
 
 
 @dataclass

@@ -67,9 +67,10 @@ def _host_read_hook(original: Any, what: str) -> Any:
         context = current_context()
         if context is None or context.excluded:
             return original(self, *args, **kwargs)
-        context.handler.on_host_read(self, what)
-        # The read itself (numpy's detach, item's _local_scalar_dense) is not part of the program.
+        # Neither the read (numpy's detach, item's _local_scalar_dense) nor what it takes to make
+        # the value real is part of the program.
         with _disable_current_modes():
+            context.handler.on_host_read(self, what)
             return original(self, *args, **kwargs)
 
     hook.__name__ = getattr(original, "__name__", what)
@@ -166,10 +167,10 @@ def exclude_from_trace() -> Iterator[None]:
             f"capture_as_const=True. A graph with captured constants must be self-contained; move the "
             f"excluded code out of the traced function or trace without capture_as_const."
         )
-    context.handler.on_excluded_block()
     context.excluded += 1
     try:
         with _suspended_modes():
+            context.handler.on_excluded_block()
             yield
     finally:
         context.excluded -= 1

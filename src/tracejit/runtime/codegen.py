@@ -121,7 +121,9 @@ def _profiled(emitter: _Emitter, profiler: Profiler | None, node: Node, line: st
     ]
 
 
-def generate_straight_line(graph: Graph, profiler: Profiler | None = None) -> GeneratedProgram:
+def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
+                           kernels: dict[int, Any] | None = None) -> GeneratedProgram:
+    """`kernels` maps the index of every FUSED node to its kernel (see runtime/fused.py)."""
     emitter = _Emitter(graph)
     arena = _allocate_arena(graph)
     hoisted = [n for n in graph.nodes if n.op is Op.CALL and n.attr("hoisted")]
@@ -132,7 +134,7 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None) -> Ge
     for index, node in enumerate(graph.nodes):
         if node.op in INPUT_OPS or node.attr("hoisted"):
             continue
-        line = _fused_call(emitter, node) if node.op is Op.FUSED else emitter.call(node, arena)
+        line = _fused_call(emitter, node, kernels[index]) if node.op is Op.FUSED else emitter.call(node, arena)
         run_lines += _profiled(emitter, profiler, node, line, "without_host")
         dead = sorted(h for h, last in last_use.items() if last == index and h not in keep)
         if dead:
@@ -148,8 +150,8 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None) -> Ge
     return GeneratedProgram(source, namespace["run"], namespace["init"], hoisted_handles, arena)
 
 
-def _fused_call(emitter: _Emitter, node: Node) -> str:
-    kernel = emitter.constant(node.target, "kernel")
+def _fused_call(emitter: _Emitter, node: Node, kernel_object: Any) -> str:
+    kernel = emitter.constant(kernel_object, "kernel")
     ins = ", ".join(emitter.local(v) for v in node.inputs)
     outs = [emitter.local(v) for v in node.outputs if v is not None]
     call = f"{kernel}(({ins}{',' if len(node.inputs) == 1 else ''}), s)  # {node.name}"

@@ -39,7 +39,7 @@ class Replayer:
         self.record: Record = program.record
         self.position = 0
         self.handles = HandleMap()
-        self.env = program.new_env()
+        self.state = program.new_state()
         self.scalars = list(program.initial_scalars)
         self.may_rerecord = may_rerecord
         self.names = external_names
@@ -104,7 +104,7 @@ class Replayer:
         if scalars:
             start = self.program.scalar_offsets[position]
             self.scalars[start:start + len(scalars)] = scalars
-        result = self.program.execute(position, args, kwargs, self.env, self.scalars)
+        result = self.program.execute(position, args, kwargs, tensors, self.state, self.scalars)
         self._map_outputs(op, result, position)
         self.position = position + 1
         return result
@@ -114,12 +114,12 @@ class Replayer:
             return self.recorder.on_host_read(tensor, what)
         handle = self.handles.get(tensor)
         if handle is not None:
-            self.program.materialize(self.env, handle)
+            self.program.materialize(self.state, handle, self.scalars)
 
     def on_excluded_block(self) -> None:
         if self.recorder is not None:
             return self.recorder.on_excluded_block()
-        self.program.complete(self.env)
+        self.program.complete(self.state, self.scalars)
 
     # -- matching -------------------------------------------------------------------------------
 
@@ -217,6 +217,8 @@ class Replayer:
         return self.recorder.on_op(func, args, kwargs)
 
     def _start_rerecord(self) -> None:
+        # the rest of the call runs eagerly on the tensors the host holds: make them all real
+        self.program.complete(self.state, self.scalars)
         self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
                                         self.capture_as_const, self.regions)
 
@@ -234,7 +236,7 @@ class Replayer:
                 raise mismatch.output_mismatch(self.record, error, user_location())
             self._start_rerecord()
             return self.recorder.finish(result)
-        self.program.complete(self.env)
+        self.program.finish(self.state, self.scalars)
         return None
 
     def _check_output(self, spec, value: Any, path: str) -> str | None:
