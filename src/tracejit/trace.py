@@ -22,7 +22,7 @@ from .passes import PipelineResult, pipeline, run_pipeline
 from .runtime.fused import compile_fused_nodes
 from .runtime.fusion import resolve_fusion
 from .record.handles import HandleMap
-from .runtime.hostfree import GuardFailure, HostFreeRunner
+from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
 from .runtime.profile import CLOCK, Profiler, write_chrome_trace
 from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.replay import Replayer
@@ -87,10 +87,16 @@ class trace:
         functools.update_wrapper(self, function)
         self._profiler = Profiler(self.__name__) if profiling else None
         self._fusion = resolve_fusion(backend)
+        self._fast_call: Callable | None = None
 
     # -- calling --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fast = self._fast_call
+        if fast is not None:  # the last host-free trace used, checking its own signature
+            result = fast(args, kwargs)
+            if result is not MISS:
+                return result
         if self._profiler is None:
             return self._call(args, kwargs)
         start = CLOCK()
@@ -108,14 +114,15 @@ class trace:
         if self.options.without_host:
             if entry.host_free_error is not None:
                 raise entry.host_free_error
-            if entry.host_free is not None and entry.host_free.prologue is not None:
+            if entry.host_free is not None and entry.host_free.call is not None:
                 entry.host_free_calls += 1
                 every = self.options.verify_every
                 if not (every and entry.host_free_calls % every == 0):
-                    try:
-                        return entry.host_free(args, kwargs)
-                    except GuardFailure:
-                        pass  # the world changed under the trace: run the function, which rebinds
+                    result = entry.host_free.call(args, kwargs)
+                    if result is not MISS:
+                        self._install_fast_call(entry)
+                        return result
+                    # the world changed under the trace: run the function, which rebinds
         return self._replay(entry, args, kwargs)
 
     def _lookup(self, key: tuple, kwargs: dict) -> TraceEntry | None:
@@ -174,7 +181,7 @@ class trace:
             self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]
         self._traces.setdefault(key, []).append(entry)
         self._traces[key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
-        self._prepare_host_free(entry, recorder.handles, recorder.names, kwargs)
+        self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs)
         return result
 
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
@@ -192,13 +199,14 @@ class trace:
             replaced = TraceEntry(entry.key, new_record, self._compile(new_record), entry.grad_state)
             entries = self._traces[entry.key]
             entries[entries.index(entry)] = replaced
-            self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, kwargs)
+            self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs)
         else:
             entry.replays += 1
-            self._prepare_host_free(entry, replayer.handles, replayer.names, kwargs)
+            self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs)
         return result
 
-    def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, kwargs: dict) -> None:
+    def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
+                           kwargs: dict) -> None:
         """After a call that ran the function: (re)bind the program that runs without it."""
         if not self.options.without_host or entry.provisional:
             return
@@ -209,11 +217,19 @@ class trace:
                 entry.history = result.history
                 program = HostFreeProgram(result.graph, self._profiler, self._kernels(result.graph))
                 entry.host_free = HostFreeRunner(entry.record, program, self._function)
-            entry.host_free.bind(handles.live(), kwargs, names)
+            entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state)
+            self._install_fast_call(entry)
         except HostDependencyError as error:
             entry.host_free_error = error
         except GuardFailure:
-            entry.host_free.prologue = None  # some external is gone: the next call runs the function
+            entry.host_free.call = None  # some external is gone: the next call runs the function
+            self._fast_call = None
+
+    def _install_fast_call(self, entry: TraceEntry) -> None:
+        """Let the next call try this trace's generated call before anything else. Profiling and
+        verify_every need the slow path's bookkeeping."""
+        if self._profiler is None and self.options.verify_every is None:
+            self._fast_call = entry.host_free.call
 
     def _compile(self, record: Record) -> CheckedProgram:
         graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)

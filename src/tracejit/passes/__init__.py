@@ -15,6 +15,7 @@ from ..ir.verify import verify
 from .cse import eliminate_common_subexpressions
 from .dce import eliminate_dead_code
 from .fold_constants import fold_constants
+from .fuse_linear_activation import fuse_linear_activation
 from .group import CanFuse, group_elementwise
 from .hoist import hoist_external_views
 from .noop import remove_noop_views
@@ -32,11 +33,13 @@ PIPELINE: list[tuple[int, Pass]] = [
     (2, eliminate_common_subexpressions),
     # Step 4: ops whose results nothing uses and that write nothing observable disappear.
     (1, eliminate_dead_code),
-    # Step 5: views of external tensors are computed once and kept across calls.
+    # Step 5: relu(addmm(...)) (Linear + ReLU) becomes one _addmm_activation call.
+    (2, fuse_linear_activation),
+    # Step 6: views of external tensors are computed once and kept across calls.
     (2, hoist_external_views),
-    # Step 6: elementwise chains become fused kernel nodes (the fused-kernel backends fill this).
+    # Step 7: elementwise chains become fused kernel nodes (the fused-kernel backends fill this).
     (2, group_elementwise),
-    # Step 7: intermediate buffers get persistent storage, reused when lifetimes do not overlap.
+    # Step 8: intermediate buffers get persistent storage, reused when lifetimes do not overlap.
     (2, plan_memory),
 ]
 

@@ -7,7 +7,7 @@ Before (host-free graph):              After:
 
 A view shares its base's storage, so an in-place update of the parameter (the optimizer's)
 shows through a view made before it. The view stays valid as long as the external is the same
-object over the same storage, which the without_host prologue checks on every call.
+object over the same storage, which the without_host call checks every time.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """without_host=True: run a trace without its Python function.
 
-Before the program runs, a generated *prologue* checks what the skipped function would have
-checked by running: the keyword arguments are the recorded ones (same primitive values), every
-external tensor is still where the function finds it (same object, reached through the same
-module/optimizer attributes, same shape/dtype/device), and it binds the inputs and the learning
-rates read from `param_groups`. A failed check is not an error: the call falls back to a checked
-replay, which runs the function and rebinds. The *epilogue* builds the return value from fresh
-tensors and writes the values that escaped into Python state (`.grad`, state created inside the
-call) into the objects Python holds.
+For every binding one function is generated, `call(args, kw)`. It checks the inputs' signature,
+then what the skipped function would have established by running: the keyword arguments are
+the recorded ones (same primitive values), every external tensor is still where the function
+finds it (same object, reached through the same module/optimizer attributes, same
+shape/dtype/device). It binds the inputs and the learning rates read from `param_groups`, runs
+the program, writes the values that escaped into Python state (`.grad`, state created inside
+the call) into the objects Python holds, and returns fresh outputs. A failed check is not an
+error: `call` returns MISS and the call falls back to a checked replay, which runs the function
+and rebinds.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from ..record.calls import scalar_slot_names
 from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.regions import in_optimizer_step
+from ..signature import gradient_state
 from .program import HostFreeProgram, scalar_layout
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 
 
 class GuardFailure(Exception):
-    """The prologue found the world changed; the call runs as a checked replay instead."""
+    """An external of the last host-run call is gone: the next call runs the function."""
 
 
 def refuse_host_dependencies(record: Record) -> None:
@@ -100,7 +102,6 @@ class _Source:
 
     def __init__(self, function: Any) -> None:
         self.namespace: dict[str, Any] = {
-            "GuardFailure": GuardFailure,
             "EMPTY": {},
             "GLOBALS": getattr(function, "__globals__", {}),
             "CELLS": getattr(function, "__closure__", None) or (),
@@ -142,46 +143,79 @@ class _Source:
         return source, self.namespace[name]
 
 
+MISS = object()  # what a generated call returns when it cannot serve the call
+
+
 def _fail(condition: str, message: str) -> str:
-    return f"if {condition}: raise GuardFailure({message!r})"
+    # The message is kept as a comment: the generated call only says "not me" (MISS), and the
+    # slow path that follows explains nothing either, it runs the function.
+    return f"if {condition}: return MISS  # {message}"
 
 
 class HostFreeRunner:
+    """Runs one trace without its function, through one generated function per binding:
+    `call(args, kw)` checks the signature and the guards, binds, runs the program and returns
+    the outputs, or returns MISS and lets the caller take the slow path."""
+
     def __init__(self, record: Record, program: HostFreeProgram, function: Any):
         refuse_host_dependencies(record)
         self.record = record
         self.program = program
         self.function = function
         _, self.initial_scalars = scalar_layout(record)
-        self.prologue = None
-        self.epilogue = None
+        self.call = None
         self.sources: dict[str, str] = {}
         self.env_template: list = []
 
-    def bind(self, objects: dict[int, torch.Tensor], kwargs: dict, names: ExternalNames) -> None:
-        """Specialize the prologue and epilogue to the objects a host-run call just used."""
+    def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
+             grad_state: tuple | None) -> None:
+        """Specialize the call to the inputs' signature and the objects a host-run call just used."""
+        self._compute_hoisted(objects)
         src = _Source(self.function)
-        lines = [_fail(f"kw.keys() != {src.constant(set(kwargs), 'keys')}", "the keyword arguments changed")]
+        src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, TEMPLATE=self.env_template,
+                             SCALARS=self.initial_scalars, RUN=self.program.run, IS_GRAD=torch.is_grad_enabled,
+                             SET_GRAD=torch._C._set_grad_enabled, GRAD_STATE=gradient_state)
+        lines = self._signature_checks(args, kwargs, grad_state, src)
+        guards = []
         for name, value in sorted(kwargs.items()):
             if isinstance(value, _PRIMITIVES):
-                lines.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}",
-                                   f"keyword argument {name!r} is not {value!r} anymore"))
+                guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
-                lines += self._external_guard(info, objects.get(info.handle), src, names)
+                guards += self._external_guard(info, objects.get(info.handle), src, names)
         for index, handle in enumerate(self.record.arg_handles):
-            lines.append(f"env[{handle}] = args[{index}]")
+            guards.append(f"env[{handle}] = args[{index}]")
         for name, handle in self.record.kwarg_handles.items():
-            lines.append(f"env[{handle}] = kw[{name!r}]")
+            guards.append(f"env[{handle}] = kw[{name!r}]")
         for binding in find_lr_bindings(self.record, objects, kwargs):
             sign = "-" if binding.sign < 0 else ""
-            lines.append(f"s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups[{binding.group}]['lr']")
-        body = ["try:", *(f"    {line}" for line in lines),
-                "except (KeyError, AttributeError, IndexError, TypeError) as error:",
-                "    raise GuardFailure(f'lookup failed: {error!r}') from error"]
-        self.sources["prologue"], self.prologue = src.function("prologue", "args, kw, env, s", body)
-        self._bind_epilogue(objects)
-        self._compute_hoisted(objects)
+            guards.append(f"s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups[{binding.group}]['lr']")
+        lines += ["env = list(TEMPLATE)", "s = list(SCALARS)", "try:", *(f"    {line}" for line in guards),
+                  "except (KeyError, AttributeError, IndexError, TypeError):",
+                  "    return MISS  # a module, optimizer or global no longer has what it had",
+                  "previous = IS_GRAD()", "SET_GRAD(False)", "try:", "    RUN(env, s)",
+                  *(f"    {line}" for line in self._epilogue(objects, src)),
+                  "finally:", "    SET_GRAD(previous)"]
+        self.sources["call"], self.call = src.function("call", "args, kw", lines)
+
+    def _signature_checks(self, args: tuple, kwargs: dict, grad_state: tuple | None, src: _Source) -> list[str]:
+        """The input signature of this trace (see signature.py), checked on the call's inputs."""
+        lines = [_fail(f"len(args) != {len(args)} or kw.keys() != {src.constant(set(kwargs), 'keys')}",
+                       "other arguments")]
+        tensors = [(f"args[{i}]", a) for i, a in enumerate(args)]
+        tensors += [(f"kw[{n!r}]", v) for n, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        for expr, tensor in tensors:
+            lines.append(_fail(
+                f"not isinstance({expr}, TENSOR) or {expr}.shape != {src.constant(tensor.shape, 's')} or "
+                f"{expr}.stride() != {src.constant(tensor.stride(), 'st')} or {expr}.dtype is not "
+                f"{src.constant(tensor.dtype, 'd')} or {expr}.device != {src.constant(tensor.device, 'v')} or "
+                f"{expr}.requires_grad is not {tensor.requires_grad}", "another tensor signature"))
+        for name, value in kwargs.items():
+            if isinstance(value, torch.nn.Module):
+                lines.append(_fail(f"kw[{name!r}].training is not {value.training}", "train/eval switched"))
+        if grad_state is not None:
+            lines.append(_fail(f"GRAD_STATE(kw) != {src.constant(grad_state, 'g')}", "other .grad state"))
+        return lines
 
     def _compute_hoisted(self, objects: dict[int, torch.Tensor]) -> None:
         """Views of externals are made once per binding and handed to every call in the template."""
@@ -221,8 +255,8 @@ class HostFreeRunner:
         lines.append(f"env[{info.handle}] = {local}")
         return lines
 
-    def _bind_epilogue(self, objects: dict[int, torch.Tensor]) -> None:
-        src = _Source(self.function)
+    def _epilogue(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
+        """Write escaped values into the objects Python holds; return fresh outputs."""
         body = []
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
@@ -231,19 +265,7 @@ class HostFreeRunner:
                 body += [f"o = {ref}()", f"if o is not None and o is not env[{handle}]:",
                          f"    o.copy_(env[{handle}])"]
         body.append(f"return {_output_expr(self.record.output)}")
-        self.sources["epilogue"], self.epilogue = src.function("epilogue", "env", body)
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        env = list(self.env_template)
-        scalars = list(self.initial_scalars)
-        self.prologue(args, kwargs, env, scalars)
-        previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            self.program.run(env, scalars)
-            return self.epilogue(env)
-        finally:
-            torch._C._set_grad_enabled(previous)
+        return body
 
 
 def _output_expr(spec: OutputSpec) -> str:
