@@ -123,3 +123,27 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, exact=True, atol=1e-6):
                 assert check(value, other), f"optimizer state {key}.{field} differs"
             else:
                 assert value == other
+
+
+def train_side_by_side(kind: str, opt_name: str, steps: int = 5, step_fn=train_step, scheduler_gamma=None,
+                       **trace_options):
+    """Train an eager and a traced twin from the same seed, asserting equal losses at every step.
+
+    Returns ((model, opt) eager, (model, opt) traced, traced function)."""
+    import tracejit
+
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), opt_name)
+    schedulers = []
+    if scheduler_gamma is not None:
+        schedulers = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=scheduler_gamma) for o in (opt_a, opt_b)]
+    traced = tracejit.trace(step_fn, **trace_options)
+    for i in range(steps):
+        x, y = batch(kind, i)
+        torch.manual_seed(100 + i)
+        loss_a = step_fn(x, y, model=model_a, opt=opt_a)
+        torch.manual_seed(100 + i)
+        loss_b = traced(x, y, model=model_b, opt=opt_b)
+        assert torch.equal(loss_a, loss_b), f"step {i}: {loss_a.item()} vs {loss_b.item()}"
+        for scheduler in schedulers:
+            scheduler.step()
+    return (model_a, opt_a), (model_b, opt_b), traced

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from models import assert_same_state, batch, make_model, train_step, twin
+from models import assert_same_state, batch, make_model, train_side_by_side
 
 import tracejit
 
@@ -12,15 +12,8 @@ import tracejit
 @pytest.mark.parametrize("kind, opt_name", [("mlp", "adam_fused"), ("cnn", "sgd_momentum"),
                                             ("transformer", "adamw_fused")])
 def test_training_at_every_opt_level(kind, opt_name, opt_level, without_host):
-    (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), opt_name)
-    traced = tracejit.trace(train_step, opt_level=opt_level, without_host=without_host)
-    for i in range(5):
-        x, y = batch(kind, i)
-        torch.manual_seed(100 + i)
-        loss_a = train_step(x, y, model=model_a, opt=opt_a)
-        torch.manual_seed(100 + i)
-        loss_b = traced(x, y, model=model_b, opt=opt_b)
-        assert torch.equal(loss_a, loss_b), f"step {i}"
+    (model_a, opt_a), (model_b, opt_b), _ = train_side_by_side(kind, opt_name, opt_level=opt_level,
+                                                               without_host=without_host)
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
 
 

@@ -3,7 +3,7 @@ grouping, placeholders in checked replay, on-demand reads, and training parity."
 
 import pytest
 import torch
-from models import assert_same_state, batch, make_model, train_step, twin
+from models import assert_same_state, train_side_by_side
 
 import tracejit
 from tracejit.ir import Op
@@ -19,15 +19,8 @@ def fused_count(traced):
 @pytest.mark.parametrize("kind, opt_name", [("mlp", "adam_fused"), ("cnn", "sgd_momentum"),
                                             ("transformer", "adamw_fused")])
 def test_training_with_fused_groups_matches_eager(kind, opt_name, without_host):
-    (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), opt_name)
-    traced = tracejit.trace(train_step, backend="reference", without_host=without_host)
-    for i in range(5):
-        x, y = batch(kind, i)
-        torch.manual_seed(100 + i)
-        loss_a = train_step(x, y, model=model_a, opt=opt_a)
-        torch.manual_seed(100 + i)
-        loss_b = traced(x, y, model=model_b, opt=opt_b)
-        assert torch.equal(loss_a, loss_b), f"step {i}"
+    (model_a, opt_a), (model_b, opt_b), _ = train_side_by_side(kind, opt_name, backend="reference",
+                                                               without_host=without_host)
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
 
 

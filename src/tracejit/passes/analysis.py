@@ -38,6 +38,11 @@ def is_pure_call(node: Node) -> bool:
     )
 
 
+def identity_matters(graph: Graph) -> set[int]:
+    """Handles whose tensor object the caller or Python state holds (returned or escaped)."""
+    return set(graph.escaped) | {graph.values[v].handle for v in graph.outputs}
+
+
 def versions_of(graph: Graph) -> dict[int, list[int]]:
     """handle -> its value ids, oldest first."""
     found: dict[int, list[int]] = {}

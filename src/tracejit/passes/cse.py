@@ -12,14 +12,14 @@ call). Values written after their creation, returned or kept in Python state are
 from __future__ import annotations
 
 from ..ir.graph import Graph
-from .analysis import is_pure_call, replace_uses, single_version_handles
+from .analysis import identity_matters, is_pure_call, replace_uses, single_version_handles
 
 
 def eliminate_common_subexpressions(graph: Graph) -> Graph:
     if graph.host_visible:
         return graph
     unwritten = single_version_handles(graph)
-    identity_matters = set(graph.escaped) | {graph.values[v].handle for v in graph.outputs}
+    held = identity_matters(graph)
     seen: dict[tuple, tuple] = {}
     mapping: dict[int, int] = {}
     nodes = []
@@ -28,7 +28,7 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
         handles = [graph.values[v].handle for v in node.outputs if v is not None]
         mergeable = (
             is_pure_call(node) and not node.attr("scalars")
-            and all(h in unwritten and h not in identity_matters for h in handles)
+            and all(h in unwritten and h not in held for h in handles)
         )
         if mergeable:
             try:

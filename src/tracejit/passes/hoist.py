@@ -14,19 +14,20 @@ from __future__ import annotations
 
 from ..ir.graph import Graph, Op
 from ..record.calls import is_view_op
+from .analysis import identity_matters
 
 
 def hoist_external_views(graph: Graph) -> Graph:
     if graph.host_visible:
         return graph
     invariant = {n.outputs[0] for n in graph.nodes if n.op in (Op.EXTERNAL, Op.CONST)}
-    identity_matters = set(graph.escaped) | {graph.values[v].handle for v in graph.outputs}
+    held = identity_matters(graph)
     nodes = []
     for node in graph.nodes:
         hoistable = (
             node.op is Op.CALL and is_view_op(node.target) and not node.attr("scalars") and not node.writes
             and node.inputs and all(v in invariant for v in node.inputs)
-            and all(graph.values[v].handle not in identity_matters for v in node.outputs if v is not None)
+            and all(graph.values[v].handle not in held for v in node.outputs if v is not None)
         )
         if hoistable:
             node = node.with_attrs(hoisted=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.graph import Graph, Op
-from .analysis import replace_uses, single_version_handles
+from .analysis import identity_matters, replace_uses, single_version_handles
 
 aten = torch.ops.aten
 NOOP_ALIASES = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh.default})
@@ -25,13 +25,13 @@ def remove_noop_views(graph: Graph) -> Graph:
     if graph.host_visible:
         return graph
     unwritten = single_version_handles(graph)
-    identity_matters = set(graph.escaped) | {graph.values[v].handle for v in graph.outputs}
+    held = identity_matters(graph)
     mapping: dict[int, int] = {}
     nodes = []
     for node in graph.nodes:
         if node.op is Op.CALL and node.target in NOOP_ALIASES:
             handle = graph.values[node.outputs[0]].handle
-            if handle in unwritten and handle not in identity_matters:
+            if handle in unwritten and handle not in held:
                 mapping[node.outputs[0]] = node.inputs[0]
                 continue
         nodes.append(node)
