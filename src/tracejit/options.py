@@ -9,6 +9,27 @@ BACKENDS = ("auto", "triton", "c", "aten", "reference")
 
 
 @dataclass(frozen=True)
+class SublinearMemoryConfig:
+    """Recompute forward activations in backward instead of keeping them (gradient checkpointing).
+
+    checkpoint_every: keep one of every N forward values that backward reads (default: sqrt of
+        their number, which makes the activation memory grow as the square root of depth).
+    lb_memory_mb: only values of at least this many MiB are dropped; smaller ones are kept.
+    """
+
+    checkpoint_every: int | None = None
+    lb_memory_mb: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int)
+                                                  or self.checkpoint_every < 2):
+            raise ValueError(f"SublinearMemoryConfig: checkpoint_every must be None or an int >= 2, "
+                             f"got {self.checkpoint_every!r}")
+        if not isinstance(self.lb_memory_mb, (int, float)) or self.lb_memory_mb < 0:
+            raise ValueError(f"SublinearMemoryConfig: lb_memory_mb must be a number >= 0, got {self.lb_memory_mb!r}")
+
+
+@dataclass(frozen=True)
 class TraceOptions:
     symbolic: bool = False
     capture_as_const: bool = False
@@ -37,9 +58,15 @@ class TraceOptions:
                              "(checked replay already verifies every call)")
         if self.backend not in BACKENDS:
             raise ValueError(f"tracejit.trace: backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.sublinear_memory_config is not None:
+            if not isinstance(self.sublinear_memory_config, SublinearMemoryConfig):
+                raise TypeError(f"tracejit.trace: sublinear_memory_config must be a tracejit.SublinearMemoryConfig, "
+                                f"got {type(self.sublinear_memory_config).__name__}")
+            if not self.without_host:
+                raise ValueError("tracejit.trace: sublinear_memory_config needs without_host=True: in checked replay "
+                                 "autograd keeps the activations the Python function computes")
         unimplemented = {
             "symbolic": self.symbolic,
-            "sublinear_memory_config": self.sublinear_memory_config is not None,
             "backend": self.backend not in ("auto", "aten", "reference"),
         }
         for name, requested in unimplemented.items():

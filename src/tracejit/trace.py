@@ -61,6 +61,12 @@ class trace:
             a later call that sees another object or a modified one raises TraceMismatchError.
         opt_level: 0 executes the record as recorded; higher levels run the compiler passes.
         max_traces: how many input signatures get a trace of their own before calls fail.
+        without_host: later calls run the compiled program without the Python function.
+        verify_every: with without_host, every N-th call runs as a checked replay.
+        profiling: time every node; see get_profile() and export_chrome_trace().
+        backend: fused-kernel backend, "auto", "c", "triton", "aten" (no fusion) or "reference".
+        sublinear_memory_config: with without_host, recompute activations in backward.
+        symbolic: record the first call without computing it.
     """
 
     def __new__(cls, function: Callable | None = None, **options: Any):
@@ -239,7 +245,11 @@ class trace:
 
     def _optimize(self, graph: Graph) -> PipelineResult:
         can_fuse = self._fusion.can_fuse if self._fusion is not None else None
-        return run_pipeline(graph, self.options.opt_level, passes=pipeline(can_fuse))
+        sublinear = self.options.sublinear_memory_config
+        if sublinear is None:
+            return run_pipeline(graph, self.options.opt_level, passes=pipeline(can_fuse))
+        passes = pipeline(can_fuse, sublinear.checkpoint_every, int(sublinear.lb_memory_mb * 2**20))
+        return run_pipeline(graph, self.options.opt_level, passes=passes)
 
     def _kernels(self, graph: Graph) -> dict:
         return compile_fused_nodes(graph, self._fusion.compile if self._fusion is not None else None)

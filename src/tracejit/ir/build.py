@@ -64,7 +64,8 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
             for h in op.outputs
         )
         attrs = (("statics", op.statics), ("scalars", op.scalars), ("out_kind", op.out_kind),
-                 ("scalar_base", scalar_base), ("input_metas", tuple(record.tensors[h].meta for h in op.inputs)))
+                 ("scalar_base", scalar_base), ("input_metas", tuple(record.tensors[h].meta for h in op.inputs)),
+                 ("backward_of", op.backward_of))
         scalar_base += len(op.scalars)
         nodes.append(Node(Op.CALL, op.op, inputs, outputs, writes, attrs, (op.index,), op.source))
     for handle in record.output.handles():

@@ -20,6 +20,7 @@ from .group import CanFuse, group_elementwise
 from .hoist import hoist_external_views
 from .noop import remove_noop_views
 from .plan_memory import plan_memory
+from .rematerialize import rematerialize
 
 Pass = Callable[[Graph], Graph]
 
@@ -44,16 +45,25 @@ PIPELINE: list[tuple[int, Pass]] = [
 ]
 
 
-def pipeline(can_fuse: CanFuse | None = None) -> list[tuple[int, Pass]]:
-    """PIPELINE with the fusion backend's `can_fuse` given to the grouping pass."""
-    if can_fuse is None:
-        return PIPELINE
+def pipeline(can_fuse: CanFuse | None = None, checkpoint_every: int | None = None,
+             rematerialize_min_bytes: int | None = None) -> list[tuple[int, Pass]]:
+    """PIPELINE with the trace's choices bound: the fusion backend's `can_fuse` for the grouping
+    pass, and rematerialization (sublinear memory) after dead code elimination when requested."""
+    passes = list(PIPELINE)
+    if can_fuse is not None:
+        def group_elementwise_for_backend(graph: Graph) -> Graph:
+            return group_elementwise(graph, can_fuse)
 
-    def group_elementwise_for_backend(graph: Graph) -> Graph:
-        return group_elementwise(graph, can_fuse)
+        group_elementwise_for_backend.__name__ = "group_elementwise"
+        passes = [(level, group_elementwise_for_backend if p is group_elementwise else p) for level, p in passes]
+    if rematerialize_min_bytes is not None:
+        def rematerialize_with_config(graph: Graph) -> Graph:
+            return rematerialize(graph, checkpoint_every, rematerialize_min_bytes)
 
-    group_elementwise_for_backend.__name__ = "group_elementwise"
-    return [(level, group_elementwise_for_backend if p is group_elementwise else p) for level, p in PIPELINE]
+        rematerialize_with_config.__name__ = "rematerialize"
+        at = next(i for i, (_, p) in enumerate(passes) if p is eliminate_dead_code) + 1
+        passes.insert(at, (0, rematerialize_with_config))
+    return passes
 
 
 @dataclass

@@ -73,3 +73,34 @@ def replace_uses(graph: Graph, nodes: list[Node], mapping: dict[int, int]) -> tu
             node = replace(node, inputs=inputs)
         rewritten.append(node)
     return rewritten, tuple(resolve(v) for v in graph.outputs)
+
+
+def peak_live_bytes(graph: Graph) -> int:
+    """The most bytes of intermediate storage alive at once when the nodes run in order, with each
+    storage freed after the last node touching it (the generated program frees at last use)."""
+    spans: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
+    inputs = {graph.values[n.outputs[0]].root for n in graph.nodes if n.op in INPUT_OPS}
+    kept = {graph.values[v].root for v in graph.outputs}
+    for index, node in enumerate(graph.nodes):
+        for vid in (*node.inputs, *(v for v in node.outputs if v is not None), *node.writes):
+            value = graph.values[vid]
+            if value.root in inputs:
+                continue
+            span = spans.setdefault(value.root, [index, index])
+            span[1] = max(span[1], index)
+            if value.handle == value.root:
+                numel = 1
+                for size in value.meta.shape:
+                    numel *= size
+                sizes[value.root] = numel * torch.empty((), dtype=value.meta.dtype).element_size()
+    end = len(graph.nodes)
+    events = [0] * (end + 1)
+    for root, (first, last) in spans.items():
+        events[first] += sizes.get(root, 0)
+        events[end if root in kept else last + 1] -= sizes.get(root, 0)
+    peak = live = 0
+    for delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak

@@ -86,6 +86,7 @@ class OpRecord:
     mutated: tuple[int, ...]  # handles written in place
     source: SourceLocation
     regions: tuple[str, ...] = ()  # enclosing profiler ranges, e.g. "Optimizer.step#Adam.step"
+    backward_of: str | None = None  # the autograd node running it ("ReluBackward0"); None: not backward
 
     @property
     def name(self) -> str:

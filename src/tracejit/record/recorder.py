@@ -122,6 +122,7 @@ class Recorder:
         tensors, statics, scalars = split_call(func, args, kwargs)
         index = len(self.ops)
         source = user_location()
+        autograd_node = torch._C._current_autograd_node()
         inputs = tuple(self._input_handle(t, func, index) for t in tensors)
         written = mutated_tensors(func, args, kwargs)
         self._check_const_writes(func, written, index, source)
@@ -132,7 +133,7 @@ class Recorder:
             self.tensors[handle].flags |= Flag.MUTATED
         self.ops.append(
             OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source,
-                     self.regions.current())
+                     self.regions.current(), autograd_node.name() if autograd_node is not None else None)
         )
         return result
 

@@ -219,7 +219,7 @@ class HostFreeRunner:
 
     def _compute_hoisted(self, objects: dict[int, torch.Tensor]) -> None:
         """Views of externals are made once per binding and handed to every call in the template."""
-        template = [None] * len(self.record.tensors)
+        template = [None] * self.program.graph.num_handles
         for handle, tensor in self.program.graph.constants.items():  # captured and folded
             template[handle] = tensor
         if self.program.hoisted:

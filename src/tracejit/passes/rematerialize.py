@@ -1,0 +1,127 @@
+"""rematerialize: sublinear memory — keep some forward activations, recompute the rest in backward.
+
+A training step keeps every forward value that backward reads alive from the forward pass to
+its backward use, so the peak holds all of them at once. This pass keeps only every k-th such
+value (the *checkpoints*, k = sqrt(n) by default, as in gradient checkpointing) and recomputes
+the others right before the first backward op that reads them, from the checkpoints. The
+recomputed ops are the same pure ops on the same inputs, so results are bit for bit the same.
+
+Before (host-free graph):                     After (the relu output t6 is not a checkpoint):
+    t5 = aten.addmm.default(t4, t0, t3)           t5 = aten.addmm.default(t4, t0, t3)
+    t6 = aten.relu.default(t5)                    t6 = aten.relu.default(t5)
+    ...                                           ...            # t6 dies after its forward use
+    t26 = aten.threshold_backward(t16, t6, 0)     t90 = aten.relu.default(t5)
+                                                  t26 = aten.threshold_backward(t16, t90, 0)
+
+Random ops, in-place writes and values that outlive the call are never recomputed; a value
+whose recomputation needs one of them keeps it alive instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from ..ir.graph import Graph, Node, Op, Value
+from .analysis import is_pure_call, observable_roots, single_version_handles
+
+
+def rematerialize(graph: Graph, checkpoint_every: int | None = None, min_bytes: int = 0) -> Graph:
+    if graph.host_visible:
+        return graph
+    nodes = list(graph.nodes)
+    first_backward = next((i for i, n in enumerate(nodes) if n.op is Op.CALL and n.attr("backward_of")), None)
+    if first_backward is None:
+        return graph
+    producer = {v: (i, n) for i, n in enumerate(nodes) for v in n.outputs if v is not None}
+    recomputable = _recomputable_values(graph, nodes, producer, first_backward)
+    saved_roots = _saved_roots(graph, nodes, first_backward, recomputable, min_bytes)
+    if len(saved_roots) < 2:
+        return graph
+    every = checkpoint_every or max(2, math.isqrt(len(saved_roots)))
+    kept = {root for k, root in enumerate(saved_roots) if k % every == every - 1}
+    rewriter = _Rewriter(graph, producer, recomputable, kept)
+    rewritten: list[Node] = []
+    for index, node in enumerate(nodes):
+        if index >= first_backward and any(rewriter.recomputed(v) for v in node.inputs):
+            inputs = tuple(rewriter.value_for(v, node.fire_at, rewritten) for v in node.inputs)
+            node = replace(node, inputs=inputs)
+        rewritten.append(node)
+    if not rewriter.values:
+        return graph
+    return replace(graph.with_nodes(rewritten, "rematerialize"), values=graph.values + tuple(rewriter.values),
+                   num_handles=rewriter.next_handle)
+
+
+def _recomputable_values(graph: Graph, nodes: list[Node], producer: dict, first_backward: int) -> set[int]:
+    unwritten = single_version_handles(graph)
+    observable = observable_roots(graph)
+    found = set()
+    for vid, (index, node) in producer.items():
+        value = graph.values[vid]
+        if (index < first_backward and is_pure_call(node) and node.attr("out_kind") == "tensor"
+                and value.handle in unwritten and value.root not in observable):
+            found.add(vid)
+    return found
+
+
+def _saved_roots(graph: Graph, nodes: list[Node], first_backward: int, recomputable: set[int],
+                 min_bytes: int) -> list[int]:
+    """Storage made in forward and read in backward that recomputation could free, in creation order."""
+    base_of = {graph.values[v].handle: v for v in recomputable if graph.values[v].root == graph.values[v].handle}
+    roots: dict[int, None] = {}
+    for node in nodes[first_backward:]:
+        for vid in node.inputs:
+            root = graph.values[vid].root
+            if vid in recomputable and root in base_of and _bytes(graph.values[base_of[root]]) >= min_bytes:
+                roots.setdefault(root)
+    order = {graph.values[v].handle: i for i, n in enumerate(nodes) for v in n.outputs if v is not None}
+    return sorted(roots, key=lambda r: order.get(r, 0))
+
+
+def _bytes(value: Value) -> int:
+    numel = 1
+    for size in value.meta.shape:
+        numel *= size
+    return numel * torch.empty((), dtype=value.meta.dtype).element_size()
+
+
+class _Rewriter:
+    """Creates recomputed copies of forward values (memoized), with fresh handles. Everything
+    recomputable is recomputed back to the checkpoints (the kept roots) and the inputs."""
+
+    def __init__(self, graph: Graph, producer: dict, recomputable: set[int], kept: set[int]):
+        self.graph = graph
+        self.producer = producer
+        self.recomputable = recomputable
+        self.kept = kept
+        self.values: list[Value] = []
+        self.copies: dict[int, int] = {}  # original value id -> recomputed value id
+        self.next_handle = graph.num_handles
+
+    def recomputed(self, vid: int) -> bool:
+        return vid in self.recomputable and self.graph.values[vid].root not in self.kept
+
+    def value_for(self, vid: int, position: int, out: list[Node]) -> int:
+        if vid in self.copies:
+            return self.copies[vid]
+        if not self.recomputed(vid):
+            return vid  # a checkpoint, an input, or something that cannot be recomputed: kept alive
+        value = self.graph.values[vid]
+        _, node = self.producer[vid]
+        inputs = tuple(self.value_for(v, position, out) for v in node.inputs)
+        handle = self.next_handle
+        self.next_handle += 1
+        root = handle if value.root == value.handle else self._root_of_copy(node, inputs)
+        copy = Value(len(self.graph.values) + len(self.values), handle, 0, value.meta, root)
+        self.values.append(copy)
+        out.append(replace(node, inputs=inputs, outputs=(copy.id,), positions=(position,)))
+        self.copies[vid] = copy.id
+        return copy.id
+
+    def _root_of_copy(self, node: Node, inputs: tuple[int, ...]) -> int:
+        first = inputs[0]
+        values = self.graph.values
+        return values[first].root if first < len(values) else self.values[first - len(values)].root

@@ -1,0 +1,77 @@
+"""sublinear_memory_config: activations recomputed in backward, same numbers, lower peak."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import train_step, twin
+
+import tracejit
+from tracejit.passes.analysis import peak_live_bytes
+
+
+def deep_model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(128, 128), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(128, 10))
+
+
+@pytest.mark.parametrize("config", [tracejit.SublinearMemoryConfig(),
+                                    tracejit.SublinearMemoryConfig(checkpoint_every=2)])
+def test_rematerialized_training_is_exact_and_uses_less_memory(config):
+    (model_a, opt_a), (model_b, opt_b) = twin(deep_model(), "sgd_momentum")
+    (model_c, opt_c), _ = twin(deep_model(), "sgd_momentum")
+    plain = tracejit.trace(train_step, without_host=True)
+    sublinear = tracejit.trace(train_step, without_host=True, sublinear_memory_config=config)
+    for i in range(4):
+        x, y = torch.randn(512, 128), torch.randint(0, 10, (512,))
+        expected = train_step(x, y, model=model_a, opt=opt_a)
+        assert torch.equal(sublinear(x, y, model=model_b, opt=opt_b), expected)
+        plain(x, y, model=model_c, opt=opt_c)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+    names = [name for name, _, _ in sublinear.history]
+    assert "rematerialize" in names
+    before = peak_live_bytes(plain.history[-1][1])
+    after = peak_live_bytes(sublinear.history[-1][1])
+    assert after < 0.8 * before, (before, after)
+
+
+def test_lb_memory_mb_keeps_small_values():
+    (model, opt), _ = twin(deep_model(), "sgd")
+    traced = tracejit.trace(train_step, without_host=True,
+                            sublinear_memory_config=tracejit.SublinearMemoryConfig(lb_memory_mb=1024))
+    x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+    for _ in range(3):
+        traced(x, y, model=model, opt=opt)
+    history = dict((name, graph) for name, graph, _ in traced.history)
+    assert len(history["rematerialize"].nodes) == len(history["eliminate_dead_code"].nodes)
+
+
+def test_inference_graphs_are_left_alone():
+    model = deep_model().eval()
+    traced = tracejit.trace(lambda x, *, model: model(x), without_host=True,
+                            sublinear_memory_config=tracejit.SublinearMemoryConfig())
+    x = torch.randn(4, 128)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(traced(x, model=model), model(x))
+
+
+@pytest.mark.parametrize("options, error, text", [
+    ({"sublinear_memory_config": tracejit.SublinearMemoryConfig()}, ValueError, "needs without_host=True"),
+    ({"sublinear_memory_config": {"checkpoint_every": 2}, "without_host": True}, TypeError,
+     "must be a tracejit.SublinearMemoryConfig"),
+])
+def test_bad_sublinear_options(options, error, text):
+    with pytest.raises(error, match=text):
+        tracejit.trace(F.relu, **options)
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="checkpoint_every must be None or an int >= 2"):
+        tracejit.SublinearMemoryConfig(checkpoint_every=1)
+    with pytest.raises(ValueError, match="lb_memory_mb must be a number >= 0"):
+        tracejit.SublinearMemoryConfig(lb_memory_mb=-1)
