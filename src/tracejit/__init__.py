@@ -4,9 +4,12 @@ Record a step function's aten ops once, then replay them: checked against the Py
 every call, or compiled and run without it.
 """
 
-from .errors import TraceCacheFullError, TraceMismatchError
+from .errors import SymbolicTraceError, TraceCacheFullError, TraceMismatchError
 from .record.modes import exclude_from_trace, is_tracing
 from .trace import trace
 
-__all__ = ["TraceCacheFullError", "TraceMismatchError", "exclude_from_trace", "is_tracing", "trace"]
+__all__ = [
+    "SymbolicTraceError", "TraceCacheFullError", "TraceMismatchError", "exclude_from_trace", "is_tracing",
+    "trace",
+]
 __version__ = "0.1.0"

@@ -6,4 +6,8 @@ class TraceMismatchError(RuntimeError):
 
 
 class TraceCacheFullError(RuntimeError):
-    """A call needed a new trace but `max_traces` traces already exist."""
+    """A call needed a new trace but `max_traces` traces exist already."""
+
+
+class SymbolicTraceError(RuntimeError):
+    """A `symbolic=True` first call needed data that symbolic recording does not compute."""

@@ -38,7 +38,6 @@ class TraceOptions:
         if self.backend not in BACKENDS:
             raise ValueError(f"tracejit.trace: backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         unimplemented = {
-            "symbolic": self.symbolic,
             "without_host": self.without_host,
             "profiling": self.profiling,
             "sublinear_memory_config": self.sublinear_memory_config is not None,

@@ -16,7 +16,9 @@ from .record.modes import CallContext, traced_call
 from .record.names import ExternalNames
 from .record.record import Record
 from .record.recorder import Recorder
+from .record.symbolic import SymbolicRecorder
 from .runtime.program import Program, build_program
+from .runtime.realize import Realizer
 from .runtime.replay import Replayer
 from .signature import describe_signature, signature
 
@@ -39,6 +41,8 @@ class trace:
     optimizers, flags) pass through to the function.
 
     Options:
+        symbolic: record the first call without computing it (no kernel runs while recording),
+            then run the recorded program for real; see docs/symbolic.md.
         capture_as_const: freeze every external tensor (parameters, buffers) into the trace;
             a later call that sees another object or a modified one raises TraceMismatchError.
         opt_level: 0 executes the record as recorded; higher levels run the compiler passes.
@@ -106,14 +110,26 @@ class trace:
                 f"{describe_signature(key, self._arg_names)}\nrecorded signatures:\n{seen}\n"
                 f"Pad or bucket inputs to a few shapes, or raise max_traces."
             )
-        recorder = Recorder(self.__name__, capture_as_const=self.options.capture_as_const,
-                            external_names=ExternalNames(self._function, kwargs))
+        recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
-        with traced_call(CallContext(self, recorder, self.options.capture_as_const)):
-            result = self._function(*args, **kwargs)
-        record = recorder.finish(result)
-        self._traces[key] = TraceEntry(key, record, self._compile(record))
+        try:
+            with traced_call(CallContext(self, recorder, self.options.capture_as_const)):
+                result = self._function(*args, **kwargs)
+            record = recorder.finish(result)
+            program = self._compile(record)
+        except BaseException:
+            recorder.abandon()  # symbolic: run what was recorded, so side effects match an eager call
+            raise
+        recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
+        self._traces[key] = TraceEntry(key, record, program)
         return result
+
+    def _new_recorder(self, kwargs: dict) -> Recorder:
+        names = ExternalNames(self._function, kwargs)
+        if self.options.symbolic:
+            return SymbolicRecorder(self.__name__, capture_as_const=self.options.capture_as_const,
+                                    external_names=names, compile=self._compile, runner=Realizer())
+        return Recorder(self.__name__, capture_as_const=self.options.capture_as_const, external_names=names)
 
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         record = entry.record
