@@ -4,11 +4,50 @@ import sys
 import pytest
 import torch
 
+import tracejit
+
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
+
+# The modes every test taking the `trace` fixture runs in: name -> options of tracejit.trace.
+# A test's own options win over the mode's. Adding a mode is one line here; a test that does not
+# apply to a mode says so with @pytest.mark.skip_mode("name", reason="...").
+MODES = {
+    "default": {},
+    "symbolic": {"symbolic": True},
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "skip_mode(name, reason): skip the test in one mode of the `trace` fixture, saying why")
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(params=list(MODES))
+def trace(request):
+    """`tracejit.trace` with the options of one mode of MODES; usable as @trace or @trace(**options)."""
+    mode = request.param
+    for marker in request.node.iter_markers("skip_mode"):
+        if marker.args[0] not in MODES:
+            raise ValueError(f"skip_mode names an unknown mode {marker.args[0]!r}; modes: {', '.join(MODES)}")
+        if marker.args[0] == mode:
+            pytest.skip(f"not in mode {mode}: {marker.kwargs['reason']}")
+    return ModeTrace(mode, MODES[mode])
+
+
+class ModeTrace:
+    def __init__(self, mode: str, options: dict):
+        self.mode = mode
+        self.options = options
+
+    def __call__(self, function=None, **options):
+        return tracejit.trace(function, **{**self.options, **options})
+
+    def __repr__(self) -> str:
+        return f"trace[{self.mode}]"

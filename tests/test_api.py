@@ -6,16 +6,16 @@ import torch
 import tracejit
 
 
-def test_decorator_forms():
-    @tracejit.trace
+def test_decorator_forms(trace):
+    @trace
     def a(x):
         return x + 1
 
-    @tracejit.trace(opt_level=0, max_traces=3)
+    @trace(opt_level=0, max_traces=3)
     def b(x):
         return x + 1
 
-    c = tracejit.trace(lambda x: x + 1, capture_as_const=True)
+    c = trace(lambda x: x + 1, capture_as_const=True)
     x = torch.randn(2)
     for f in (a, b, c):
         assert torch.equal(f(x), x + 1)
@@ -46,10 +46,10 @@ def test_trace_of_a_non_callable():
         tracejit.trace(3)
 
 
-def test_listing_names_ops_handles_and_lines():
+def test_listing_names_ops_handles_and_lines(trace):
     w = torch.randn(3)
 
-    @tracejit.trace
+    @trace
     def f(x):
         return (x * w).relu()
 

@@ -13,10 +13,10 @@ def calls(traced, *arg_lists, **kwargs):
     return [traced(*args, **kwargs) for args in arg_lists]
 
 
-def test_different_op():
+def test_different_op(trace):
     mode = {"op": "mul"}
 
-    @tracejit.trace
+    @trace
     def f(x):
         y = x + 1
         return y * 2 if mode["op"] == "mul" else y - 2
@@ -33,10 +33,10 @@ def test_different_op():
     assert "y * 2 if mode" in message  # the recorded source line
 
 
-def test_extra_op():
+def test_extra_op(trace):
     extra = {"on": False}
 
-    @tracejit.trace
+    @trace
     def f(x):
         y = x.sin()
         if extra["on"]:
@@ -51,10 +51,10 @@ def test_extra_op():
     assert "aten.cos.default" in str(info.value)
 
 
-def test_premature_end():
+def test_premature_end(trace):
     short = {"on": False}
 
-    @tracejit.trace
+    @trace
     def f(x):
         y = x.sin()
         if not short["on"]:
@@ -69,10 +69,10 @@ def test_premature_end():
     assert "aten.cos.default" in str(info.value)
 
 
-def test_rewired_input():
+def test_rewired_input(trace):
     swap = {"on": False}
 
-    @tracejit.trace
+    @trace
     def f(x, y):
         a = x.exp()
         b = y.exp()
@@ -89,11 +89,11 @@ def test_rewired_input():
     assert re.search(r"got:      t\d+ \(output of op #0 aten.exp.default", message)
 
 
-def test_external_where_internal_was_recorded():
+def test_external_where_internal_was_recorded(trace):
     state = {"use_external": False}
     w = torch.randn(3)
 
-    @tracejit.trace
+    @trace
     def f(x):
         h = x * 2
         return h + (w if state["use_external"] else h)
@@ -105,11 +105,11 @@ def test_external_where_internal_was_recorded():
         f(x)
 
 
-def test_internal_where_external_was_recorded():
+def test_internal_where_external_was_recorded(trace):
     state = {"use_internal": False}
     w = torch.randn(3)
 
-    @tracejit.trace
+    @trace
     def f(x):
         h = x * 2
         return h + (h if state["use_internal"] else w)
@@ -121,10 +121,10 @@ def test_internal_where_external_was_recorded():
         f(x)
 
 
-def test_external_replaced_by_another_shape():
+def test_external_replaced_by_another_shape(trace):
     holder = {"w": torch.randn(3)}
 
-    @tracejit.trace
+    @trace
     def f(x):
         return x[:1] * holder["w"]
 
@@ -134,10 +134,10 @@ def test_external_replaced_by_another_shape():
         f(torch.randn(3))
 
 
-def test_external_replaced_by_same_shape_is_rebound():
+def test_external_replaced_by_same_shape_is_rebound(trace):
     holder = {"w": torch.randn(3)}
 
-    @tracejit.trace
+    @trace
     def f(x):
         return x * holder["w"]
 
@@ -147,8 +147,8 @@ def test_external_replaced_by_same_shape_is_rebound():
     assert torch.equal(f(x), x * holder["w"])
 
 
-def test_keyword_switches_tensor_to_non_tensor():
-    @tracejit.trace
+def test_keyword_switches_tensor_to_non_tensor(trace):
+    @trace
     def f(x, *, scale):
         return x * scale
 
@@ -158,8 +158,8 @@ def test_keyword_switches_tensor_to_non_tensor():
         f(x, scale=2.0)
 
 
-def test_keyword_switches_non_tensor_to_tensor():
-    @tracejit.trace
+def test_keyword_switches_non_tensor_to_tensor(trace):
+    @trace
     def f(x, *, scale):
         return x * scale
 
@@ -170,10 +170,10 @@ def test_keyword_switches_non_tensor_to_tensor():
 
 
 @pytest.mark.parametrize("change", ["arity", "container", "dict_keys", "not_tensor"])
-def test_different_output_structure(change):
+def test_different_output_structure(trace, change):
     state = {"changed": False}
 
-    @tracejit.trace
+    @trace
     def f(x):
         a, b = x.sin(), x.cos()
         if not state["changed"]:
@@ -199,10 +199,10 @@ def test_different_output_structure(change):
         f(x)
 
 
-def test_returned_tensor_is_not_the_recorded_one():
+def test_returned_tensor_is_not_the_recorded_one(trace):
     state = {"first": True}
 
-    @tracejit.trace
+    @trace
     def f(x):
         a, b = x.sin(), x.cos()
         return a if state["first"] else b
@@ -214,10 +214,10 @@ def test_returned_tensor_is_not_the_recorded_one():
         f(x)
 
 
-def test_different_structural_argument():
+def test_different_structural_argument(trace):
     dims = {"d": 0}
 
-    @tracejit.trace
+    @trace
     def f(x):
         return x.sum(dims["d"])
 
@@ -228,10 +228,10 @@ def test_different_structural_argument():
         f(x)
 
 
-def test_dynamic_float_is_rebound_not_a_mismatch():
+def test_dynamic_float_is_rebound_not_a_mismatch(trace):
     scale = {"s": 2.0}
 
-    @tracejit.trace
+    @trace
     def f(x):
         return (x * scale["s"]).add(1.0, alpha=scale["s"])
 
@@ -241,10 +241,10 @@ def test_dynamic_float_is_rebound_not_a_mismatch():
         assert torch.equal(f(x), (x * s).add(1.0, alpha=s))
 
 
-def test_scalar_type_change_is_a_mismatch():
+def test_scalar_type_change_is_a_mismatch(trace):
     scale = {"s": 2}
 
-    @tracejit.trace
+    @trace
     def f(x):
         return x * scale["s"]
 
@@ -255,10 +255,10 @@ def test_scalar_type_change_is_a_mismatch():
         f(x)
 
 
-def test_const_capture_violated_by_in_place_update():
+def test_const_capture_violated_by_in_place_update(trace):
     w = torch.randn(3)
 
-    @tracejit.trace(capture_as_const=True)
+    @trace(capture_as_const=True)
     def f(x):
         return x * w
 
@@ -270,10 +270,10 @@ def test_const_capture_violated_by_in_place_update():
         f(x)
 
 
-def test_const_capture_violated_by_another_object():
+def test_const_capture_violated_by_another_object(trace):
     holder = {"w": torch.randn(3)}
 
-    @tracejit.trace(capture_as_const=True)
+    @trace(capture_as_const=True)
     def f(x):
         return x * holder["w"]
 
@@ -284,10 +284,10 @@ def test_const_capture_violated_by_another_object():
         f(x)
 
 
-def test_const_capture_refuses_in_place_write_while_recording():
+def test_const_capture_refuses_in_place_write_while_recording(trace):
     bn = torch.nn.BatchNorm1d(3)  # training mode updates running stats in place
 
-    @tracejit.trace(capture_as_const=True)
+    @trace(capture_as_const=True)
     def f(x):
         return bn(x)
 
@@ -296,8 +296,8 @@ def test_const_capture_refuses_in_place_write_while_recording():
 
 
 @pytest.mark.parametrize("value", [1, 2.0, None, "x", [torch.randn(2)]])
-def test_positional_non_tensor_is_a_type_error(value):
-    @tracejit.trace
+def test_positional_non_tensor_is_a_type_error(trace, value):
+    @trace
     def f(x, y):
         return x
 
@@ -305,10 +305,10 @@ def test_positional_non_tensor_is_a_type_error(value):
         f(torch.randn(2), value)
 
 
-def test_mismatch_leaves_the_trace_usable():
+def test_mismatch_leaves_the_trace_usable(trace):
     mode = {"bad": False}
 
-    @tracejit.trace
+    @trace
     def f(x):
         return x.sin() if not mode["bad"] else x.cos()
 
@@ -322,7 +322,7 @@ def test_mismatch_leaves_the_trace_usable():
     assert not tracejit.is_tracing()
 
 
-def test_mismatch_inside_backward_keeps_its_type():
+def test_mismatch_inside_backward_keeps_its_type(trace):
     mode = {"bad": False}
 
     class Weird(torch.autograd.Function):
@@ -336,7 +336,7 @@ def test_mismatch_inside_backward_keeps_its_type():
 
     w = torch.randn(3, requires_grad=True)
 
-    @tracejit.trace
+    @trace
     def f(x):
         loss = Weird.apply(x * w).sum()
         loss.backward()

@@ -11,3 +11,7 @@ class TraceCacheFullError(RuntimeError):
 
 class HostDependencyError(RuntimeError):
     """without_host=True cannot skip a function whose trace depends on values only the host computes."""
+
+
+class SymbolicTraceError(RuntimeError):
+    """A `symbolic=True` first call needed data that symbolic recording does not compute."""

@@ -66,7 +66,6 @@ class TraceOptions:
                 raise ValueError("tracejit.trace: sublinear_memory_config needs without_host=True: in checked replay "
                                  "autograd keeps the activations the Python function computes")
         unimplemented = {
-            "symbolic": self.symbolic,
             "backend": self.backend not in ("auto", "aten", "reference"),
         }
         for name, requested in unimplemented.items():

@@ -11,20 +11,22 @@ from typing import Any
 import torch
 
 from .errors import HostDependencyError, TraceCacheFullError, TraceMismatchError
+from .ir import build_graph
+from .ir.graph import Graph
 from .options import TraceOptions
+from .passes import PipelineResult, pipeline, run_pipeline
+from .record.handles import HandleMap
 from .record.modes import CallContext, traced_call
 from .record.names import ExternalNames
 from .record.record import Record
 from .record.recorder import Recorder
-from .ir import build_graph
-from .ir.graph import Graph
-from .passes import PipelineResult, pipeline, run_pipeline
+from .record.symbolic import SymbolicRecorder
 from .runtime.fused import compile_fused_nodes
 from .runtime.fusion import resolve_fusion
-from .record.handles import HandleMap
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
 from .runtime.profile import CLOCK, Profiler, write_chrome_trace
 from .runtime.program import CheckedProgram, HostFreeProgram
+from .runtime.realize import Realizer
 from .runtime.replay import Replayer
 from .signature import describe_signature, gradient_snapshot, gradient_state, signature
 
@@ -57,6 +59,8 @@ class trace:
     optimizers, flags) pass through to the function.
 
     Options:
+        symbolic: record the first call without computing it (no kernel runs while recording),
+            then run the recorded program for real; see docs/symbolic.md.
         capture_as_const: freeze every external tensor (parameters, buffers) into the trace;
             a later call that sees another object or a modified one raises TraceMismatchError.
         opt_level: 0 executes the record as recorded; higher levels run the compiler passes.
@@ -174,21 +178,34 @@ class trace:
                 f"Pad or bucket inputs to a few shapes, or raise max_traces."
             )
         grads_before = gradient_snapshot(kwargs)
-        recorder = Recorder(self.__name__, capture_as_const=self.options.capture_as_const,
-                            external_names=ExternalNames(self._function, kwargs))
+        recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
-        with traced_call(CallContext(self, recorder, self.options.capture_as_const)):
-            result = self._function(*args, **kwargs)
-        record = recorder.finish(result)
+        try:
+            with traced_call(CallContext(self, recorder, self.options.capture_as_const)):
+                result = self._function(*args, **kwargs)
+            record = recorder.finish(result)
+            program = self._compile(record)
+        except BaseException:
+            recorder.abandon()  # symbolic: run what was recorded, so side effects match an eager call
+            raise
+        recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
         # A call that created or accumulated gradients depends on which .grad exist when it starts.
         depends = gradient_snapshot(kwargs) != grads_before
-        entry = TraceEntry(key, record, self._compile(record), grad_state if depends else None)
+        entry = TraceEntry(key, record, program, grad_state if depends else None)
         if not depends:
             self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]
         self._traces.setdefault(key, []).append(entry)
         self._traces[key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
         self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs)
         return result
+
+    def _new_recorder(self, kwargs: dict) -> Recorder:
+        names = ExternalNames(self._function, kwargs)
+        if self.options.symbolic:
+            # The realizer runs the record itself, op by op: catch-ups need no compiled program.
+            return SymbolicRecorder(self.__name__, capture_as_const=self.options.capture_as_const,
+                                    external_names=names, compile=_record_itself, runner=Realizer())
+        return Recorder(self.__name__, capture_as_const=self.options.capture_as_const, external_names=names)
 
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         record = entry.record
@@ -299,6 +316,10 @@ class trace:
         if index < len(self._arg_names):
             return self._arg_names[index]
         return f"arg{index}"
+
+
+def _record_itself(record: Record) -> Record:
+    return record
 
 
 def _positional_names(function: Callable) -> list[str]:

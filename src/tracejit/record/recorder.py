@@ -151,6 +151,14 @@ class Recorder:
     def on_excluded_block(self) -> None:
         self.excluded_blocks.append(ExcludedBlock(len(self.ops), user_location()))
 
+    # -- after the call (hooks for recorders that defer execution, see symbolic.py) -------------
+
+    def abandon(self) -> None:
+        """The call raised. Nothing to do: every recorded op already ran eagerly."""
+
+    def complete(self, program: Any) -> None:
+        """The call returned and `program` was built from its record. Nothing to do: every op ran."""
+
     # -- outputs --------------------------------------------------------------------------------
 
     def _register_outputs(self, func: Any, result: Any, index: int, inputs: tuple[int, ...],

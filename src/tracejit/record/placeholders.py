@@ -1,0 +1,222 @@
+"""Executing an op without computing it: placeholders shaped by a fake run of the op.
+
+Symbolic recording runs no kernel. For each op it derives the outputs' shapes, strides and dtypes
+by running the op on fake copies of its inputs (`FakeTensorMode`: meta kernels, no data, no
+random draws), and hands the host *placeholders*: ordinary tensors over freshly allocated storage
+that nothing writes until the recorded program runs (on CPU an untouched allocation costs address
+space, not memory). They are real tensor objects on purpose: autograd saves them, optimizers keep
+them as state, the user holds them -- and once the program has run they hold real values.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..errors import SymbolicTraceError
+from .source import user_location
+
+
+class _QuietDuringFakeRuns(logging.Filter):
+    """Drop fake mode's error log of an exception raised in one of our fake runs.
+
+    The exception itself reaches the user; a logged traceback on top of it is noise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.running, "active", False)
+
+
+_quiet = _QuietDuringFakeRuns()
+logging.getLogger(FakeTensorMode.__module__).addFilter(_quiet)
+
+
+class DataDependentResult(SymbolicTraceError):
+    """The op's result depends on tensor values (`allclose`, `equal`), so no fake run can produce it."""
+
+
+def storage_key(tensor: torch.Tensor) -> StorageWeakRef | None:
+    """A weak, hashable key of the tensor's storage (shared by all its views); None without one."""
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """The storage allocated for one op output, and the output's geometry inside it.
+
+    Held weakly: the placeholder is alive exactly as long as something outside the recorder
+    (a returned tensor, `.grad`, optimizer state, a tensor autograd saved, a view) holds its storage.
+    """
+
+    storage: StorageWeakRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> Placeholder:
+        return Placeholder(StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(),
+                           tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+    def target(self) -> torch.Tensor | None:
+        """A tensor over the placeholder's storage with the output's geometry; None once nothing holds it.
+
+        Dispatches ops: call it outside the traced call's modes.
+        """
+        if self.storage.expired():
+            return None
+        storage = torch.UntypedStorage._new_with_weak_ptr(self.storage.cdata)
+        if storage is None:
+            return None
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        return empty.set_(storage, self.offset, self.shape, self.stride)
+
+
+class PlaceholderExecutor:
+    """Runs ops on fake copies of their inputs and answers with real placeholder tensors.
+
+    Every tensor the executor hands out keeps its fake twin, so a later op converts only tensors
+    from outside the recording (converting a real tensor costs milliseconds, a lookup nothing).
+    """
+
+    def __init__(self) -> None:
+        self._mode: FakeTensorMode | None = None
+        self._fakes = WeakIdKeyDictionary()  # real tensor -> its fake twin
+
+    def forget_metadata(self) -> None:
+        """Drop the fake twins: code outside the recording may have changed tensors' metadata."""
+        self._mode = None
+        self._fakes = WeakIdKeyDictionary()
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
+        """The op's result with placeholders for new outputs and the real inputs for aliased ones.
+
+        Returns (result, the placeholders allocated for it).
+        """
+        fake_result, real_of_fake = self._run_fake(func, args, kwargs)
+        allocated: dict[int, torch.Tensor] = {}
+
+        def to_real(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            original = real_of_fake.get(id(value))
+            if original is not None:  # an in-place or out= op returns the tensor it wrote
+                if original.shape != value.shape:
+                    raise SymbolicTraceError(
+                        f"tracejit: symbolic recording cannot run {func} at {user_location()}: it "
+                        f"resizes its output {list(original.shape)} -> {list(value.shape)}, and "
+                        f"symbolic=True fills each output's storage only after the call. Pass an output "
+                        f"of the right shape, or trace with symbolic=False."
+                    )
+                return original
+            if id(value) not in allocated:
+                allocated[id(value)] = placeholder = _allocate_like(value)
+                self._fakes[placeholder] = value
+            return allocated[id(value)]
+
+        return tree_map(to_real, fake_result), list(allocated.values())
+
+    def run_view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a view op for real (it computes only metadata) and on the fakes, pairing the outputs."""
+        fake_result, _ = self._run_fake(func, args, kwargs)
+        result = func(*args, **kwargs)
+        for real, fake in zip(tree_leaves(result), tree_leaves(fake_result)):
+            if isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor):
+                self._fakes[real] = fake
+        return result
+
+    def change_metadata(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Apply an op that changes only metadata in place (`unsqueeze_`, `t_`) to fake and real tensor."""
+        self._run_fake(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _run_fake(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[int, torch.Tensor]]:
+        if self._mode is None:
+            # No fallback kernels: an op without a meta implementation must fail here rather than
+            # run its real kernel on dummy data.
+            self._mode = FakeTensorMode(allow_fallback_kernels=False)
+        mode, fakes = self._mode, self._fakes
+        real_of_fake: dict[int, torch.Tensor] = {}
+
+        def to_fake(tensor: torch.Tensor) -> torch.Tensor:
+            fake = fakes.get(tensor)
+            if fake is None:
+                fakes[tensor] = fake = mode.from_tensor(tensor)
+            real_of_fake[id(fake)] = tensor
+            return fake
+
+        # Torch-function handling off: the fake run is our business, not the host's (no host-read hooks).
+        with torch._C.DisableTorchFunction():
+            fake_args, fake_kwargs = tree_map_only(torch.Tensor, to_fake, (args, kwargs))
+            _quiet.running.active = True
+            try:
+                with mode:
+                    return func(*fake_args, **fake_kwargs), real_of_fake
+            except (DynamicOutputShapeException, DataDependentOutputException, UnsupportedOperatorException,
+                    RuntimeError) as error:
+                explained = _explain(func, error)
+                if explained is error:
+                    raise
+                raise explained from error
+            finally:
+                _quiet.running.active = False
+
+
+def _allocate_like(fake: torch.Tensor) -> torch.Tensor:
+    if fake.storage_offset() == 0:
+        return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
+    # An output that starts inside its storage: allocate the whole storage, then place the output in it.
+    nbytes = fake.untyped_storage().nbytes()
+    storage = torch.empty(nbytes, dtype=torch.uint8, device=fake.device).untyped_storage()
+    empty = torch.empty(0, dtype=fake.dtype, device=fake.device)
+    return empty.set_(storage, fake.storage_offset(), fake.shape, fake.stride())
+
+
+def _explain(func: Any, error: Exception) -> Exception:
+    """Turn the fake run's "needs data" failures into a SymbolicTraceError; leave user errors alone."""
+    where = f"{func} at {user_location()}"
+    if isinstance(error, DynamicOutputShapeException):
+        reason = ("the shape of its output depends on the values of its inputs (like nonzero, masked_select "
+                  "or indexing with a boolean mask)")
+    elif isinstance(error, DataDependentOutputException):
+        return DataDependentResult(
+            f"tracejit: symbolic recording cannot run {where}: its result depends on the values of its "
+            f"inputs, and symbolic=True computes no values while recording. Trace this function with "
+            f"symbolic=False, or move the op out of the traced function."
+        )
+    elif isinstance(error, UnsupportedOperatorException) or "no fake impl" in str(error):
+        reason = ("it has no fake (meta) implementation to derive its outputs from; register one with "
+                  "torch.library.register_fake")
+    else:
+        # An error eager execution would raise as well (shapes that do not broadcast, a bad dtype).
+        if hasattr(error, "add_note"):
+            error.add_note(f"tracejit: raised by {where} while symbolic=True derived its outputs "
+                           f"without data")
+        return error
+    return SymbolicTraceError(
+        f"tracejit: symbolic recording cannot run {where}: {reason}, and symbolic=True computes no "
+        f"values while recording. Trace this function with symbolic=False, or move the op out of the "
+        f"traced function."
+    )

@@ -1,0 +1,298 @@
+"""Symbolic recording (`symbolic=True`): the first call builds the record without computing it.
+
+`SymbolicRecorder` records exactly the ops `Recorder` records, but runs no kernel: new outputs are
+placeholders (placeholders.py), in-place ops leave their targets untouched, views run for real
+(they only compute metadata, and real views keep aliasing exact). Once the call returns, the
+recorded program runs for real (runtime/realize.py) and every placeholder storage still held
+anywhere -- returned tensors, `.grad`, optimizer state, tensors autograd saved, values stored on
+Python objects -- receives the contents an eager call would have left in it.
+
+Two points of a call need real values earlier and get them by running the ops recorded so far (a
+*catch-up*): the start of an `exclude_from_trace()` block, which is eager code by definition, and
+an exception, after which the host must see the side effects eager execution would have had.
+A host read of a value that is not computed yet (`.item()`, `.numpy()`, `print`) raises
+`SymbolicTraceError` instead: serving it would run the call eagerly piece by piece, which is what
+symbolic recording promises not to do (see docs/symbolic.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from ..errors import SymbolicTraceError
+from .calls import HOST_VALUE_OPS, is_view_op, mutated_tensors
+from .names import ExternalNames
+from .placeholders import DataDependentResult, Placeholder, PlaceholderExecutor, storage_key
+from .record import Kind, OpRecord, OutputSpec, Record
+from .recorder import Recorder, mark_escapes
+from .source import user_location
+
+# In-place ops that give a tensor another storage: a placeholder's storage must stay the one recorded.
+_STORAGE_REPLACING_OPS = frozenset({"resize_", "resize_as_", "set_"})
+_OPTIM_DIR = f"{os.sep}torch{os.sep}optim{os.sep}"
+
+
+class ProgramRunner(Protocol):
+    def run(self, program: Any, inputs: dict[int, torch.Tensor],
+            placeholders: dict[int, Placeholder]) -> list[str]:
+        """Run the program's ops not run yet; fill every live placeholder; return stride disagreements."""
+
+
+class SymbolicRecorder(Recorder):
+    """A recorder that computes nothing until the call is over (see module docstring)."""
+
+    def __init__(self, function_name: str, *, capture_as_const: bool, external_names: ExternalNames,
+                 compile: Callable[[Record], Any], runner: ProgramRunner):
+        super().__init__(function_name, capture_as_const=capture_as_const, external_names=external_names)
+        self._compile = compile
+        self._runner = runner
+        self._executor = PlaceholderExecutor()
+        # Every tensor the record takes from outside (arguments, externals, constants), held strongly:
+        # the program reads them when it runs, after the call may have dropped them.
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._placeholders: dict[int, Placeholder] = {}
+        self._allocated: list[torch.Tensor] = []  # placeholders of the op being recorded
+        # Storages whose contents are not what eager execution would hold at this point, and why.
+        self._stale: dict[StorageWeakRef, str] = {}
+        # The default generator's state at the first random op not run yet, and that op: random
+        # ops draw only when the program runs, so the host must not reseed the generator after it.
+        self._generator_state: torch.Tensor | None = None
+        self._first_draw = ""
+
+    # -- recording --------------------------------------------------------------------------------
+
+    def _new_handle(self, tensor: torch.Tensor, kind: Kind, name: str, producer: int | None = None,
+                    base: int | None = None, literal: bool = False) -> int:
+        handle = super()._new_handle(tensor, kind, name, producer=producer, base=base, literal=literal)
+        if kind is not Kind.INTERNAL:
+            self._inputs[handle] = tensor
+        return handle
+
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func in HOST_VALUE_OPS:
+            for value in args:
+                if isinstance(value, torch.Tensor):
+                    self._check_readable(value, str(func))
+        recorded = len(self.ops)
+        self._allocated = []
+        result = super().on_op(func, args, kwargs)
+        if len(self.ops) > recorded:
+            self._track(self.ops[-1], mutated_tensors(func, args, kwargs))
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                self._note_random_op(self.ops[-1])
+        return result
+
+    def execute(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if is_view_op(func):
+            # Metadata only, and a real view keeps aliasing exactly as in eager code.
+            return self._executor.run_view(func, args, kwargs)
+        if torch.Tag.inplace_view in func.tags:
+            self._check_metadata_change(func, args, kwargs)
+            return self._executor.change_metadata(func, args, kwargs)
+        try:
+            result, self._allocated = self._executor.run(func, args, kwargs)
+        except DataDependentResult:
+            if any("Tensor" in str(r.type) for r in func._schema.returns):
+                raise
+            # A value for the host (allclose, equal): a host read, allowed where the data exists already.
+            for value in tree_leaves((args, kwargs)):
+                if isinstance(value, torch.Tensor):
+                    self._check_readable(value, str(func))
+            return func(*args, **kwargs)
+        return result
+
+    def _track(self, op: OpRecord, written: list[torch.Tensor]) -> None:
+        for tensor in self._allocated:
+            handle = self.handles.get(tensor)
+            if handle is None:
+                continue
+            placeholder = Placeholder.of(tensor)
+            self._placeholders[handle] = placeholder
+            self._stale[placeholder.storage] = f"the output of op #{op.index} {op.name} at {op.source}"
+        self._allocated = []
+        for tensor in written:
+            key = storage_key(tensor)
+            if key is not None and key not in self._stale:
+                self._stale[key] = (f"written in place by op #{op.index} {op.name} at {op.source}, "
+                                    f"which has not run yet")
+
+    def _note_random_op(self, op: OpRecord) -> None:
+        if self._generator_state is None:
+            self._generator_state = torch.default_generator.get_state()
+            self._first_draw = f"op #{op.index} {op.name} at {op.source}"
+        else:
+            self._raise_if_reseeded()
+
+    def _reseeding_error(self) -> SymbolicTraceError | None:
+        if self._generator_state is None or not _generator_changed(self._generator_state):
+            return None
+        return SymbolicTraceError(
+            f"tracejit: {self.function_name}() changed the state of torch's default random generator on the "
+            f"host (torch.manual_seed, set_rng_state, ...) after recording the random {self._first_draw}, "
+            f"while its first call was recorded with symbolic=True. Random ops draw their numbers only when "
+            f"the recorded program runs, so they would not draw what an eager call draws. Seed before "
+            f"calling the traced function, or trace with symbolic=False."
+        )
+
+    def _raise_if_reseeded(self) -> None:
+        error = self._reseeding_error()
+        if error is not None:
+            raise error
+
+    def _check_metadata_change(self, func: Any, args: tuple, kwargs: dict) -> None:
+        name = func._schema.name.split("::")[-1]
+        if name in _STORAGE_REPLACING_OPS:
+            raise SymbolicTraceError(
+                f"tracejit: symbolic recording cannot run {func} at {user_location()}: it gives a tensor "
+                f"another storage, and symbolic=True fills each output's storage only after the call. Trace "
+                f"this function with symbolic=False."
+            )
+        if name == "detach_":
+            return  # below autograd a no-op: running it now and again in the program is harmless
+        for tensor in mutated_tensors(func, args, kwargs):
+            handle = self.handles.get(tensor)
+            if handle is None or self.tensors[handle].kind is not Kind.INTERNAL:
+                described = self.tensors[handle].name if handle is not None else "a tensor"
+                raise SymbolicTraceError(
+                    f"tracejit: {func} at {user_location()} changes the shape or strides of {described} "
+                    f"in place. Symbolic recording must apply that change now (later ops depend on it) and "
+                    f"the program applies it again when it runs, so it cannot record it on a tensor from "
+                    f"outside the call. Use the out-of-place form (x = x.unsqueeze(0) rather than "
+                    f"x.unsqueeze_(0)) or trace with symbolic=False."
+                )
+
+    # -- host reads and excluded blocks -----------------------------------------------------------
+
+    def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
+        self._check_readable(tensor, what)
+        super().on_host_read(tensor, what)
+
+    def _check_readable(self, tensor: torch.Tensor, what: str) -> None:
+        key = storage_key(tensor)
+        reason = self._stale.get(key) if key is not None else None
+        if reason is not None:
+            raise SymbolicTraceError(self._host_read_message(tensor, what, reason))
+
+    def _host_read_message(self, tensor: torch.Tensor, what: str, reason: str) -> str:
+        source = user_location()
+        code = f": {source.code}" if source.code else ""
+        handle = self.handles.get(tensor)
+        label = f"t{handle} " if handle is not None else ""
+        message = (
+            f"tracejit: {self.function_name}() reads the value of a tensor on the host ({what}) at "
+            f"{source}{code}, while its first call is recorded with symbolic=True. That tensor, "
+            f"{label}{_describe(tensor)}, is not computed yet: it is {reason}. Symbolic recording builds "
+            f"the program without running it; values computed inside the call exist only once the call "
+            f"returns.\n"
+        )
+        optimizer = _optimizer_in_stack()
+        if optimizer is not None:
+            owner, function = optimizer
+            cls = type(owner).__name__
+            fix = ("construct the optimizer with fused=True, which reads nothing on the host, or trace with "
+                   "symbolic=False" if "fused" in inspect.signature(type(owner).__init__).parameters
+                   else "trace with symbolic=False")
+            why = (" (the for-loop and foreach Adam and AdamW read the step count with .item() on every "
+                   "step)" if isinstance(owner, torch.optim.Adam | torch.optim.AdamW) else "")
+            return message + (
+                f"The read happens inside torch.optim.{cls}.step (in {function}): this implementation reads "
+                f"tensor values on the host{why}. To record it symbolically, {fix}."
+            )
+        return message + (
+            "Read the value after the call (return the tensor), read it inside a `with "
+            "tracejit.exclude_from_trace():` block (the ops recorded before the block run first), or trace "
+            "with symbolic=False."
+        )
+
+    def on_excluded_block(self) -> None:
+        super().on_excluded_block()
+        self._catch_up()
+
+    # -- running the record for real --------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """The call raised: run what it recorded, so the host sees the side effects eager execution had."""
+        self._generator_state = None  # the error to raise is the call's own
+        self._catch_up()
+
+    def complete(self, program: Any) -> None:
+        """The call returned: run its program for real and fill every placeholder still held anywhere.
+
+        Problems are raised after the run: the tensors the host holds must be filled in any case.
+        """
+        reseeded = self._reseeding_error()
+        self._run(program)
+        if reseeded is not None:
+            raise reseeded
+
+    def _catch_up(self) -> None:
+        self._raise_if_reseeded()
+        self._run(self._compile(self._snapshot()))
+        self._stale.clear()
+        self._generator_state = None
+        self._executor.forget_metadata()  # the code that follows may change tensors behind the recording
+
+    def _run(self, program: Any) -> None:
+        disagreements = self._runner.run(program, self._inputs, self._placeholders)
+        if disagreements:
+            raise self._prediction_error(disagreements)
+
+    def _snapshot(self) -> Record:
+        """The record so far, with the tensors alive now marked as escaped (the program must keep them)."""
+        record = Record(
+            function_name=self.function_name,
+            tensors=[dataclasses.replace(info) for info in self.tensors],
+            ops=list(self.ops),
+            output=OutputSpec("none"),
+            constants=dict(self.constants),
+            constant_versions=dict(self.constant_versions),
+            arg_handles=self.arg_handles,
+            kwarg_handles=dict(self.kwarg_handles),
+        )
+        mark_escapes(record, self.handles)
+        return record
+
+    def _prediction_error(self, disagreements: list[str]) -> SymbolicTraceError:
+        listed = "\n".join(f"  {line}" for line in disagreements)
+        return SymbolicTraceError(
+            f"tracejit: {self.function_name}() was recorded with symbolic=True, and torch's fake (meta) "
+            f"kernels predicted other strides than the real kernels produced:\n{listed}\n"
+            f"The call ran and its values are correct, but a record built on mispredicted metadata may not "
+            f"match what later calls dispatch, so it is not kept. Trace this function with symbolic=False."
+        )
+
+
+def _generator_changed(since: torch.Tensor) -> bool:
+    # Compared outside the call's modes: this comparison is tracejit's, not an op of the function.
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        return not torch.equal(torch.default_generator.get_state(), since)
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{tensor.device.type} {dtype}{list(tensor.shape)}"
+
+
+def _optimizer_in_stack() -> tuple[torch.optim.Optimizer, str] | None:
+    """The optimizer whose step() is running on this stack, and the innermost torch.optim function."""
+    frame = sys._getframe(1)
+    innermost = None
+    while frame is not None:
+        code = frame.f_code
+        if _OPTIM_DIR in code.co_filename:
+            innermost = innermost or code.co_name
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.optim.Optimizer):
+                return owner, innermost
+        frame = frame.f_back
+    return None
