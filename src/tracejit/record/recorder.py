@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .calls import (
     HOST_VALUE_OPS,
@@ -56,6 +57,7 @@ class Recorder:
         self.kwarg_handles: dict[str, int] = {}
         self.rerecorded = False
         self.regions = RegionTracker()
+        self.storages: dict[int, StorageWeakRef] = {}  # internal handle -> its memory, held weakly
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -117,7 +119,8 @@ class Recorder:
         if is_ignored_op(func):
             return self.regions.run(func, args, kwargs)
         if func in HOST_VALUE_OPS:
-            self.on_host_read(args[0], str(func))
+            for tensor in split_call(func, args, kwargs)[0]:  # torch.equal(a, b) reads both
+                self.on_host_read(tensor, str(func))
             return func(*args, **kwargs)
         tensors, statics, scalars = split_call(func, args, kwargs)
         index = len(self.ops)
@@ -184,6 +187,8 @@ class Recorder:
             handle = self.handles.get(value)
             if handle is None:
                 handle = self._new_handle(value, Kind.INTERNAL, f"op #{index}", producer=index, base=base)
+                if base is None:  # the memory of views is watched through their base
+                    self.storages[handle] = StorageWeakRef(value.untyped_storage())
             outputs.append(handle)
             metas.append(TensorMeta.of(value))
         return tuple(outputs), kind, tuple(metas)
@@ -237,37 +242,50 @@ class Recorder:
             kwarg_handles=self.kwarg_handles,
             rerecorded=self.rerecorded,
         )
-        mark_escapes(record, self.handles, autograd_saved(result))
+        mark_escapes(record, self.handles, autograd_saved(result), self.storages, _storages_of(result))
         return record
 
 
-def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[tuple] = frozenset()) -> None:
-    """Flag the internal tensors still alive after the call: they live on in Python state.
+def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int] = frozenset(),
+                 storages: dict[int, StorageWeakRef] | None = None, returned: set[int] = frozenset()) -> None:
+    """Flag the internal tensors whose memory is still reachable after the call: Python state holds
+    the tensor, or another tensor over its storage (a `.data` alias, a view).
 
-    Tensors kept alive only because the autograd graph of a returned tensor saved them for a
-    backward pass are not state: a call without the function returns tensors with no graph.
+    Memory kept only because the autograd graph of a returned tensor saved it for a backward pass
+    is not state: a call without the function returns tensors with no graph. The record *created
+    state* when something outside the return value keeps memory of the call.
     """
-    created_state = False
+    alive: dict[int, int] = {}  # handle -> storage pointer
     for handle, tensor in handles.live().items():
+        alive[handle] = tensor.untyped_storage().data_ptr()
+    for handle, ref in (storages or {}).items():
+        if handle not in alive and not ref.expired():
+            alive[handle] = _storage_pointer(ref)
+    created_state = False
+    for handle, pointer in alive.items():
         info = record.tensors[handle] if handle < len(record.tensors) else None
-        if info is None or info.kind is not Kind.INTERNAL or _view_key(tensor) in saved_for_backward:
+        if info is None or info.kind is not Kind.INTERNAL or pointer in saved_for_backward:
             continue
         info.flags |= Flag.ESCAPED
-        if not info.flags & Flag.RETURNED:
+        if not info.flags & Flag.RETURNED and pointer not in returned:
             created_state = True
     record.created_state = created_state
 
 
-def _view_key(tensor: torch.Tensor) -> tuple:
-    """Identifies a view of memory: autograd unpacks a saved tensor as a new object over it."""
-    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+def _storage_pointer(ref: StorageWeakRef) -> int:
+    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return storage.data_ptr()
 
 
-def autograd_saved(result: Any) -> set[tuple]:
-    """Views of memory the autograd graphs of the returned tensors hold for backward."""
+def _storages_of(result: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in _tensors_in(result)}
+
+
+def autograd_saved(result: Any) -> set[int]:
+    """Storage pointers of the memory the autograd graphs of the returned tensors hold for backward."""
     pending = [t.grad_fn for t in _tensors_in(result) if t.grad_fn is not None]
     seen_nodes: set[int] = set()
-    saved: set[tuple] = set()
+    saved: set[int] = set()
     while pending:
         node = pending.pop()
         if node is None or id(node) in seen_nodes:
@@ -279,7 +297,7 @@ def autograd_saved(result: Any) -> set[tuple]:
                     value = getattr(node, name)
                 except RuntimeError:  # already freed by a backward pass
                     continue
-                saved.update(_view_key(t) for t in _tensors_in(value))
+                saved.update(t.untyped_storage().data_ptr() for t in _tensors_in(value))
         pending.extend(next_node for next_node, _ in node.next_functions)
     return saved
 

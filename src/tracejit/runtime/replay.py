@@ -83,7 +83,8 @@ class Replayer:
         if is_ignored_op(func):
             return self.regions.run(func, args, kwargs)
         if func in HOST_VALUE_OPS:
-            self.on_host_read(args[0], str(func))
+            for tensor in split_call(func, args, kwargs)[0]:  # torch.equal(a, b) reads both
+                self.on_host_read(tensor, str(func))
             return func(*args, **kwargs)
         record = self.record
         position = self.position
