@@ -185,3 +185,16 @@ def test_program_source_before_any_host_free_program():
     traced = tracejit.trace(lambda x: x + 1, without_host=True)
     with pytest.raises(RuntimeError, match="no host-free program yet"):
         traced.program_source()
+
+
+def test_host_free_function_called_inside_another_trace_is_refused():
+    inner = tracejit.trace(lambda x: x * 2, without_host=True)
+    x = torch.ones(2)
+    inner(x), inner(x)  # host-free from now on
+
+    @tracejit.trace
+    def outer(x):
+        return inner(x) + 1
+
+    with pytest.raises(RuntimeError, match="is being traced"):
+        outer(x)

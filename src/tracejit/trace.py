@@ -16,7 +16,7 @@ from .ir.graph import Graph
 from .options import TraceOptions
 from .passes import PipelineResult, pipeline, run_pipeline
 from .record.handles import HandleMap
-from .record.modes import CallContext, traced_call
+from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames
 from .record.record import Record
 from .record.recorder import Recorder
@@ -103,7 +103,7 @@ class trace:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fast = self._fast_call
-        if fast is not None:  # the last host-free trace used, checking its own signature
+        if fast is not None and not is_tracing():  # the last host-free trace used, checking its signature
             result = fast(args, kwargs)
             if result is not MISS:
                 return result
@@ -116,6 +116,7 @@ class trace:
         return result
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        check_not_nested(self.__name__)
         self._check_arguments(args, kwargs)
         key = signature(args, kwargs)
         entry = self._lookup(key, kwargs)

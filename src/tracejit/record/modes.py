@@ -129,19 +129,25 @@ def current_context() -> CallContext | None:
 @contextlib.contextmanager
 def traced_call(context: CallContext) -> Iterator[CallContext]:
     """Run a block as a traced call: install both modes and the thread's call context."""
-    outer = current_context()
-    if outer is not None and not outer.excluded:
-        raise RuntimeError(
-            f"tracejit: {context.function_name}() was called while {outer.function_name}() is being "
-            f"traced. Nested traced functions are not supported: call the inner function undecorated "
-            f"(its ops become part of the outer trace), or call it inside tracejit.exclude_from_trace()."
-        )
+    outer = check_not_nested(context.function_name)
     _local.context = context
     try:
         with _host_read_hooks(), _DispatchMode(context):
             yield context
     finally:
         _local.context = outer
+
+
+def check_not_nested(function_name: str) -> CallContext | None:
+    """Refuse a traced call inside another one (outside an excluded block); return the context."""
+    outer = current_context()
+    if outer is not None and not outer.excluded:
+        raise RuntimeError(
+            f"tracejit: {function_name}() was called while {outer.function_name}() is being "
+            f"traced. Nested traced functions are not supported: call the inner function undecorated "
+            f"(its ops become part of the outer trace), or call it inside tracejit.exclude_from_trace()."
+        )
+    return outer
 
 
 def is_tracing() -> bool:
