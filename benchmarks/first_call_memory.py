@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import datetime
 import gc
-import itertools
 import json
 import os
 import statistics
@@ -29,10 +27,14 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import tracejit
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import models, protocol
+from benchmarks.workloads import train_step as step
 
 WORKLOADS = {
     # name: (layer sizes, batch size)
@@ -47,10 +49,7 @@ def build(workload: str, seed: int = 0, tiny: bool = False):
     if tiny:  # same layers and ops, a few kilobytes: for warming up kernels and tracejit's machinery
         sizes, batch_size = tuple(min(n, 16) for n in sizes), 4
     torch.manual_seed(seed)
-    layers = []
-    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
-    model = nn.Sequential(*layers)
+    model = models.mlp(sizes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, sizes[0], generator=g)
@@ -58,25 +57,9 @@ def build(workload: str, seed: int = 0, tiny: bool = False):
     return model, opt, x, y
 
 
-def step(x, y, *, model, opt):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
 def measure(workload: str, system: str) -> dict:
     """One measurement (runs in a child process)."""
-    torch.set_num_threads(2)
+    protocol.configure_threads()
     # Warm up on a tiny copy with the same system: one-time initialisation (kernels, thread pools,
     # fake-tensor machinery) is not the first call's cost, and a tiny model leaves no freed memory
     # behind for the measured call to reuse.
@@ -88,16 +71,12 @@ def measure(workload: str, system: str) -> dict:
     if system.endswith("3rd call"):
         for _ in range(2):
             function(x, y, model=model, opt=opt)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap memory back, so reuse cannot hide growth
+    before = protocol.reset_peak_rss()  # freed heap handed back, VmHWM := VmRSS
     gc.disable()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # VmHWM := VmRSS
-    before = _status_kb("VmRSS")
     start = time.perf_counter()
     loss = function(x, y, model=model, opt=opt)
     seconds = time.perf_counter() - start
-    peak = _status_kb("VmHWM")
+    peak = protocol.status_kb("VmHWM")
     return {"peak_above_start_mb": (peak - before) / 1024, "seconds": seconds, "loss": loss.item()}
 
 
@@ -131,7 +110,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(measure(*args.child)))
         return 0
-    torch.set_num_threads(2)
+    protocol.configure_threads()
     workloads = ["mlp_train_medium"] if args.quick else list(WORKLOADS)
     repeats = 1 if args.quick else args.repeats
     rows = []
