@@ -13,12 +13,13 @@ import torch
 from .errors import HostDependencyError, TraceCacheFullError, TraceMismatchError
 from .ir import build_graph
 from .ir.graph import Graph
+from .ir.to_fx import to_fx
 from .options import TraceOptions
 from .passes import PipelineResult, pipeline, run_pipeline
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames
-from .record.record import Record
+from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.symbolic import SymbolicRecorder
 from .runtime.fused import compile_fused_nodes
@@ -44,6 +45,7 @@ class TraceEntry:
     host_free_error: Exception | None = None  # why this trace cannot run without its function
     host_free_calls: int = 0
     history: list = field(default_factory=list)  # (pass, graph, seconds) of the host-free pipeline
+    handles: HandleMap | None = None  # the handle map of the last call that ran the function (weak)
 
     @property
     def provisional(self) -> bool:
@@ -190,8 +192,9 @@ class trace:
             recorder.abandon()  # symbolic: run what was recorded, so side effects match an eager call
             raise
         recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
-        # A call that created or accumulated gradients depends on which .grad exist when it starts.
-        depends = gradient_snapshot(kwargs) != grads_before
+        # A call that ran a backward pass, or created or accumulated gradients, depends on which
+        # parameters require grad and which .grad exist when it starts.
+        depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
         entry = TraceEntry(key, record, program, grad_state if depends else None)
         if not depends:
             self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]
@@ -232,6 +235,7 @@ class trace:
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
                            kwargs: dict) -> None:
         """After a call that ran the function: (re)bind the program that runs without it."""
+        entry.handles = handles  # to_fx() finds the external objects there
         if not self.options.without_host or entry.provisional:
             return
         try:
@@ -308,6 +312,34 @@ class trace:
                 return entry.host_free.program.source
         raise RuntimeError(f"{self.__name__}() has no host-free program yet: trace with without_host=True "
                            f"and call it at least twice")
+
+    def to_fx(self) -> torch.fx.GraphModule:
+        """The most recent trace as a `torch.fx.GraphModule` (its host-free graph if it has one, else
+        the graph checked replay runs), holding the external tensors it last used; see ir/to_fx.py."""
+        entries = self._entries()
+        if not entries:
+            raise RuntimeError(f"{self.__name__}() has no trace yet: call it once before to_fx()")
+        entry = entries[-1]
+        graph = entry.host_free.program.graph if entry.host_free is not None else entry.program.graph
+        record = entry.record
+        live = entry.handles.live() if entry.handles is not None else {}
+        externals = {h: t for h, t in live.items() if record.tensors[h].kind is Kind.EXTERNAL}
+        inputs = [(self._arg_name(i), h) for i, h in enumerate(record.arg_handles)]
+        inputs += list(record.kwarg_handles.items())
+        return to_fx(graph, externals, inputs=inputs, output=record.output)
+
+    def dump(self, file: Any, **options: Any) -> Any:
+        """Write the traced graph for inference to `file` (a path or a binary file object), with its
+        weights; `tracejit.load(file)` runs it without this function or the code defining it.
+
+        Needs capture_as_const=True and one recorded call. Options (see docs/format.md): arg_names,
+        output_names, append, keep_var_name, keep_opr_name, keep_param_name, optimize_for_inference,
+        user_info, enable_metadata, input_data, repeat, no_assert, maxerr, enable_io16xc32,
+        enable_ioc16. Returns a DumpInfo (inputs, outputs, op and parameter counts, file size).
+        """
+        from .serialize.dump import dump_trace
+
+        return dump_trace(self, file, **options)
 
     def listing(self) -> str:
         """The records as numbered op listings with source lines."""
