@@ -192,9 +192,8 @@ class trace:
             recorder.abandon()  # symbolic: run what was recorded, so side effects match an eager call
             raise
         recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
-        # A call that ran a backward pass, or created or accumulated gradients, depends on which
-        # parameters require grad and which .grad exist when it starts.
-        depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
+        # A call that created or accumulated gradients depends on which .grad exist when it starts.
+        depends = gradient_snapshot(kwargs) != grads_before
         entry = TraceEntry(key, record, program, grad_state if depends else None)
         if not depends:
             self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]
@@ -327,19 +326,6 @@ class trace:
         inputs = [(self._arg_name(i), h) for i, h in enumerate(record.arg_handles)]
         inputs += list(record.kwarg_handles.items())
         return to_fx(graph, externals, inputs=inputs, output=record.output)
-
-    def dump(self, file: Any, **options: Any) -> Any:
-        """Write the traced graph for inference to `file` (a path or a binary file object), with its
-        weights; `tracejit.load(file)` runs it without this function or the code defining it.
-
-        Needs capture_as_const=True and one recorded call. Options (see docs/format.md): arg_names,
-        output_names, append, keep_var_name, keep_opr_name, keep_param_name, optimize_for_inference,
-        user_info, enable_metadata, input_data, repeat, no_assert, maxerr, enable_io16xc32,
-        enable_ioc16. Returns a DumpInfo (inputs, outputs, op and parameter counts, file size).
-        """
-        from .serialize.dump import dump_trace
-
-        return dump_trace(self, file, **options)
 
     def listing(self) -> str:
         """The records as numbered op listings with source lines."""
