@@ -8,6 +8,10 @@ import tracejit
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
+# The suite's parity tests promise bit-for-bit equality with eager, which holds unfused: `auto`
+# means no fusion here unless a test names its backend. Fused backends have their own tests
+# (test_c_*.py, test_triton_*.py, test_fused_*.py), with stated tolerances.
+os.environ.setdefault("TRACEJIT_BACKEND", "aten")
 
 # The modes every test taking the `trace` fixture runs in: name -> options of tracejit.trace.
 # A test's own options win over the mode's. Adding a mode is one line here; a test that does not

@@ -65,12 +65,3 @@ class TraceOptions:
             if not self.without_host:
                 raise ValueError("tracejit.trace: sublinear_memory_config needs without_host=True: in checked replay "
                                  "autograd keeps the activations the Python function computes")
-        unimplemented = {
-            "backend": self.backend not in ("auto", "aten", "reference"),
-        }
-        for name, requested in unimplemented.items():
-            if requested:
-                raise NotImplementedError(
-                    f"tracejit.trace: the option {name}={getattr(self, name)!r} is not implemented yet; "
-                    f"leave it at its default"
-                )

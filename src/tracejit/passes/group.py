@@ -7,13 +7,18 @@ Before:                                        After:
                                                      # t7 = aten.sigmoid.default(t6)
 
 A FUSED node keeps its member CALL nodes, reads the values its members read from outside the
-group, and produces the member values something outside still needs (later ops, the return
-value, Python state, host reads). Which ops may join is the backend's decision (`can_fuse`);
-when a group is *legal* is decided here (`legal_group`), from one rule: a group runs when its
-last member's position is reached, so nothing outside it may need a member's value, or write a
+group, writes what its in-place members write, and produces the member values something outside
+still needs (later ops, the return value, Python state, host reads). Which ops may join is the
+backend's decision (`can_fuse`); a node joins a group that produced one of its inputs or that reads
+one of its inputs (siblings share the loads), when both walk the same iteration space (`space_of`:
+the shape, or one shape per list element for `_foreach_` ops).
+
+When a group is *legal* is decided here (`legal_group`), from one rule: a group runs when its last
+member's position is reached, so nothing outside it may need a member's value, or write a
 member's input, between its first and last member. Groups never cross a host read or an excluded
 block, and in host-visible graphs nothing outside may even read a group input inside the span
-(holding it would change what autograd dispatches).
+(holding it would change what autograd dispatches). A group that writes a storage it reads reads
+it only through the written tensor itself (one element, one index: no overlap hazard).
 """
 
 from __future__ import annotations
@@ -35,48 +40,80 @@ class FusedGroup:
     """The target of a FUSED node: what the backend compiles into one kernel."""
 
     name: str
-    shape: tuple[int, ...]  # iteration space: every member's output has this shape
+    shape: tuple[int, ...]  # iteration space of the first lane
+    lanes: int = 1  # list length of `_foreach_` members; 1 for plain groups
 
 
-def group_elementwise(graph: Graph, can_fuse: CanFuse | None = None, max_members: int = MAX_MEMBERS) -> Graph:
+def group_elementwise(graph: Graph, can_fuse: CanFuse | None = None, max_members: int = MAX_MEMBERS,
+                      min_members: int = 2, fuel: int | None = None) -> Graph:
+    """`fuel` bounds how many groups are formed (bisecting a suspected miscompile)."""
     if can_fuse is None:
         return graph
     nodes = list(graph.nodes)
     groups: list[list[int]] = []
-    group_of_value: dict[int, int] = {}
+    spaces: list[tuple] = []
+    producer: dict[int, int] = {}  # value id -> group that computes it
+    readers: dict[int, list[int]] = {}  # value id -> groups reading it from outside
     for index, node in enumerate(nodes):
-        if not _candidate(graph, node) or not can_fuse(graph, node):
+        if not _candidate(node) or not can_fuse(graph, node):
             continue
-        joined = {group_of_value[v] for v in node.inputs if v in group_of_value}
-        target = None
-        if len(joined) == 1:
-            g = joined.pop()
-            members = groups[g]
-            shape = graph.values[nodes[members[0]].outputs[0]].meta.shape
-            if (len(members) < max_members and graph.values[node.outputs[0]].meta.shape == shape
-                    and legal_group(graph, [nodes[i] for i in members] + [node], nodes)):
-                target = g
+        space = space_of(graph, node)
+        target = _choose_group(graph, nodes, groups, spaces, producer, readers, node, space, max_members)
         if target is None:
             groups.append([])
+            spaces.append(space)
             target = len(groups) - 1
         groups[target].append(index)
-        group_of_value[node.outputs[0]] = target
-    fused = [g for g in groups if len(g) > 1]
+        for vid in (*node.outputs, *node.writes):
+            if vid is not None:
+                producer[vid] = target
+        for vid in node.inputs:
+            if producer.get(vid) != target:
+                readers.setdefault(vid, []).append(target)
+    fused = [g for g in groups if len(g) >= min_members]
+    if fuel is not None:
+        fused = fused[:max(fuel, 0)]
     if not fused:
         return graph
     return _rewrite(graph, nodes, fused)
 
 
-def _candidate(graph: Graph, node: Node) -> bool:
+def _candidate(node: Node) -> bool:
     target = node.target
     return (
         node.op is Op.CALL
-        and not node.writes
         and not node.attr("hoisted")
-        and node.attr("out_kind") == "tensor"
+        and node.attr("out_kind") in ("tensor", "none", "list")
         and isinstance(target, torch._ops.OpOverload)
         and torch.Tag.nondeterministic_seeded not in target.tags
     )
+
+
+def space_of(graph: Graph, node: Node) -> tuple:
+    """The shapes a member computes: its result, or the target it writes; one per list element."""
+    results = [v for v in node.outputs if v is not None]
+    if not results and node.writes:
+        written = {graph.values[v].handle for v in node.inputs}
+        results = [v for v in node.writes if graph.values[v].handle in written]
+        seen, unique = set(), []
+        for v in results:  # one per written handle, not per alias
+            if graph.values[v].handle not in seen:
+                seen.add(graph.values[v].handle)
+                unique.append(v)
+        results = unique
+    return tuple(graph.values[v].meta.shape for v in results)
+
+
+def _choose_group(graph, nodes, groups, spaces, producer, readers, node, space, max_members) -> int | None:
+    feeding = [producer[v] for v in node.inputs if v in producer]
+    sharing = [g for v in node.inputs if v not in producer for g in readers.get(v, ())]
+    for g in dict.fromkeys(sorted(feeding, reverse=True) + sorted(sharing, reverse=True)):
+        members = groups[g]
+        if spaces[g] != space or len(members) >= max_members:
+            continue
+        if legal_group(graph, [nodes[i] for i in members] + [node], nodes):
+            return g
+    return None
 
 
 def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = None) -> bool:
@@ -86,9 +123,11 @@ def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = No
     if any(first < p <= last for p in graph.barriers):  # the read happens before op p
         return False
     member_ids = {id(m) for m in members}
-    produced = {v for m in members for v in m.outputs if v is not None}
+    produced = {v for m in members for v in (*m.outputs, *m.writes) if v is not None}
     read = {v for m in members for v in m.inputs} - produced
     read_roots = {graph.values[v].root for v in read}
+    if not _writes_are_exclusive(graph, members, read):
+        return False
     for node in nodes:
         if id(node) in member_ids or not node.positions or not first < node.fire_at < last:
             continue
@@ -101,6 +140,25 @@ def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = No
     return True
 
 
+def _writes_are_exclusive(graph: Graph, members: list[Node], read: set[int]) -> bool:
+    """A storage the group writes is read, from outside, only through the one tensor written."""
+    written: dict[int, int] = {}  # root -> handle written through
+    for member in members:
+        handles_read = {graph.values[v].handle for v in member.inputs}
+        targets = [v for v in member.writes if graph.values[v].handle in handles_read]
+        if member.writes and not targets:
+            return False  # writes a tensor it was not handed (an out= argument, an alias)
+        for vid in targets:
+            value = graph.values[vid]
+            if written.setdefault(value.root, value.handle) != value.handle:
+                return False
+    for vid in read:
+        value = graph.values[vid]
+        if value.root in written and value.handle != written[value.root]:
+            return False
+    return True
+
+
 def _rewrite(graph: Graph, nodes: list[Node], groups: list[list[int]]) -> Graph:
     member_of = {index: g for g, members in enumerate(groups) for index in members}
     needed = _needed_outside(graph, nodes, member_of)
@@ -110,7 +168,7 @@ def _rewrite(graph: Graph, nodes: list[Node], groups: list[list[int]]) -> Graph:
         if g is None:
             rewritten.append(node)
         elif index == groups[g][-1]:
-            rewritten.append(_fused_node(graph, g, [nodes[i] for i in groups[g]], needed))
+            rewritten.append(_fused_node(graph, g, [nodes[i] for i in groups[g]], needed, nodes))
     return graph.with_nodes(rewritten, "group_elementwise")
 
 
@@ -121,7 +179,8 @@ def _needed_outside(graph: Graph, nodes: list[Node], member_of: dict[int, int]) 
     versions = versions_of(graph)
     needed |= {versions[h][-1] for h in graph.escaped if h in versions}
     needed |= {v.id for v in graph.values if v.handle in graph.host_reads}
-    producer_group = {v: member_of[i] for i, n in enumerate(nodes) if i in member_of for v in n.outputs}
+    producer_group = {v: member_of[i] for i, n in enumerate(nodes) if i in member_of
+                      for v in (*n.outputs, *n.writes) if v is not None}
     for index, node in enumerate(nodes):
         for vid in node.inputs:
             group = producer_group.get(vid)
@@ -130,15 +189,47 @@ def _needed_outside(graph: Graph, nodes: list[Node], member_of: dict[int, int]) 
     return needed
 
 
-def _fused_node(graph: Graph, number: int, members: list[Node], needed: set[int]) -> Node:
-    produced = [m.outputs[0] for m in members]
+def _fused_node(graph: Graph, number: int, members: list[Node], needed: set[int], nodes: list[Node]) -> Node:
+    produced = [v for m in members for v in (*m.outputs, *m.writes) if v is not None]
     inputs = list(dict.fromkeys(v for m in members for v in m.inputs if v not in produced))
-    # the last member's value is always computed: checked replay hands it to the host as a real
-    # tensor when the group runs
-    outputs = tuple(v for v in produced if v in needed or v == produced[-1])
-    ops = "_".join(str(m.target).split(".")[1] for m in members[:4])
+    final = _final_versions(graph, produced)
+    # A write is a value of its own only for the tensor the op was handed; other views of the
+    # storage see the new contents through the objects they already are.
+    handed = {graph.values[v].handle for m in members for v in m.inputs}
+    own = {v for v in produced if v not in _writes_of(members) or graph.values[v].handle in handed}
+    # the last member's values are always computed: checked replay hands them to the host
+    wanted = set(needed) | {v for v in members[-1].outputs if v is not None}
+    if graph.host_visible and _inputs_change(graph, members, inputs, nodes):
+        # a placeholder the host still holds at the end of the call could not be recomputed from
+        # the inputs any more: compute the final value of every tensor the host may have seen
+        seen = {graph.values[v].handle for m in members for v in m.outputs if v is not None}
+        wanted |= {v for v in final if graph.values[v].handle in seen}
+    outputs = tuple(v for v in dict.fromkeys(produced) if v in wanted and v in final and v in own)
+    ops = "_".join(str(m.target).split(".")[1].removeprefix("_foreach_") for m in members[:4])
     name = f"fused{number}_{ops}" + ("_etc" if len(members) > 4 else "")
-    shape = graph.values[produced[0]].meta.shape
+    space = space_of(graph, members[0])
     positions = tuple(sorted(p for m in members for p in m.positions))
-    return Node(Op.FUSED, FusedGroup(name, shape), tuple(inputs), outputs, (), (), positions, members[-1].source,
-                tuple(members))
+    writes = tuple(v for m in members for v in m.writes)
+    return Node(Op.FUSED, FusedGroup(name, space[0] if space else (), len(space)), tuple(inputs), outputs, writes,
+                (), positions, members[-1].source, tuple(members))
+
+
+def _final_versions(graph: Graph, produced: list[int]) -> set[int]:
+    """Of the values the group produces, the last version of each handle (what storage holds after)."""
+    last: dict[int, int] = {}
+    for vid in produced:
+        last[graph.values[vid].handle] = vid
+    return set(last.values())
+
+
+def _writes_of(members: list[Node]) -> set[int]:
+    return {v for m in members for v in m.writes}
+
+
+def _inputs_change(graph: Graph, members: list[Node], inputs: list[int], nodes: list[Node]) -> bool:
+    """Whether a storage the group reads is written by the group itself or by any later node."""
+    roots = {graph.values[v].root for v in inputs}
+    last = max(m.fire_at for m in members)
+    if any(graph.values[v].root in roots for v in _writes_of(members)):
+        return True
+    return any(node.fire_at > last and any(graph.values[v].root in roots for v in node.writes) for node in nodes)

@@ -25,7 +25,7 @@ from ..record.calls import has_dynamic_output_shape
 from ..record.record import Record
 from .codegen import callable_for, generate_straight_line
 from .fastpath import generate_steps
-from .fused import ReferenceKernel
+from ..backends.reference import ReferenceKernel
 from .profile import CLOCK, Profiler, Row
 
 
@@ -39,57 +39,136 @@ def scalar_layout(record: Record) -> tuple[list[int], list]:
 
 
 class CallState:
-    """What one checked call holds: values by handle, and which placeholders are real."""
+    """What one checked call holds: values by handle, and which of them are not computed yet."""
 
-    __slots__ = ("env", "pending")
+    __slots__ = ("env", "pending", "stepped", "fired", "broken")
 
     def __init__(self, num_handles: int):
         self.env: list = [None] * num_handles
-        self.pending: dict[int, _GroupRun] = {}  # handle of an unfilled placeholder -> its group
+        self.pending: dict[int, _GroupRun] = {}  # handle whose contents its group has not computed yet
+        self.stepped: dict[_GroupRun, int] = {}  # group -> members handed out so far
+        self.fired: set[_GroupRun] = set()
+        self.broken: set[_GroupRun] = set()  # groups that run op by op for the rest of the call
 
 
 class _GroupRun:
-    """A fused node in checked replay: placeholders for its members, the kernel at its end."""
+    """A fused node in checked replay.
+
+    Members before the last one hand the host what the op would return without computing it: a
+    placeholder (a tensor of the right layout, contents pending), the tensor an in-place op
+    returns, or None. The kernel runs when the last member arrives and fills every pending value.
+    If the host reads a pending value earlier (an unrecorded `print`, say), the members handed out
+    so far run for real, op by op, and so does the rest of the group in this call.
+    """
 
     def __init__(self, graph: Graph, node: Node, kernel: Any):
         self.node = node
         self.kernel = kernel
         self.reference = kernel if isinstance(kernel, ReferenceKernel) else ReferenceKernel(graph, node)
         self.last = node.fire_at
-        self.member_at = {m.positions[0]: m for m in node.members}
-        self.handle_of = {v: graph.values[v].handle for m in node.members for v in (*m.inputs, *m.outputs)}
+        self.member_at = {m.positions[0]: k for k, m in enumerate(node.members)}
+        self.handle_of = {v: graph.values[v].handle for m in node.members
+                          for v in (*m.inputs, *m.writes, *(o for o in m.outputs if o is not None))}
         self.inputs = set(node.inputs)
-        self.metas = {m.outputs[0]: graph.values[m.outputs[0]].meta for m in node.members}
+        self.metas = {v: graph.values[v].meta for m in node.members for v in m.outputs if v is not None}
+        self.output_handles = [self.handle_of[v] for v in node.outputs]
+        # handle -> its last value in the group: what the tensor holds once the group has run
+        self.final_of = {self.handle_of[v]: v for m in node.members
+                         for v in (*(o for o in m.outputs if o is not None), *m.writes)}
+        # what is real once the kernel ran: its outputs and the storage from outside it writes
+        input_roots = {graph.values[v].root for v in node.inputs}
+        self.real_after_run = set(self.output_handles) | {
+            self.handle_of[w] for m in node.members for w in m.writes if graph.values[w].root in input_roots}
 
-    def step(self, position: int, tensors: list[torch.Tensor], state: CallState, scalars: list) -> torch.Tensor:
-        member = self.member_at[position]
+    def step(self, position: int, args: tuple, kwargs: dict, tensors: list[torch.Tensor], state: CallState,
+             scalars: list) -> Any:
+        k = self.member_at[position]
+        member = self.node.members[k]
+        if self in state.broken:
+            return self._run_member(k, state, scalars, args, kwargs)
         env = state.env
         for tensor, vid in zip(tensors, member.inputs):
             if vid in self.inputs:
                 env[self.handle_of[vid]] = tensor
+        state.stepped[self] = k + 1
         if position != self.last:
-            meta = self.metas[member.outputs[0]]
-            placeholder = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
-            handle = self.handle_of[member.outputs[0]]
-            env[handle] = placeholder
-            state.pending[handle] = self
-            return placeholder
+            return self._deferred(member, tensors, state)
         inputs = [env[self.handle_of[v]] for v in self.node.inputs]
-        outs = [env[self.handle_of[v]] if self.handle_of[v] in state.pending else None for v in self.node.outputs]
+        outs = [env[h] if h in state.pending else None for h in self.output_handles]
         results = self.kernel(inputs, scalars, outs)
-        for vid, result in zip(self.node.outputs, results):
-            handle = self.handle_of[vid]
+        for handle, result in zip(self.output_handles, results):
             env[handle] = result
-            state.pending.pop(handle, None)
-        return env[self.handle_of[member.outputs[0]]]
+        for handle in self.real_after_run:
+            if state.pending.get(handle) is self:
+                del state.pending[handle]
+        state.fired.add(self)
+        return self._result(member, tensors, env)
+
+    def _deferred(self, member: Node, tensors: list[torch.Tensor], state: CallState) -> Any:
+        env = state.env
+        for vid in member.writes:
+            state.pending[self.handle_of[vid]] = self
+        kind = member.attr("out_kind")
+        if kind == "none":
+            return None
+        results = []
+        for vid in member.outputs:
+            handle = self.handle_of[vid]
+            if vid in member.writes:
+                results.append(self._handed(member, tensors, handle))
+                continue
+            meta = self.metas[vid]
+            env[handle] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+            state.pending[handle] = self
+            results.append(env[handle])
+        return results[0] if kind == "tensor" else results
+
+    def _handed(self, member: Node, tensors: list[torch.Tensor], handle: int) -> torch.Tensor:
+        """The tensor an in-place op returns: the one it was handed."""
+        return next(t for t, v in zip(tensors, member.inputs) if self.handle_of[v] == handle)
+
+    def _result(self, member: Node, tensors: list[torch.Tensor], env: list) -> Any:
+        kind = member.attr("out_kind")
+        if kind == "none":
+            return None
+        results = [env[self.handle_of[v]] for v in member.outputs]
+        return results[0] if kind == "tensor" else results
+
+    def _run_member(self, k: int, state: CallState, scalars: list, args: tuple, kwargs: dict) -> Any:
+        """A member of a broken group runs like an unfused op, on what the host passed."""
+        result = self.reference.steps[k].function(*args, **kwargs)
+        member = self.node.members[k]
+        kind = member.attr("out_kind")
+        produced = [result] if kind == "tensor" else (list(result) if kind in ("tuple", "list") else [])
+        for vid, value in zip(member.outputs, produced):
+            if vid is not None:
+                state.env[self.handle_of[vid]] = value
+        return result
 
     def materialize(self, handle: int, state: CallState, scalars: list) -> None:
-        """Compute one placeholder now: the host reads it before (or without) the group filling it."""
+        """Make `handle`'s contents real now: the host reads it before (or without) the kernel filling it."""
+        if self in state.fired:  # a value the kernel did not need to store: recompute it (pure group)
+            env = state.env
+            inputs = [env[self.handle_of[v]] for v in self.node.inputs]
+            env[handle].copy_(self.reference.partial(inputs, scalars, self.final_of[handle]))
+            del state.pending[handle]
+            return
+        self.interrupt(state, scalars)
+
+    def interrupt(self, state: CallState, scalars: list) -> None:
+        """Run the members handed out so far for real, and the rest of the group op by op."""
         env = state.env
-        vid = next(v for v, h in self.handle_of.items() if h == handle and v in self.metas)
-        inputs = [env[self.handle_of[v]] for v in self.node.inputs]
-        env[handle].copy_(self.reference.partial(inputs, scalars, vid))
-        del state.pending[handle]
+        values = {v: env[self.handle_of[v]] for v in self.node.inputs if env[self.handle_of[v]] is not None}
+        for step in self.reference.steps[:state.stepped.get(self, 0)]:
+            placeholders = {vid: env[self.handle_of[vid]] for vid in step.outputs if vid is not None}
+            step.run(values, scalars)
+            for vid, placeholder in placeholders.items():
+                if values[vid] is not placeholder:
+                    placeholder.copy_(values[vid])
+                    values[vid] = placeholder
+        for handle in [h for h, group in state.pending.items() if group is self]:
+            del state.pending[handle]
+        state.broken.add(self)
 
 
 class CheckedProgram:
@@ -127,7 +206,7 @@ class CheckedProgram:
         if group is None:
             result = self.callables[position](*args, **kwargs)
         else:
-            result = group.step(position, tensors, state, scalars)
+            result = group.step(position, args, kwargs, tensors, state, scalars)
         if self.profiler is not None:
             self.profiler.stop(self.profile_rows[position], start)
         return result

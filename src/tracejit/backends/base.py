@@ -1,0 +1,111 @@
+"""The interface every fused-kernel backend implements.
+
+The compiler needs two things from a backend: `can_fuse(graph, node)`, whether a CALL node may
+join a fused group (passes/group.py forms the groups), and `compile(graph, fused)`, kernels for
+the graph's FUSED nodes (runtime/fused.py calls it). Compiled backends share the rest: the op
+table decides which ops exist (`optable.py`), lowering turns a group into a `KernelSpec`
+(`lower.py`), and a backend only renders specs to source and builds them (`render` + `build`),
+keeping the text apart from the toolchain as tinygrad's renderers and runtimes do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..ir.graph import Graph, Node, Op
+from ..passes.group import FusedGroup
+from .lower import KernelSpec, lower_fused
+from .optable import Unsupported, entry_for
+from .reference import ReferenceKernel
+
+Kernel = Callable[..., tuple]
+
+
+class Backend:
+    """Base of the backends; subclasses set `name`, `device_type`, `dtypes` and implement
+    `build(graph, specs) -> list[Kernel | None]`."""
+
+    name = "base"
+    device_type = "cpu"
+    dtypes: frozenset = frozenset()
+
+    def can_fuse(self, graph: Graph, node: Node) -> bool:
+        if entry_for(node.target) is None:
+            return False
+        metas = [graph.values[v].meta for v in (*node.inputs, *(o for o in node.outputs if o is not None))]
+        if any(m.device.type != self.device_type or m.dtype not in self.dtypes for m in metas):
+            return False
+        return _lowers_alone(graph, node)
+
+    def compile(self, graph: Graph, fused: list[tuple[int, Node]]) -> dict[int, Kernel]:
+        """node index -> kernel; groups that do not lower are left out (they run by reference)."""
+        specs, indices = [], []
+        for index, node in fused:
+            try:
+                specs.append(lower_fused(graph, node))
+                indices.append(index)
+            except Unsupported:
+                continue
+        if not specs:
+            return {}
+        kernels = self.build(graph, specs, [node for i, node in fused if i in set(indices)])
+        return {index: kernel for index, kernel in zip(indices, kernels) if kernel is not None}
+
+    def build(self, graph: Graph, specs: list[KernelSpec], nodes: list[Node]) -> list[Kernel | None]:
+        raise NotImplementedError(f"backend {self.name} does not compile kernels")
+
+    @staticmethod
+    def fallback(graph: Graph, node: Node) -> ReferenceKernel:
+        return ReferenceKernel(graph, node)
+
+
+def _lowers_alone(graph: Graph, node: Node) -> bool:
+    """Whether the op can be expressed as a kernel at all (its argument values included)."""
+    key = (node.target, _hashable(node.attr("statics", ())), tuple(type(s) for s in node.attr("scalars", ())),
+           tuple(graph.values[v].meta for v in node.inputs), tuple(graph.values[v].meta for v in node.writes),
+           tuple(None if v is None else graph.values[v].meta for v in node.outputs))
+    try:
+        return _lowering_check(key, graph, node)
+    except TypeError:  # an unhashable argument: check without the cache
+        return _try_lower(graph, node)
+
+
+def _lowering_check(key: tuple, graph: Graph, node: Node) -> bool:
+    known = _LOWERS.get(key)
+    if known is None:
+        if len(_LOWERS) > 16384:
+            _LOWERS.clear()
+        known = _LOWERS[key] = _try_lower(graph, node)
+    return known
+
+
+_LOWERS: dict[tuple, bool] = {}  # a probe per distinct (op, arguments, layouts)
+
+
+def _try_lower(graph: Graph, node: Node) -> bool:
+    produced = {v for v in (*node.outputs, *node.writes) if v is not None}
+    inputs = tuple(dict.fromkeys(v for v in node.inputs if v not in produced))
+    handed = {graph.values[v].handle for v in node.inputs}
+    outputs = tuple(v for v in (*node.outputs, *node.writes)
+                    if v is not None and graph.values[v].handle in handed | {graph.values[o].handle for o in
+                                                                              node.outputs if o is not None})
+    single = Node(Op.FUSED, FusedGroup("probe", ()), inputs, tuple(dict.fromkeys(outputs)), node.writes, (),
+                  node.positions, node.source, (node,))
+    try:
+        lower_fused(graph, single)
+    except Unsupported:
+        return False
+    return True
+
+
+def _hashable(value: Any) -> Any:
+    hash(value)
+    return value
+
+
+def device_of(graph: Graph, node: Node) -> torch.device:
+    vid = next(v for v in (*node.outputs, *node.inputs) if v is not None)
+    return graph.values[vid].meta.device

@@ -1,0 +1,341 @@
+"""The op table: how each fusable aten op computes one element.
+
+One entry per aten op family (`add` covers `add.Tensor`, `add.Scalar`, `add_.Tensor` and every
+`_foreach_add*` variant). An entry lowers the op into the primitives of `expr.py`, which every
+backend renders, and carries an eager `example` that the op-table tests run through each backend.
+Lowering functions receive the op's arguments in schema order: tensor elements as `Ref`s, dynamic
+scalars as `ScalarArg`s, structural values as they are.
+
+Types follow PyTorch's elementwise type promotion (`promotion` names the rule): every operand is
+converted to the compute type first (float32 for half types), the result is rounded to the op's
+result type, so a fused chain rounds exactly where the eager ops would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promotion
+
+from .expr import Compute, Ref, ScalarArg
+
+F = torch.nn.functional
+
+
+class Unsupported(Exception):
+    """This call of the op cannot be fused (an argument value the table does not handle)."""
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    name: str
+    lower: Callable[..., Ref]
+    promotion: Promotion
+    dtypes: str  # which tensors the op accepts: "float", "number" (float and int) or "bool"
+    # eager reference for the tests: (x, y, z) -> tensor, from float tensors x, y and z > 0
+    example: Callable[..., torch.Tensor]
+
+
+OP_TABLE: dict[str, OpEntry] = {}
+
+
+def _op(name: str, promotion: Promotion = Promotion.DEFAULT, dtypes: str = "float",
+        example: Callable[..., torch.Tensor] | None = None):
+    def register(lower: Callable[..., Ref]) -> Callable[..., Ref]:
+        OP_TABLE[name] = OpEntry(name, lower, promotion, dtypes, example)
+        return lower
+    return register
+
+
+def _unary(name: str, promotion: Promotion = Promotion.INT_TO_FLOAT, dtypes: str = "float",
+           primitive: str | None = None, example: Callable | None = None) -> None:
+    primitive = primitive or name
+    eager = example or (lambda x, y, z, fn=getattr(torch, name): fn(x))
+    _op(name, promotion, dtypes, eager)(lambda c, x: getattr(c, primitive)(x))
+
+
+# -- unary arithmetic ----------------------------------------------------------------------------
+for _name in ("exp", "log", "log1p", "expm1", "tanh", "sigmoid", "erf", "sqrt", "rsqrt", "reciprocal"):
+    _unary(_name, example=(lambda x, y, z, fn=getattr(torch, _name): fn(z)) if _name in (
+        "log", "sqrt", "rsqrt", "log1p") else None)
+for _name in ("neg", "abs", "floor", "ceil", "trunc", "round", "sign"):
+    _unary(_name, Promotion.DEFAULT, "number")
+
+
+@_op("log2", Promotion.INT_TO_FLOAT, example=lambda x, y, z: torch.log2(z))
+def _log2(c: Compute, x):
+    return c.mul(c.log(x), 1.0 / math.log(2.0))
+
+
+@_op("log10", Promotion.INT_TO_FLOAT, example=lambda x, y, z: torch.log10(z))
+def _log10(c: Compute, x):
+    return c.mul(c.log(x), 1.0 / math.log(10.0))
+
+
+# -- binary arithmetic -----------------------------------------------------------------------------
+def _scaled(c: Compute, x, alpha):
+    """alpha * x; a dynamic alpha is always multiplied (its value may change), a default 1 never."""
+    return x if alpha == 1 and not isinstance(alpha, ScalarArg) else c.mul(x, alpha)
+
+
+@_op("add", dtypes="number", example=lambda x, y, z: torch.add(x, y, alpha=0.75))
+def _add(c: Compute, x, other, alpha=1):
+    return c.add(x, _scaled(c, other, alpha))
+
+
+@_op("sub", dtypes="number", example=lambda x, y, z: torch.sub(x, y, alpha=0.5))
+def _sub(c: Compute, x, other, alpha=1):
+    return c.sub(x, _scaled(c, other, alpha))
+
+
+@_op("rsub", dtypes="number", example=lambda x, y, z: torch.rsub(x, 2.0))
+def _rsub(c: Compute, x, other, alpha=1):
+    return c.sub(other, _scaled(c, x, alpha))
+
+
+@_op("mul", dtypes="number", example=lambda x, y, z: x * y)
+def _mul(c: Compute, x, other):
+    return c.mul(x, other)
+
+
+@_op("div", example=lambda x, y, z: x / z)
+def _div(c: Compute, x, other, rounding_mode=None):
+    if rounding_mode is not None:
+        raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
+    return c.div(x, other)
+
+
+@_op("maximum", dtypes="number", example=lambda x, y, z: torch.maximum(x, y))
+def _maximum(c: Compute, x, other):
+    return c.maximum(x, other)
+
+
+@_op("minimum", dtypes="number", example=lambda x, y, z: torch.minimum(x, y))
+def _minimum(c: Compute, x, other):
+    return c.minimum(x, other)
+
+
+@_op("lerp", example=lambda x, y, z: torch.lerp(x, y, 0.3))
+def _lerp(c: Compute, x, end, weight):
+    # PyTorch's two-sided form: exact at both ends
+    diff = c.sub(end, x)
+    small = c.lt(c.abs(weight), 0.5)
+    return c.where(small, c.add(x, c.mul(weight, diff)), c.sub(end, c.mul(diff, c.sub(1.0, weight))))
+
+
+@_op("addcmul", example=lambda x, y, z: torch.addcmul(x, y, z, value=0.5))
+def _addcmul(c: Compute, x, tensor1, tensor2, value=1):
+    return c.add(x, c.mul(c.mul(value, tensor1), tensor2))
+
+
+@_op("addcdiv", example=lambda x, y, z: torch.addcdiv(x, y, z, value=-0.5))
+def _addcdiv(c: Compute, x, tensor1, tensor2, value=1):
+    return c.add(x, c.div(c.mul(value, tensor1), tensor2))
+
+
+# -- comparisons, selection, logic ------------------------------------------------------------------
+for _name, _primitive in (("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")):
+    _op(_name, Promotion.ALWAYS_BOOL, "number", lambda x, y, z, n=_name: getattr(torch, n)(x, y))(
+        lambda c, x, other, p=_primitive: getattr(c, p)(x, other))
+
+
+@_op("isnan", Promotion.ALWAYS_BOOL, example=lambda x, y, z: torch.isnan(x / (x - x)))
+def _isnan(c: Compute, x):
+    return c.isnan(x)
+
+
+@_op("where", Promotion.NO_OPMATH, "number", example=lambda x, y, z: torch.where(x > y, x, z))
+def _where(c: Compute, condition, x, other):
+    return c.where(condition, x, other)
+
+
+@_op("masked_fill", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.masked_fill(y > 0, 2.5))
+def _masked_fill(c: Compute, x, mask, value):
+    return c.where(mask, value, x)
+
+
+for _name, _primitive in (("logical_and", "and"), ("logical_or", "or"), ("logical_xor", "xor"),
+                          ("bitwise_and", "and"), ("bitwise_or", "or"), ("bitwise_xor", "xor")):
+    _op(_name, Promotion.ALWAYS_BOOL, "bool", lambda x, y, z, n=_name: getattr(torch, n)(x > 0, y > 0))(
+        lambda c, x, other, p=_primitive: c.logical(p, x, other))
+for _name in ("logical_not", "bitwise_not"):
+    _op(_name, Promotion.ALWAYS_BOOL, "bool", lambda x, y, z, n=_name: getattr(torch, n)(x > 0))(
+        lambda c, x: c.logical("not", x))
+
+
+# -- clamping and activations -------------------------------------------------------------------------
+@_op("clamp", dtypes="number", example=lambda x, y, z: torch.clamp(x, -0.5, 0.5))
+def _clamp(c: Compute, x, min=None, max=None):
+    if min is not None:
+        x = c.maximum(x, min)
+    if max is not None:
+        x = c.minimum(x, max)
+    return c.value(x)
+
+
+@_op("clamp_min", dtypes="number", example=lambda x, y, z: torch.clamp_min(x, 0.25))
+def _clamp_min(c: Compute, x, min):
+    return c.maximum(x, min)
+
+
+@_op("clamp_max", dtypes="number", example=lambda x, y, z: torch.clamp_max(x, 0.25))
+def _clamp_max(c: Compute, x, max):
+    return c.minimum(x, max)
+
+
+@_op("relu", dtypes="number", example=lambda x, y, z: torch.relu(x))
+def _relu(c: Compute, x):
+    return c.where(c.lt(x, 0), 0, x)  # keeps -0.0 and NaN, like PyTorch
+
+
+@_op("threshold", dtypes="number", example=lambda x, y, z: F.threshold(x, 0.1, 20.0))
+def _threshold(c: Compute, x, threshold, value):
+    return c.where(c.le(x, threshold), value, x)
+
+
+@_op("threshold_backward", dtypes="number",
+     example=lambda x, y, z: torch.ops.aten.threshold_backward(x, y, 0.0))
+def _threshold_backward(c: Compute, grad, x, threshold):
+    return c.where(c.le(x, threshold), 0, grad)
+
+
+@_op("sigmoid_backward", example=lambda x, y, z: torch.ops.aten.sigmoid_backward(x, torch.sigmoid(y)))
+def _sigmoid_backward(c: Compute, grad, out):
+    return c.mul(c.mul(grad, c.sub(1, out)), out)
+
+
+@_op("tanh_backward", example=lambda x, y, z: torch.ops.aten.tanh_backward(x, torch.tanh(y)))
+def _tanh_backward(c: Compute, grad, out):
+    return c.mul(grad, c.sub(1, c.mul(out, out)))
+
+
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_tanh_inner(c: Compute, x):
+    return c.mul(_SQRT_2_PI, c.add(x, c.mul(0.044715, c.mul(x, c.mul(x, x)))))
+
+
+@_op("gelu", example=lambda x, y, z: F.gelu(x))
+def _gelu(c: Compute, x, approximate="none"):
+    if approximate == "tanh":
+        return c.mul(c.mul(0.5, x), c.add(1, c.tanh(_gelu_tanh_inner(c, x))))
+    return c.mul(c.mul(x, 0.5), c.add(1, c.erf(c.mul(x, _SQRT1_2))))
+
+
+@_op("gelu_backward", example=lambda x, y, z: torch.ops.aten.gelu_backward(x, y))
+def _gelu_backward(c: Compute, grad, x, approximate="none"):
+    if approximate == "tanh":
+        inner = _gelu_tanh_inner(c, x)
+        t = c.tanh(inner)
+        d_inner = c.mul(_SQRT_2_PI, c.add(1, c.mul(3 * 0.044715, c.mul(x, x))))
+        d = c.add(c.mul(0.5, c.add(1, t)), c.mul(c.mul(0.5, x), c.mul(c.sub(1, c.mul(t, t)), d_inner)))
+        return c.mul(grad, d)
+    cdf = c.mul(0.5, c.add(1, c.erf(c.mul(x, _SQRT1_2))))
+    pdf = c.mul(_INV_SQRT_2PI, c.exp(c.mul(-0.5, c.mul(x, x))))
+    return c.mul(grad, c.add(cdf, c.mul(x, pdf)))
+
+
+@_op("silu", example=lambda x, y, z: F.silu(x))
+def _silu(c: Compute, x):
+    return c.div(x, c.add(1, c.exp(c.neg(x))))
+
+
+@_op("silu_backward", example=lambda x, y, z: torch.ops.aten.silu_backward(x, y))
+def _silu_backward(c: Compute, grad, x):
+    s = c.div(1, c.add(1, c.exp(c.neg(x))))
+    return c.mul(grad, c.mul(s, c.add(1, c.mul(x, c.sub(1, s)))))
+
+
+@_op("softplus", example=lambda x, y, z: F.softplus(x * 10, beta=2.0, threshold=15.0))
+def _softplus(c: Compute, x, beta=1, threshold=20):
+    scaled = c.mul(x, beta)
+    return c.where(c.gt(scaled, threshold), x, c.div(c.log1p(c.exp(scaled)), beta))
+
+
+@_op("softplus_backward", example=lambda x, y, z: torch.ops.aten.softplus_backward(x, y * 10, 2.0, 15.0))
+def _softplus_backward(c: Compute, grad, x, beta, threshold):
+    scaled = c.mul(x, beta)
+    z = c.exp(scaled)
+    return c.where(c.gt(scaled, threshold), grad, c.div(c.mul(grad, z), c.add(z, 1)))
+
+
+@_op("leaky_relu", example=lambda x, y, z: F.leaky_relu(x, 0.2))
+def _leaky_relu(c: Compute, x, negative_slope=0.01):
+    return c.where(c.gt(x, 0), x, c.mul(x, negative_slope))
+
+
+@_op("leaky_relu_backward", example=lambda x, y, z: torch.ops.aten.leaky_relu_backward(x, y, 0.2, False))
+def _leaky_relu_backward(c: Compute, grad, x, negative_slope, self_is_result):
+    return c.where(c.gt(x, 0), grad, c.mul(grad, negative_slope))
+
+
+@_op("hardtanh", example=lambda x, y, z: F.hardtanh(x * 2, -1.5, 1.25))
+def _hardtanh(c: Compute, x, min_val=-1, max_val=1):
+    return c.minimum(c.maximum(x, min_val), max_val)
+
+
+@_op("hardtanh_backward", example=lambda x, y, z: torch.ops.aten.hardtanh_backward(x, y * 2, -1.5, 1.25))
+def _hardtanh_backward(c: Compute, grad, x, min_val, max_val):
+    return c.where(c.logical("or", c.le(x, min_val), c.ge(x, max_val)), 0, grad)
+
+
+@_op("hardsigmoid", example=lambda x, y, z: F.hardsigmoid(x * 4))
+def _hardsigmoid(c: Compute, x):
+    return c.div(c.minimum(c.maximum(c.add(x, 3), 0), 6), 6)
+
+
+@_op("hardswish", example=lambda x, y, z: F.hardswish(x * 4))
+def _hardswish(c: Compute, x):
+    return c.div(c.mul(x, c.minimum(c.maximum(c.add(x, 3), 0), 6)), 6)
+
+
+# -- copies and fills ---------------------------------------------------------------------------------
+@_op("_to_copy", Promotion.NO_OPMATH, "number", example=lambda x, y, z: (x * 100).to(torch.float64))
+def _to_copy(c: Compute, x, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    if layout not in (None, torch.strided) or device is not None or pin_memory:
+        raise Unsupported("_to_copy that changes layout, device or pinning")
+    if memory_format not in (None, torch.preserve_format):
+        raise Unsupported(f"_to_copy to {memory_format}")
+    return x  # the store converts to the output's dtype
+
+
+@_op("copy", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.clone().copy_(y))
+def _copy(c: Compute, x, src, non_blocking=False):
+    return src
+
+
+@_op("fill", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.clone().fill_(0.5))
+def _fill(c: Compute, x, value):
+    return c.value(value)
+
+
+@_op("zero", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.clone().zero_())
+def _zero(c: Compute, x):
+    return c.value(0)
+
+
+def entry_for(op: Any) -> tuple[OpEntry, bool] | None:
+    """(entry, is_foreach) for an aten overload the table covers, else None."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    name = op._schema.name.split("::")[-1]
+    foreach = name.startswith("_foreach_")
+    if foreach:
+        name = name[len("_foreach_"):]
+    if name.endswith("_") and op._schema.arguments and _writes_first_argument(op):
+        name = name[:-1]
+    entry = OP_TABLE.get(name)
+    return (entry, foreach) if entry is not None else None
+
+
+def _writes_first_argument(op: torch._ops.OpOverload) -> bool:
+    info = op._schema.arguments[0].alias_info
+    return info is not None and info.is_write
