@@ -15,3 +15,7 @@ class HostDependencyError(RuntimeError):
 
 class SymbolicTraceError(RuntimeError):
     """A `symbolic=True` first call needed data that symbolic recording does not compute."""
+
+
+class LoadError(ValueError):
+    """A file given to `tracejit.load` is not a valid, safe tracejit graph (see docs/format.md)."""

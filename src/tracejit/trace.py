@@ -327,6 +327,19 @@ class trace:
         inputs += list(record.kwarg_handles.items())
         return to_fx(graph, externals, inputs=inputs, output=record.output)
 
+    def dump(self, file: Any, **options: Any) -> Any:
+        """Write the traced graph for inference to `file` (a path or a binary file object), with its
+        weights; `tracejit.load(file)` runs it without this function or the code defining it.
+
+        Needs capture_as_const=True and one recorded call. Options (see docs/format.md): arg_names,
+        output_names, append, keep_var_name, keep_opr_name, keep_param_name, optimize_for_inference,
+        user_info, enable_metadata, input_data, repeat, no_assert, maxerr, enable_io16xc32,
+        enable_ioc16. Returns a DumpInfo (inputs, outputs, op and parameter counts, file size).
+        """
+        from .serialize.dump import dump_trace
+
+        return dump_trace(self, file, **options)
+
     def listing(self) -> str:
         """The records as numbered op listings with source lines."""
         return "\n\n".join(record.listing() for record in self.records)

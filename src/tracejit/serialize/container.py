@@ -1,0 +1,139 @@
+"""The zip container: exactly graph.json and weights.safetensors, written atomically, read with
+every size bounded before it is trusted (declared sizes, actual sizes, compression ratio)."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+import zlib
+from typing import Any, BinaryIO
+
+import safetensors.torch
+import torch
+
+from ..errors import LoadError
+from .format import GRAPH_MEMBER, WEIGHTS_MEMBER
+from .limits import MAX_COMPRESSION_RATIO, MAX_GRAPH_JSON_BYTES, MAX_TOTAL_BYTES, RATIO_CHECK_BYTES
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_FIXED_TIME = (2020, 1, 1, 0, 0, 0)  # the same graph dumps to the same bytes
+# zipfile, zlib and the decompressors it may pick raise these on damaged archives
+_ARCHIVE_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError,
+                   zlib.error, UnicodeDecodeError, KeyError, OverflowError, RuntimeError)
+
+
+def pack(graph_json: bytes, tensors: dict[str, torch.Tensor]) -> bytes:
+    """The file's bytes: graph.json deflated, the weights stored as they are."""
+    weights = safetensors.torch.save({key: t.cpu() for key, t in tensors.items()})
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(zipfile.ZipInfo(GRAPH_MEMBER, _FIXED_TIME), graph_json, compress_type=zipfile.ZIP_DEFLATED)
+        archive.writestr(zipfile.ZipInfo(WEIGHTS_MEMBER, _FIXED_TIME), weights, compress_type=zipfile.ZIP_STORED)
+    return buffer.getvalue()
+
+
+def write(target: Any, data: bytes) -> None:
+    """Write to a path (through a temporary file, so a failed dump leaves no half file) or a binary
+    file object."""
+    if isinstance(target, (str, os.PathLike)):
+        path = os.fspath(target)
+        temporary = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(temporary, "wb") as f:
+                f.write(data)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+    elif hasattr(target, "write"):
+        target.write(data)
+    else:
+        raise TypeError(f"dump(): file must be a path or a binary file object, got {type(target).__name__}")
+
+
+def read_bytes(source: Any) -> bytes:
+    """All bytes of a path, a binary file object or a bytes-like object, at most MAX_TOTAL_BYTES."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    elif isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, "rb") as f:
+                data = _bounded_read(f, MAX_TOTAL_BYTES + 1)
+        except OSError as error:
+            raise LoadError(f"cannot read {os.fspath(source)!r}: {error.strerror or error}") from None
+    elif hasattr(source, "read"):
+        data = _bounded_read(source, MAX_TOTAL_BYTES + 1)
+    else:
+        raise TypeError(f"tracejit.load: expected a path, a binary file object or bytes, got {type(source).__name__}")
+    if len(data) > MAX_TOTAL_BYTES:
+        raise LoadError(f"the file is larger than the limit of {MAX_TOTAL_BYTES} bytes")
+    return data
+
+
+def unpack(data: bytes) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """graph.json's bytes and weights.safetensors' tensors from a file's bytes."""
+    if not data.startswith(_ZIP_MAGIC):
+        raise LoadError("not a tracejit graph file: it is not a zip archive (a .tjit file starts with 'PK')")
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = _checked_members(archive)
+            graph_json = _read_member(archive, members[GRAPH_MEMBER])
+            weights = _read_member(archive, members[WEIGHTS_MEMBER])
+    except LoadError:
+        raise
+    except _ARCHIVE_ERRORS as error:
+        raise LoadError(f"damaged archive: {type(error).__name__}: {str(error)[:200]}") from None
+    try:
+        tensors = safetensors.torch.load(weights)
+    except Exception as error:  # noqa: BLE001 - the safetensors parser's error type has no stable import path
+        raise LoadError(f"{WEIGHTS_MEMBER} is not a valid safetensors file: {str(error)[:200]}") from None
+    return graph_json, tensors
+
+
+def _checked_members(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
+    infos = archive.infolist()
+    names = sorted(info.filename for info in infos)
+    if names != sorted([GRAPH_MEMBER, WEIGHTS_MEMBER]):
+        raise LoadError(f"the archive must hold exactly {GRAPH_MEMBER} and {WEIGHTS_MEMBER}, it holds "
+                        f"{', '.join(repr(n[:60]) for n in names[:8]) or 'nothing'}")
+    total = 0
+    for info in infos:
+        limit = MAX_GRAPH_JSON_BYTES if info.filename == GRAPH_MEMBER else MAX_TOTAL_BYTES
+        if info.file_size > limit:
+            raise LoadError(f"{info.filename} declares {info.file_size} bytes, more than the limit of {limit}")
+        total += info.file_size
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise LoadError(f"{info.filename} uses compression method {info.compress_type}; only stored and "
+                            f"deflated members are read")
+        if info.flag_bits & 0x1:
+            raise LoadError(f"{info.filename} is encrypted")
+        if info.file_size > RATIO_CHECK_BYTES and info.file_size > MAX_COMPRESSION_RATIO * max(info.compress_size, 1):
+            raise LoadError(f"{info.filename} expands {info.compress_size} bytes to {info.file_size}, a ratio above "
+                            f"{MAX_COMPRESSION_RATIO}: refused as a possible zip bomb")
+    if total > MAX_TOTAL_BYTES:
+        raise LoadError(f"the members declare {total} bytes together, more than the limit of {MAX_TOTAL_BYTES}")
+    return {info.filename: info for info in infos}
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    with archive.open(info) as member:
+        data = _bounded_read(member, info.file_size + 1)
+    if len(data) != info.file_size:
+        raise LoadError(f"{info.filename} declares {info.file_size} bytes but holds "
+                        f"{'more' if len(data) > info.file_size else len(data)}")
+    return data
+
+
+def _bounded_read(stream: BinaryIO, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = stream.read(min(1 << 24, limit - size))
+        if not chunk:
+            break
+        if not isinstance(chunk, bytes):
+            raise TypeError(f"tracejit.load: the file object must be opened in binary mode, it returned "
+                            f"{type(chunk).__name__}")
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,234 @@
+"""`traced.dump()`: write the host-free graph of a `capture_as_const` trace for inference.
+
+The graph is the one `without_host` would run, built from the trace's record, without Python
+state (a dumped graph only has outputs), optimized by the inference pipeline, checked op by op
+as a loader will check it, and written with its weights and test cases. See docs/format.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..errors import LoadError
+from ..ir import build_graph
+from ..ir.graph import Graph
+from ..passes import run_pipeline
+from ..passes.inference import INFERENCE_PIPELINE
+from ..record.record import Record, TensorMeta
+from .container import pack, write
+from .format import VERSION, encode
+from .load import read_graphs, select
+from .loaded import LoadedGraph
+from .options import DumpOptions
+from .portable import PortableGraph, TestCase, from_graph
+from .precision import to_half_compute, to_half_storage
+from .tagged import TaggedValueError, encode_statics
+from .testcases import max_error, parse_case
+from .validate import check_graph, resolve_op
+
+
+@dataclass
+class DumpInfo:
+    """What `dump()` wrote."""
+
+    graph: str
+    inputs: dict[str, TensorMeta]
+    outputs: list[tuple[str | None, TensorMeta]]
+    ops: int
+    op_counts: dict[str, int]
+    params: int  # constant tensors (weights)
+    param_numel: int
+    file_size: int  # bytes of the whole file
+    testcases: int = 0
+    max_errors: list[float] = field(default_factory=list)  # per test case: this graph loaded here vs reference
+    passes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        ins = ", ".join(f"{name}: {meta}" for name, meta in self.inputs.items())
+        outs = ", ".join(f"{name or i}: {meta}" for i, (name, meta) in enumerate(self.outputs))
+        lines = [f"{self.graph}({ins}) -> ({outs})",
+                 f"  {self.ops} ops, {self.params} parameters ({self.param_numel} values), file {self.file_size} bytes"]
+        if self.testcases:
+            errors = ", ".join(f"{e:.3g}" for e in self.max_errors) or "no reference outputs"
+            lines.append(f"  {self.testcases} test cases, max error {errors}")
+        return "\n".join(lines)
+
+
+def dump_trace(traced: Any, file: Any, **options: Any) -> DumpInfo:
+    """See `tracejit.trace.dump`."""
+    _check_option_names(options)
+    opts = DumpOptions(**options)
+    record = _the_record(traced)
+    if opts.append and not isinstance(file, (str, os.PathLike)):
+        raise ValueError("dump(): append=True adds a graph to an existing file, so file must be a path")
+    reference = replace(build_graph(record, host_visible=False, capture_as_const=True), escaped=frozenset())
+    graph, passes = reference, []
+    if opts.optimize_for_inference:
+        result = run_pipeline(reference, 0, check=True, passes=INFERENCE_PIPELINE)
+        graph, passes = result.graph, [name for name, _, _ in result.history[1:]]
+    portable = _portable(graph, record, opts)
+    portable.user_info = opts.user_info
+    portable.metadata = _metadata(traced, opts, passes) if opts.enable_metadata else None
+    if opts.input_data is not None:
+        portable.testcases = _testcases(_portable(reference, record, DumpOptions()), portable, opts)
+    graphs = _existing(file, portable.name) if opts.append else []
+    data = pack(*encode(graphs + [portable]))
+    info = _info(portable, len(data), passes)
+    if any(case.outputs is not None for case in portable.testcases):
+        info.max_errors = _round_trip_errors(data, portable.name)
+    write(file, data)
+    return info
+
+
+# Options of MegEngine's dump that have no meaning for a PyTorch graph, and why.
+_NOT_APPLICABLE = {
+    "keep_opr_priority": "aten ops have no execution priorities",
+    "strip_info_file": "the file format has no separate info file; see the returned DumpInfo",
+    "dump_format": "there is one format, documented in docs/format.md",
+    "model_version": "the format is versioned by tracejit itself",
+    "resize_input": "a dumped graph has the static shapes it was traced with",
+    "input_transform": "transform inputs before tracing, inside the traced function",
+    "silent": "dump() prints nothing",
+}
+
+
+def _check_option_names(options: dict) -> None:
+    for name in options:
+        if name in _NOT_APPLICABLE:
+            raise TypeError(f"dump(): option {name!r} is not accepted: {_NOT_APPLICABLE[name]}")
+        if name.startswith(("enable_nc", "enable_fuse", "enable_chw")):
+            raise TypeError(f"dump(): option {name!r} is not accepted: layout and fusion choices are made at load "
+                            f"time by the local backend")
+        if name not in DumpOptions.__dataclass_fields__:
+            raise TypeError(f"dump(): unknown option {name!r}; options: {', '.join(DumpOptions.__dataclass_fields__)}")
+
+
+def _the_record(traced: Any) -> Record:
+    name = traced.__name__
+    if not traced.options.capture_as_const:
+        raise ValueError(f"dump(): {name}() was traced without capture_as_const=True, so its weights are not part "
+                         f"of the trace; trace it with tracejit.trace(..., capture_as_const=True), call it once, "
+                         f"then dump")
+    records = traced.records
+    if not records:
+        raise RuntimeError(f"dump(): {name}() has not been called yet, so there is no graph to dump; call it once "
+                           f"with example inputs, then dump")
+    if len(records) > 1:
+        raise ValueError(f"dump(): {name}() has {len(records)} traces (one per input signature or gradient "
+                         f"state); a file holds one graph per dump: trace a fresh function, call it with the "
+                         f"signature to dump, then dump")
+    record = records[0]
+    if record.host_reads:
+        read = record.host_reads[0]
+        raise ValueError(f"dump(): {name}() reads tensor values on the host ({read.what} of t{read.handle} at "
+                         f"{read.source}); a dumped graph would freeze the value read. Return the tensor instead")
+    return record
+
+
+def _portable(graph: Graph, record: Record, opts: DumpOptions) -> PortableGraph:
+    handles = list(record.arg_handles) + list(record.kwarg_handles.values())
+    input_names = list(opts.arg_names) if opts.arg_names is not None else [record.tensors[h].name for h in handles]
+    if len(input_names) != len(handles):
+        raise ValueError(f"dump(): arg_names has {len(input_names)} names, {record.function_name}() has "
+                         f"{len(handles)} tensor inputs ({', '.join(record.tensors[h].name for h in handles)})")
+    output_names = list(opts.output_names) if opts.output_names is not None else [None] * len(graph.outputs)
+    if len(output_names) != len(graph.outputs):
+        raise ValueError(f"dump(): output_names has {len(output_names)} names, {record.function_name}() returns "
+                         f"{len(graph.outputs)} tensors")
+    portable = from_graph(graph, record, input_names, output_names, opts.keep_opr_name, opts.keep_param_name,
+                          opts.keep_var_name)
+    if opts.enable_ioc16:
+        portable = to_half_compute(portable)
+    elif opts.enable_io16xc32:
+        portable = to_half_storage(portable)
+    _check_storable(portable)
+    return portable
+
+
+def _check_storable(portable: PortableGraph) -> None:
+    """Every op is one a loader accepts and its arguments have a portable form; say which is not."""
+    for index, op in enumerate(portable.ops):
+        where = f"op #{index} {op.name}" + (f" at {op.source}" if op.source else "")
+        try:
+            resolve_op(f"{op.target._schema.name}.{op.target._overloadname}")
+            encode_statics(op.statics)
+        except (LoadError, TaggedValueError) as error:
+            raise ValueError(f"dump(): cannot store {where}: {error}") from None
+    try:
+        check_graph(portable)
+    except LoadError as error:
+        raise ValueError(f"dump(): the graph would not load: {error}") from None
+    names = [c.name for c in portable.constants if c.name is not None]
+    seen: dict[str, int] = {}
+    for index, constant in enumerate(portable.constants):
+        if constant.name is not None and names.count(constant.name) > 1:
+            seen[constant.name] = seen.get(constant.name, 0) + 1
+            portable.constants[index] = replace(constant, name=f"{constant.name}#{seen[constant.name]}")
+
+
+def _metadata(traced: Any, opts: DumpOptions, passes: list[str]) -> dict:
+    from .. import __version__
+
+    return {
+        "format_version": VERSION, "tracejit": __version__, "torch": torch.__version__,
+        "function": getattr(traced, "__qualname__", traced.__name__), "inference_passes": passes,
+        "precision": "io16xc32" if opts.enable_io16xc32 else ("ioc16" if opts.enable_ioc16 else "as traced"),
+    }
+
+
+def _testcases(reference: PortableGraph, portable: PortableGraph, opts: DumpOptions) -> list[TestCase]:
+    """Inputs from input_data and the outputs of the unoptimized graph on them (the reference)."""
+    cases = opts.input_data if isinstance(opts.input_data, list) else [opts.input_data]
+    metas = {i.name: i.meta for i in portable.inputs}
+    references = LoadedGraph(reference, backend="aten", opt_level=0)
+    found = []
+    for index, case in enumerate(cases):
+        try:
+            inputs = parse_case(case, metas, opts.repeat)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"dump(): input_data{f' case {index}' if len(cases) > 1 else ''}: {error}") from None
+        outputs = None
+        if not opts.no_assert:
+            traced_inputs = [inputs[name].to(i.meta.dtype) for name, i in zip(metas, reference.inputs)]
+            outputs = [out.to(o_meta.dtype) for out, o_meta in
+                       zip(references(*traced_inputs), (portable.values[o.value].meta for o in portable.outputs))]
+        found.append(TestCase(inputs, outputs, float(opts.maxerr)))
+    return found
+
+
+def _existing(file: Any, name: str) -> list[PortableGraph]:
+    if not os.path.exists(file):
+        return []
+    try:
+        graphs = read_graphs(file)
+    except LoadError as error:
+        raise ValueError(f"dump(): append=True, but {os.fspath(file)!r} is not a readable tracejit file: "
+                         f"{error}") from None
+    if any(g.name == name for g in graphs):
+        raise ValueError(f"dump(): {os.fspath(file)!r} already holds a graph named {name!r}; graphs of one file "
+                         f"are told apart by the traced function's name")
+    return graphs
+
+
+def _round_trip_errors(data: bytes, name: str) -> list[float]:
+    """Load the bytes just made, compile for this machine, run each test case against its reference."""
+    graph = select(read_graphs(data), name)
+    loaded = LoadedGraph(graph)
+    errors = []
+    for case in graph.testcases:
+        outputs = loaded(**case.inputs)
+        outputs = list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
+        errors.append(max_error(outputs, case.outputs))
+    return errors
+
+
+def _info(portable: PortableGraph, size: int, passes: list[str]) -> DumpInfo:
+    outputs = [(o.name, portable.values[o.value].meta) for o in portable.outputs]
+    return DumpInfo(portable.name, {i.name: i.meta for i in portable.inputs}, outputs, len(portable.ops),
+                    portable.op_counts(), len(portable.constants), portable.parameter_numel(), size,
+                    len(portable.testcases), passes=passes)
+

@@ -1,0 +1,160 @@
+"""A loaded graph: compiled for the local backend, called like the traced function was.
+
+The portable graph becomes a `Graph`, runs through the same pipeline a trace's host-free program
+does (fusion with the local backend's kernels, memory planning) and is executed by the same
+generated straight-line program. Calls check every input against the signature the graph was
+traced with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ir.graph import Graph
+from ..ir.printer import format_graph
+from ..passes import pipeline, run_pipeline
+from ..record.record import TensorMeta
+from ..runtime.fused import compile_fused_nodes
+from ..runtime.fusion import resolve_fusion
+from ..runtime.profile import CLOCK, Profiler, write_chrome_trace
+from ..runtime.program import HostFreeProgram
+from .portable import PortableGraph, TestCase, to_graph
+
+
+class LoadedGraph:
+    """A graph from a dump file. Call it with the inputs positionally or by name; it returns the
+    outputs as a tuple, or as a dict by output name when the graph was dumped with output_names."""
+
+    def __init__(self, portable: PortableGraph, *, backend: str = "auto", profiling: bool = False,
+                 opt_level: int = 2):
+        self.portable = portable
+        self.name = portable.name
+        fusion = resolve_fusion(backend)
+        passes = pipeline(fusion.can_fuse if fusion is not None else None)
+        self.graph: Graph = run_pipeline(to_graph(portable), opt_level, passes=passes).graph
+        self._profiler = Profiler(portable.name) if profiling else None
+        kernels = compile_fused_nodes(self.graph, fusion.compile if fusion is not None else None)
+        self.program = HostFreeProgram(self.graph, self._profiler, kernels)
+        self._template = self._environment_template()
+        self._scalars = [s for op in portable.ops for s in op.scalars]
+        values = portable.values
+        self._inputs = [(i.name, i.meta, None if i.value is None else values[i.value].handle) for i in portable.inputs]
+        self._positions = {name: index for index, (name, _, _) in enumerate(self._inputs)}
+        constant_handles = {values[c.value].handle for c in portable.constants}
+        self._outputs = [(values[o.value].handle, values[o.value].handle in constant_handles) for o in portable.outputs]
+        names = [o.name for o in portable.outputs]
+        self._output_names = names if names and all(n is not None for n in names) else None
+
+    def _environment_template(self) -> list:
+        template: list = [None] * self.graph.num_handles
+        for handle, tensor in self.graph.constants.items():
+            template[handle] = tensor
+        if self.program.hoisted:  # views of constants, computed once
+            env = list(template)
+            with torch.no_grad():
+                self.program.init(env)
+            for handle in self.program.hoisted:
+                template[handle] = env[handle]
+        return template
+
+    # -- calling --------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple | dict:
+        tensors = self._bind(args, kwargs)
+        start = CLOCK() if self._profiler is not None else 0.0
+        env = list(self._template)
+        for (_, _, handle), tensor in zip(self._inputs, tensors):
+            if handle is not None:
+                env[handle] = tensor
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # an inference graph builds no autograd history
+        try:
+            self.program.run(env, self._scalars)
+        finally:
+            torch._C._set_grad_enabled(previous)
+        # a returned constant is the graph's own tensor: the caller gets a copy it may modify
+        outputs = tuple(env[handle].clone() if constant else env[handle] for handle, constant in self._outputs)
+        if self._profiler is not None:
+            self._profiler.call_done(start, recorded=False)
+        return dict(zip(self._output_names, outputs)) if self._output_names else outputs
+
+    def _bind(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if len(args) > len(self._inputs):
+            raise TypeError(f"{self.name}() takes {len(self._inputs)} inputs ({', '.join(self.input_names)}), "
+                            f"got {len(args)} positional arguments")
+        given: list[Any] = list(args) + [None] * (len(self._inputs) - len(args))
+        for name, value in kwargs.items():
+            position = self._positions.get(name)
+            if position is None:
+                raise TypeError(f"{self.name}() has no input named {name!r}; inputs: {', '.join(self.input_names)}")
+            if position < len(args):
+                raise TypeError(f"{self.name}() got input {name!r} both positionally and by name")
+            given[position] = value
+        return [self._checked(name, meta, value) for (name, meta, _), value in zip(self._inputs, given)]
+
+    def _checked(self, name: str, meta: TensorMeta, value: Any) -> torch.Tensor:
+        if value is None:
+            raise TypeError(f"{self.name}() is missing input {name!r} ({meta})")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.name}(): input {name!r} must be a tensor ({meta}), got {type(value).__name__}")
+        if tuple(value.shape) != meta.shape or value.dtype != meta.dtype or value.device != meta.device:
+            got = f"{value.device.type} {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+            raise ValueError(f"{self.name}(): input {name!r} must be {meta} (the signature it was traced with), "
+                             f"got {got}")
+        if tuple(value.stride()) != meta.stride:  # another layout of the same values: copy into the traced one
+            value = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device).copy_(value)
+        return value
+
+    # -- introspection --------------------------------------------------------------------------
+
+    @property
+    def input_names(self) -> list[str]:
+        return [name for name, _, _ in self._inputs]
+
+    @property
+    def inputs(self) -> dict[str, TensorMeta]:
+        """Input name -> the metadata (shape, stride, dtype, device) a call must match."""
+        return {name: meta for name, meta, _ in self._inputs}
+
+    @property
+    def output_names(self) -> list[str] | None:
+        return self._output_names
+
+    @property
+    def user_info(self) -> Any:
+        return self.portable.user_info
+
+    @property
+    def metadata(self) -> dict | None:
+        return self.portable.metadata
+
+    @property
+    def testcases(self) -> list[TestCase]:
+        return self.portable.testcases
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The graph's constants (weights) by name: their parameter names with keep_param_name=True."""
+        return {c.name or f"constant {i}": c.tensor for i, c in enumerate(self.portable.constants)}
+
+    def __str__(self) -> str:
+        return format_graph(to_graph(self.portable))
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{name}: {meta}" for name, meta, _ in self._inputs)
+        return f"<tracejit.LoadedGraph {self.name}({ins}), {len(self.portable.ops)} ops>"
+
+    def get_profile(self) -> dict:
+        """Per-node timings as a JSON-compatible dict (load with profiling=True)."""
+        return self._require_profiler().report()
+
+    def export_chrome_trace(self, path: str) -> None:
+        write_chrome_trace(self._require_profiler(), path)
+
+    def _require_profiler(self) -> Profiler:
+        if self._profiler is None:
+            raise RuntimeError(f"{self.name} was loaded without profiling; pass profiling=True to tracejit.load "
+                               f"to collect a profile")
+        return self._profiler
+

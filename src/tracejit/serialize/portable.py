@@ -1,0 +1,181 @@
+"""The portable graph: what a dump file holds, between the compiler's `Graph` and the bytes.
+
+A `PortableGraph` is a host-free graph reduced to what runs without the Python function: the
+inputs (named, with the signature they were traced with), aten ops over numbered values, the
+constants (weights) as tensors, the outputs, and the embedded test cases. `from_graph` makes
+one from an optimized `Graph` (dump), `to_graph` turns one back into a `Graph` that the local
+pipeline compiles (load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ir.graph import INPUT_OPS, Graph, Node, Op, Value
+from ..ir.printer import value_name
+from ..record.record import Record, TensorMeta
+from ..record.source import SourceLocation
+
+
+@dataclass(frozen=True)
+class PortableInput:
+    name: str
+    meta: TensorMeta  # the signature the graph was traced with
+    value: int | None  # the value it binds; None when no op reads it
+
+
+@dataclass(frozen=True)
+class PortableOutput:
+    name: str | None
+    value: int
+
+
+@dataclass(frozen=True)
+class PortableConstant:
+    value: int
+    tensor: torch.Tensor
+    name: str | None  # the parameter's name (keep_param_name), else None
+
+
+@dataclass(frozen=True)
+class PortableOp:
+    target: torch._ops.OpOverload
+    inputs: tuple[int, ...]
+    outputs: tuple[int | None, ...]
+    writes: tuple[int, ...]
+    statics: tuple
+    scalars: tuple
+    out_kind: str
+    source: SourceLocation | None = None  # the user line that ran it (keep_opr_name), else None
+
+    @property
+    def name(self) -> str:
+        return str(self.target)
+
+
+@dataclass
+class TestCase:
+    inputs: dict[str, torch.Tensor]
+    outputs: list[torch.Tensor] | None  # reference outputs; None when dumped with no_assert=True
+    maxerr: float
+
+
+@dataclass
+class PortableGraph:
+    name: str
+    values: list[Value]
+    inputs: list[PortableInput]
+    outputs: list[PortableOutput]
+    constants: list[PortableConstant]
+    ops: list[PortableOp]
+    value_names: dict[int, str] = field(default_factory=dict)  # value id -> name (keep_var_name=2)
+    testcases: list[TestCase] = field(default_factory=list)
+    user_info: Any = None
+    metadata: dict | None = None
+
+    @property
+    def num_handles(self) -> int:
+        return 1 + max((max(v.handle, v.root) for v in self.values), default=-1)
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            counts[op.name] = counts.get(op.name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+    def parameter_numel(self) -> int:
+        return sum(c.tensor.numel() for c in self.constants)
+
+
+class _Renumber:
+    """Compact value ids and handles, in order of first appearance."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.ids: dict[int, int] = {}
+        self.handles: dict[int, int] = {}
+        self.values: list[Value] = []
+        self.names: dict[int, str] = {}
+
+    def __call__(self, vid: int | None) -> int | None:
+        if vid is None:
+            return None
+        if vid not in self.ids:
+            old = self.graph.values[vid]
+            new = Value(len(self.values), self._handle(old.handle), old.version, old.meta, self._handle(old.root))
+            self.ids[vid] = new.id
+            self.values.append(new)
+            self.names[new.id] = value_name(old)
+        return self.ids[vid]
+
+    def _handle(self, handle: int) -> int:
+        return self.handles.setdefault(handle, len(self.handles))
+
+
+def from_graph(graph: Graph, record: Record, input_names: list[str], output_names: list[str | None],
+               keep_opr_name: bool, keep_param_name: bool, keep_var_name: int) -> PortableGraph:
+    """The portable form of an optimized host-free graph of `record`. Raises ValueError naming
+    what a dump cannot hold."""
+    renumber = _Renumber(graph)
+    input_value = {graph.values[n.outputs[0]].handle: n.outputs[0] for n in graph.nodes if n.op in (Op.ARG, Op.KWARG)}
+    handles = list(record.arg_handles) + list(record.kwarg_handles.values())
+    inputs = [PortableInput(name, record.tensors[h].meta, renumber(input_value.get(h)))
+              for name, h in zip(input_names, handles)]
+    constants, ops = [], []
+    for node in graph.nodes:
+        if node.op is Op.EXTERNAL:
+            raise ValueError(f"dump(): the graph reads the external tensor {node.attr('name')!r}, which "
+                             f"capture_as_const=True should have captured")
+        if node.op is Op.CONST:
+            tensor = graph.constants[graph.values[node.outputs[0]].handle]
+            constants.append(PortableConstant(renumber(node.outputs[0]), tensor.detach(),
+                                              node.attr("name") if keep_param_name else None))
+        elif node.op is Op.CALL:
+            ops.append(PortableOp(node.target, tuple(renumber(v) for v in node.inputs),
+                                  tuple(renumber(v) for v in node.outputs), tuple(renumber(v) for v in node.writes),
+                                  node.attr("statics", ()), tuple(node.attr("scalars", ())), node.attr("out_kind"),
+                                  _short_source(node.source) if keep_opr_name else None))
+        elif node.op not in INPUT_OPS:
+            raise ValueError(f"dump(): cannot store the {node.op.value} node {node.name}")
+    outputs = [PortableOutput(name, renumber(v)) for name, v in zip(output_names, graph.outputs)]
+    names = renumber.names if keep_var_name >= 2 else {}
+    return PortableGraph(graph.function_name, renumber.values, inputs, outputs, constants, ops, names)
+
+
+def _short_source(source: SourceLocation | None) -> SourceLocation | None:
+    """The line without the directory: a dump does not carry the author's file system layout."""
+    if source is None or not source.filename:
+        return None
+    return SourceLocation(source.filename.replace("\\", "/").rsplit("/", 1)[-1], source.line, source.function)
+
+
+def to_graph(portable: PortableGraph) -> Graph:
+    """The `Graph` the local pipeline compiles: inputs and constants first, then the ops in order."""
+    values = portable.values
+    nodes = [Node(Op.ARG, None, (), (i.value,), attrs=(("name", i.name),)) for i in portable.inputs
+             if i.value is not None]
+    nodes += [Node(Op.CONST, None, (), (c.value,), attrs=(("name", c.name or f"constant {index}"),))
+              for index, c in enumerate(portable.constants)]
+    scalar_base = 0
+    for position, op in enumerate(portable.ops):
+        attrs = (("statics", op.statics), ("scalars", op.scalars), ("out_kind", op.out_kind),
+                 ("scalar_base", scalar_base), ("input_metas", tuple(values[v].meta for v in op.inputs)),
+                 ("backward_of", None))
+        scalar_base += len(op.scalars)
+        nodes.append(Node(Op.CALL, op.target, op.inputs, op.outputs, op.writes, attrs, (position,), op.source))
+    return Graph(
+        function_name=portable.name,
+        values=tuple(values),
+        nodes=tuple(nodes),
+        outputs=tuple(o.value for o in portable.outputs),
+        escaped=frozenset(),
+        host_visible=False,
+        num_handles=portable.num_handles,
+        capture_as_const=True,
+        provenance="load",
+        constants={values[c.value].handle: c.tensor for c in portable.constants},
+    )
+

@@ -1,0 +1,149 @@
+"""Which ops a dumped graph may hold, and checking every op against the values it claims.
+
+The op rule: an op is `aten::<name>.<overload>` of the torch that loads the file, its results
+are tensors (or nothing), and it is not on the denylist of ops that touch files, global state or
+memory without bounds checks. Anything else is refused, so a file can only ask for computation
+torch itself offers with its own argument checks.
+
+`check_graph` runs every op on fake tensors (no memory, no kernels, no random numbers drawn) of
+the declared input metadata and compares what comes out with the declared output metadata, so a
+file whose metadata lies about shapes, dtypes or devices is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import LoadError
+from ..record.calls import rebuild_call
+from ..record.record import TENSOR, KwargStatic, ScalarSlot
+from .portable import PortableGraph, PortableOp
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
+
+# Ops that read or write files, change process-wide state, or index memory without bounds checks.
+DENIED_OPS = frozenset({
+    "from_file", "save", "_print", "manual_seed", "seed", "initial_seed", "set_", "set_data",
+    "set_grad_enabled", "record_stream", "_make_dep_token", "_set_item", "_cufft_clear_plan_cache",
+    "_cufft_set_plan_cache_max_size", "_unsafe_index", "_unsafe_index_put", "_unsafe_masked_index",
+    "_unsafe_masked_index_put_accumulate", "_sparse_coo_tensor_unsafe", "_sparse_csr_tensor_unsafe",
+    "_sparse_csc_tensor_unsafe", "_sparse_bsr_tensor_unsafe", "_sparse_bsc_tensor_unsafe",
+    "_sparse_compressed_tensor_unsafe",
+})
+_TENSOR_RETURNS = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]"}
+OUT_KINDS = ("tensor", "tuple", "list", "none")
+
+
+def resolve_op(qualified: object) -> torch._ops.OpOverload:
+    """`aten::addmm.default` -> torch.ops.aten.addmm.default, if the op rule allows it."""
+    if not isinstance(qualified, str) or not qualified.startswith("aten::"):
+        raise LoadError(f"op {qualified!r} is not an aten op (a graph may only hold aten::<name>.<overload> ops)")
+    name, _, overload = qualified.removeprefix("aten::").partition(".")
+    if not (_IDENTIFIER.match(name) and _IDENTIFIER.match(overload)) or name.startswith("__"):
+        raise LoadError(f"op {qualified!r} is not of the form aten::<name>.<overload>")
+    if name in DENIED_OPS:
+        raise LoadError(f"op {qualified} is not allowed in a loaded graph (it touches files, process state or "
+                        f"unchecked memory)")
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"aten::{name}", "" if overload == "default" else overload)
+        op = getattr(getattr(torch.ops.aten, name), overload)
+    except (RuntimeError, AttributeError):
+        raise LoadError(f"op {qualified} does not exist in torch {torch.__version__}") from None
+    returns = [str(r.type) for r in op._schema.returns]
+    if any(r not in _TENSOR_RETURNS for r in returns):
+        raise LoadError(f"op {qualified} returns {', '.join(returns)}: a graph may only hold ops that return tensors")
+    return op
+
+
+def check_arguments(op: PortableOp, where: str) -> None:
+    """The arguments fit the op's schema and the op's tensor and scalar lists."""
+    schema = op.target._schema
+    names = {a.name for a in schema.arguments}
+    positional = [s for s in op.statics if not isinstance(s, KwargStatic)]
+    if len(positional) > len(schema.arguments):
+        raise LoadError(f"{where}: {len(positional)} positional arguments, the op takes {len(schema.arguments)}")
+    for item in op.statics:
+        # keyword names become code in the generated program: only the schema's own names pass
+        if isinstance(item, KwargStatic) and item.name not in names:
+            raise LoadError(f"{where}: the op has no argument named {item.name[:60]!r}")
+    tensors, slots = _count_markers(op.statics)
+    if tensors != len(op.inputs):
+        raise LoadError(f"{where}: the arguments hold {tensors} tensors but the op lists {len(op.inputs)} inputs")
+    if len(slots) != len(op.scalars):
+        raise LoadError(f"{where}: the arguments hold {len(slots)} scalar slots but the op lists "
+                        f"{len(op.scalars)} scalars")
+    for slot, value in zip(slots, op.scalars):
+        if type(value) is not slot.type:
+            raise LoadError(f"{where}: scalar {value!r} is not of its slot's type {slot.type.__name__}")
+    if op.out_kind not in OUT_KINDS:
+        raise LoadError(f"{where}: unknown result kind {op.out_kind!r} (known: {', '.join(OUT_KINDS)})")
+    expected = {"tensor": 1, "none": 0}.get(op.out_kind)
+    if expected is not None and len(op.outputs) != expected:
+        raise LoadError(f"{where}: result kind {op.out_kind!r} does not fit {len(op.outputs)} outputs")
+
+
+def _count_markers(statics: tuple) -> tuple[int, list[ScalarSlot]]:
+    tensors, slots = 0, []
+    stack = list(reversed(statics))
+    while stack:
+        item = stack.pop()
+        if isinstance(item, KwargStatic):
+            stack.append(item.value)
+        elif item is TENSOR:
+            tensors += 1
+        elif isinstance(item, ScalarSlot):
+            slots.append(item)
+        elif isinstance(item, tuple):
+            stack.extend(reversed(item))
+    return tensors, slots
+
+
+def check_graph(graph: PortableGraph) -> None:
+    """Run every op on fake tensors of its declared inputs; raise LoadError where the declared
+    outputs are not what the op produces."""
+    with FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=False):
+        for index, op in enumerate(graph.ops):
+            where = f"op #{index} {op.target}"
+            check_arguments(op, where)
+            samples = [_fake(graph, v) for v in op.inputs]
+            args, kwargs = rebuild_call(op.statics, samples, list(op.scalars))
+            try:
+                result = op.target(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - any complaint of torch's own argument checks
+                raise LoadError(f"{where}: its arguments are invalid for this op: {_first_line(error)}") from None
+            _compare(graph, op, result, where)
+
+
+def _fake(graph: PortableGraph, vid: int) -> torch.Tensor:
+    meta = graph.values[vid].meta
+    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+
+
+def _compare(graph: PortableGraph, op: PortableOp, result: object, where: str) -> None:
+    if op.out_kind == "none":
+        produced = [] if result is None else [result]
+    elif op.out_kind == "tensor":
+        produced = [result]
+    elif isinstance(result, (tuple, list)):
+        produced = list(result)
+    else:
+        raise LoadError(f"{where}: the op produces {type(result).__name__}, the graph declares a {op.out_kind}")
+    if len(produced) != len(op.outputs):
+        raise LoadError(f"{where}: the op produces {len(produced)} results, the graph declares {len(op.outputs)}")
+    for position, (tensor, vid) in enumerate(zip(produced, op.outputs)):
+        if vid is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise LoadError(f"{where}: result {position} is {type(tensor).__name__}, the graph declares a tensor")
+        meta = graph.values[vid].meta
+        if tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype or tensor.device != meta.device:
+            raise LoadError(f"{where}: result {position} is {tensor.device.type} {tensor.dtype} "
+                            f"{list(tensor.shape)}, the graph declares {meta}")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:300]

@@ -1,0 +1,106 @@
+"""The tracejit command line, through subprocesses: run, show, demo, and one-line errors."""
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from dumping import traced_inference, tracejit_cli
+from models import batch, make_model
+
+from tracejit.cli import main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A CNN dumped with a test case and one dumped in float16 with maxerr=0 (its check fails)."""
+    directory = tmp_path_factory.mktemp("cli")
+    model = make_model("cnn")
+    traced = traced_inference(model, batch("cnn", 0)[0])
+    good, strict = directory / "cnn.tjit", directory / "strict.tjit"
+    traced.dump(str(good), input_data="#rand(-1,1)", output_names=["logits"], keep_opr_name=True,
+                keep_param_name=True, user_info={"task": "cli test"})
+    traced.dump(str(strict), input_data="#rand(-1,1)", enable_ioc16=True, maxerr=0.0)
+    np.save(directory / "x.npy", batch("cnn", 3)[0].numpy())
+    return directory
+
+
+def test_run_times_checks_and_profiles(files):
+    done = tracejit_cli("run", "cnn.tjit", "--iters", "4", "--warmup", "1", "--check", "--profile", cwd=str(files))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "infer(x: cpu float32[8, 3, 16, 16]): 8 ops, loaded from cnn.tjit" in out
+    assert "inputs: x from embedded test case 0" in out
+    assert "latency over 4 calls: min " in out and " median " in out and " p99 " in out
+    assert "samples/s (batch 8)" in out
+    assert "output logits: cpu float32[8, 10], min " in out
+    assert "profile of infer: 6 calls" in out  # warmup, 4 timed, the described one (the check runs after)
+    assert "aten.convolution.default" in out and "models.py:37 in forward" in out
+    assert "check: case 0: max error " in out and "check: 1 of 1 test cases passed" in out
+    assert "[##############################] 4/4 calls" in done.stderr  # the progress bar, on stderr
+
+
+def test_run_with_inputs_and_a_failing_check(files):
+    done = tracejit_cli("run", "cnn.tjit", "--input", "x=x.npy", "--iters", "0", cwd=str(files))
+    assert done.returncode == 0, done.stderr
+    assert "inputs: x=x.npy" in done.stdout and "latency" not in done.stdout
+    done = tracejit_cli("run", "strict.tjit", "--input", "x=#rand(0,1)", "--iters", "1", "--check", cwd=str(files))
+    assert done.returncode == 1
+    assert "FAILED" in done.stdout and "check: 0 of 1 test cases passed" in done.stdout
+
+
+def test_show_text_and_dot(files):
+    done = tracejit_cli("show", "cnn.tjit", cwd=str(files))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for text in ("graph infer", "input  x: cpu float32[8, 3, 16, 16]", "output logits: cpu float32[8, 10]",
+                 "parameters: 6 tensors", "model.conv1.weight folded with model.bn1: cpu float32[8, 3, 3, 3]",
+                 "ops: 8", "2  aten.convolution.default", 'user_info: {"task": "cli test"}',
+                 "test cases: 1, maxerr 0.0001", "def infer(t0: \"cpu f32[8,3,16,16]\"):"):
+        assert text in out, text
+    assert "batch_norm" not in out
+    dot = tracejit_cli("show", "cnn.tjit", "--dot", cwd=str(files)).stdout
+    assert dot.startswith('digraph "infer" {') and dot.rstrip().endswith("}")
+    assert 'in0 -> op0;' in dot and "-> out0;" in dot and dot.count("->") >= 10
+
+
+def test_a_user_error_is_one_line_without_traceback(files):
+    done = tracejit_cli("run", "missing.tjit", cwd=str(files))
+    assert done.returncode == 1
+    assert done.stderr == "tracejit: error: cannot read 'missing.tjit': No such file or directory\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "cnn.tjit", "--input", "y=#rand(0,1)"], "the graph has no input 'y'; inputs: x"),
+    (["run", "cnn.tjit", "--input", "x=#rand(0,1,2,2)"], r"#rand shape [2, 2] is not the traced shape"),
+    (["show", "x.npy"], "not a tracejit graph file: it is not a zip archive"),
+    (["show", "cnn.tjit", "--graph", "other"], "the file holds no graph named 'other'; it holds infer"),
+    (["run", "cnn.tjit", "--iters", "-1"], "--iters must be >= 0"),
+])
+def test_errors_are_one_line(files, args, message, monkeypatch, capsys):
+    monkeypatch.chdir(files)
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("tracejit: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_console_script(files):
+    script = shutil.which("tracejit")
+    if script is None:
+        pytest.skip("the tracejit console script is not installed (pip install -e .)")
+    done = subprocess.run([script, "show", "cnn.tjit"], cwd=str(files), capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0 and "graph infer" in done.stdout
+
+
+def test_demo_trains_dumps_loads_and_profiles(tmp_path):
+    done = tracejit_cli("demo", "--steps", "8", cwd=str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "traced, without_host step (median):" in out and "speedup vs eager" in out
+    assert "parameters of both traced runs identical to eager: True" in out
+    assert "dumped for inference (eval mode, capture_as_const=True) to classifier.tjit: 5 ops, 6 parameters" in out
+    assert "loaded back with tracejit.load: max |loaded - eager| 0 over 2048 samples" in out
+    assert "profile of classify: 8 calls" in out and "aten._addmm_activation.default" in out
+    assert torch.__version__  # the demo ran with this torch

@@ -1,0 +1,331 @@
+"""dump() for inference and tracejit.load(): round trips in a fresh process, the file format,
+the inference passes, every dump option, and input checks of loaded graphs."""
+
+import io
+import json
+import os
+import struct
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from dumping import fresh_python, infer, traced_inference
+from models import batch, make_model
+
+import tracejit
+from tracejit.serialize import read_graphs
+
+LOAD_IN_FRESH_PROCESS = r"""
+import sys
+import numpy as np
+import torch
+import tracejit
+
+for path in sys.argv[1:]:
+    graph = tracejit.load(path)
+    inputs = np.load(path + ".in.npy")
+    np.save(path + ".out.npy", np.stack([graph(torch.from_numpy(x))[0].numpy() for x in inputs]))
+user_code = sorted(name for name in sys.modules if name in ("models", "dumping", "conftest") or name.startswith("test_"))
+print("user modules:", user_code)
+"""
+
+
+def test_mlp_cnn_transformer_load_in_a_process_without_their_code(tmp_path):
+    expected, paths = {}, []
+    for kind in ("mlp", "cnn", "transformer"):
+        model = make_model(kind)
+        traced = traced_inference(model, batch(kind, 0)[0])
+        inputs = [batch(kind, step)[0] for step in range(3)]
+        expected[kind] = [traced(x, model=model) for x in inputs]  # the first call recorded, these replay
+        path = str(tmp_path / f"{kind}.tjit")
+        traced.dump(path)
+        np.save(path + ".in.npy", torch.stack(inputs).numpy())
+        paths.append(path)
+    done = fresh_python(LOAD_IN_FRESH_PROCESS, *paths, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("user modules: []")
+    for kind, path in zip(expected, paths):
+        loaded = torch.from_numpy(np.load(path + ".out.npy"))
+        for step, want in enumerate(expected[kind]):
+            # the CNN's BatchNorms are folded into its convolutions: equal up to float rounding
+            assert torch.allclose(loaded[step], want, rtol=1e-5, atol=2e-6 if kind == "cnn" else 1e-7), (kind, step)
+
+
+def test_the_file_is_a_zip_of_json_and_safetensors_without_pickle(tmp_path):
+    model = make_model("cnn")
+    path = tmp_path / "cnn.tjit"
+    traced_inference(model, batch("cnn", 0)[0]).dump(str(path))
+    with zipfile.ZipFile(path) as archive:
+        assert sorted(archive.namelist()) == ["graph.json", "weights.safetensors"]
+        document = json.loads(archive.read("graph.json"))
+        weights = archive.read("weights.safetensors")
+    assert document["magic"] == "tracejit-graph" and document["version"] == 1
+    header_size = struct.unpack("<Q", weights[:8])[0]
+    header = json.loads(weights[8:8 + header_size])
+    data_bytes = sum(end - start for start, end in (t["data_offsets"] for k, t in header.items() if k != "__metadata__"))
+    assert 8 + header_size + data_bytes == len(weights)  # nothing but the header and raw tensor bytes
+    raw = path.read_bytes()
+    assert b".pkl" not in raw and b"torch._utils" not in raw and b"\x80\x02c" not in raw
+    with pytest.raises(RuntimeError):
+        torch.load(str(path), weights_only=True)  # not a torch.save archive either
+    graph = document["graphs"][0]
+    assert {op["op"] for op in graph["ops"]} <= {"aten::convolution.default", "aten::relu.default",
+                                                 "aten::max_pool2d_with_indices.default", "aten::view.default",
+                                                 "aten::addmm.default"}
+    assert graph["inputs"][0] == {"name": "x", "value": 0, "shape": [8, 3, 16, 16], "stride": [768, 256, 16, 1],
+                                  "dtype": "float32", "device": "cpu"}
+
+
+def test_batchnorm_folds_into_the_convolutions(tmp_path):
+    model = make_model("cnn")
+    with torch.no_grad():  # statistics and affine parameters far from the identity
+        for norm in (model.bn1, model.bn2):
+            norm.running_mean.uniform_(-1, 1), norm.running_var.uniform_(0.5, 2)
+            norm.weight.uniform_(0.5, 1.5), norm.bias.uniform_(-0.5, 0.5)
+    x = batch("cnn", 0)[0]
+    traced = traced_inference(model, x)
+    info = traced.dump(str(tmp_path / "folded.tjit"))
+    assert not [op for op in info.op_counts if "batch_norm" in op]
+    assert info.op_counts["aten.convolution.default"] == 2
+    unfolded = traced.dump(str(tmp_path / "unfolded.tjit"), optimize_for_inference=False)
+    assert unfolded.op_counts["aten.native_batch_norm.default"] == 2
+    folded, plain = tracejit.load(str(tmp_path / "folded.tjit")), tracejit.load(str(tmp_path / "unfolded.tjit"))
+    for step in range(3):
+        x = batch("cnn", step)[0]
+        want = infer(x, model=model)
+        assert torch.equal(plain(x)[0], want)
+        assert torch.allclose(folded(x)[0], want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("layers", [
+    lambda: nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4)),
+    lambda: nn.Sequential(nn.Conv2d(3, 4, 3, groups=1), nn.BatchNorm2d(4, affine=False)),
+    lambda: nn.Sequential(nn.Flatten(), nn.Linear(48, 5), nn.BatchNorm1d(5)),
+], ids=["conv-without-bias", "bn-without-affine", "linear-bn1d"])
+def test_batchnorm_folding_variants(layers, tmp_path):
+    torch.manual_seed(0)
+    model = layers()
+    model[-1].running_mean.uniform_(-1, 1), model[-1].running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 4, 4)
+    info = traced_inference(model, x).dump(str(tmp_path / "f.tjit"))
+    assert not [op for op in info.op_counts if "batch_norm" in op]
+    assert torch.allclose(tracejit.load(str(tmp_path / "f.tjit"))(x)[0], infer(x, model=model), atol=1e-5)
+
+
+def test_batchnorm_without_a_foldable_producer_stays(tmp_path):
+    model = nn.Sequential(nn.ConvTranspose2d(3, 4, 2), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
+    x = torch.randn(2, 3, 4, 4)
+    info = traced_inference(model, x).dump(str(tmp_path / "f.tjit"))
+    assert info.op_counts["aten.native_batch_norm.default"] == 2
+    assert torch.allclose(tracejit.load(str(tmp_path / "f.tjit"))(x)[0], infer(x, model=model), atol=1e-6)
+
+
+def test_training_ops_of_the_trace_are_dropped(tmp_path):
+    model = make_model("mlp")
+
+    def forward_and_backward(x, *, model):
+        out = model(x)
+        out.sum().backward()  # gradients land in .grad, Python state a dumped graph does not have
+        return out.detach()
+
+    x = batch("mlp", 0)[0]
+    traced = tracejit.trace(forward_and_backward, capture_as_const=True)
+    traced(x, model=model)
+    assert len(traced.records[0].ops) > 25
+    info = traced.dump(str(tmp_path / "f.tjit"))
+    assert info.op_counts == {"aten.addmm.default": 3, "aten.relu.default": 2, "aten.detach.default": 1}
+    assert torch.equal(tracejit.load(str(tmp_path / "f.tjit"))(x)[0], model(x).detach())
+
+
+def test_dump_info_and_names(tmp_path):
+    model = make_model("mlp")
+    x = batch("mlp", 0)[0]
+    path = tmp_path / "mlp.tjit"
+    info = traced_inference(model, x).dump(str(path), arg_names=["features"], output_names=["logits"])
+    assert list(info.inputs) == ["features"] and str(info.inputs["features"]) == "cpu float32[8, 64]"
+    assert [(name, str(meta)) for name, meta in info.outputs] == [("logits", "cpu float32[8, 10]")]
+    assert info.params == 6 and info.param_numel == sum(p.numel() for p in model.parameters())
+    assert info.ops == 5 and info.file_size == os.path.getsize(path)
+    assert "features: cpu float32[8, 64]" in str(info)
+    graph = tracejit.load(str(path))
+    assert torch.equal(graph(x)["logits"], graph(features=x)["logits"])
+    assert torch.equal(graph(features=x)["logits"], infer(x, model=model))
+
+
+def test_keep_names_options(tmp_path):
+    model = make_model("mlp")
+    traced = traced_inference(model, batch("mlp", 0)[0])
+    documents = {}
+    for label, options in {"plain": {"keep_var_name": 0}, "named": {"keep_var_name": 2, "keep_opr_name": True,
+                                                                     "keep_param_name": True}}.items():
+        traced.dump(str(tmp_path / f"{label}.tjit"), **options)
+        with zipfile.ZipFile(tmp_path / f"{label}.tjit") as archive:
+            documents[label] = json.loads(archive.read("graph.json"))["graphs"][0]
+    plain, named = documents["plain"], documents["named"]
+    assert not any("name" in v for v in plain["values"]) and not any("source" in op for op in plain["ops"])
+    assert [c["name"] for c in plain["constants"]] == [None] * 6
+    assert all(c["tensor"].startswith("infer/param/") for c in plain["constants"])
+    assert all("name" in v for v in named["values"])
+    assert named["ops"][0]["source"] == {"file": "models.py", "line": 23, "function": "forward"}
+    assert "model.net.0.bias" in [c["name"] for c in named["constants"]]
+    parameters = tracejit.load(str(tmp_path / "named.tjit")).parameters()
+    assert torch.equal(parameters["model.net.0.bias"], model.net[0].bias)
+
+
+def test_user_info_metadata_and_test_cases(tmp_path):
+    model = make_model("mlp")
+    traced = traced_inference(model, batch("mlp", 0)[0])
+    data = torch.randn(2, 64)
+    np.save(tmp_path / "x.npy", data.numpy())
+    path = str(tmp_path / "f.tjit")
+    info = traced.dump(path, user_info={"labels": ["a", "b"]},
+                       input_data=["#rand(-1,1)", {"x": batch("mlp", 5)[0][:2]}, str(tmp_path / "x.npy")], repeat=4,
+                       maxerr=1e-5)
+    assert info.testcases == 3 and len(info.max_errors) == 3 and max(info.max_errors) <= 1e-6
+    graph = tracejit.load(path)
+    assert graph.user_info == {"labels": ["a", "b"]}
+    assert graph.metadata["torch"] == torch.__version__ and graph.metadata["inference_passes"][-1] == "eliminate_dead_code"
+    cases = graph.testcases
+    assert all(c.maxerr == 1e-5 for c in cases)
+    assert cases[0].inputs["x"].min() >= -1 and cases[0].inputs["x"].max() < 1
+    # repeat tiles the given data along the batch dimension, to the traced batch of 8
+    assert torch.equal(cases[1].inputs["x"], batch("mlp", 5)[0][:2].repeat_interleave(4, dim=0))
+    assert torch.equal(cases[2].inputs["x"], data.repeat_interleave(4, dim=0))
+    for case in cases:
+        assert torch.equal(case.outputs[0], infer(case.inputs["x"], model=model))
+    traced.dump(path, input_data="x:#rand(0,1,8,64)", no_assert=True, enable_metadata=False)
+    graph = tracejit.load(path)
+    assert graph.testcases[0].outputs is None and graph.metadata is None and graph.user_info is None
+
+
+def test_append_keeps_several_graphs_in_one_file(tmp_path):
+    path = str(tmp_path / "both.tjit")
+    mlp, cnn = make_model("mlp"), make_model("cnn")
+    traced_inference(mlp, batch("mlp", 0)[0]).dump(path)
+
+    def classify(x, *, model):
+        with torch.no_grad():
+            return model(x)
+
+    traced = tracejit.trace(classify, capture_as_const=True)
+    traced(batch("cnn", 0)[0], model=cnn.eval())
+    traced.dump(path, append=True)
+    assert [g.name for g in read_graphs(path)] == ["infer", "classify"]
+    x = batch("cnn", 1)[0]
+    assert torch.allclose(tracejit.load(path, name="classify")(x)[0], infer(x, model=cnn), atol=1e-6)
+    with pytest.raises(ValueError, match=r"holds 2 graphs \(infer, classify\); pass name="):
+        tracejit.load(path)
+    with pytest.raises(ValueError, match="already holds a graph named 'classify'"):
+        traced.dump(path, append=True)
+    with pytest.raises(ValueError, match="file must be a path"):
+        traced.dump(io.BytesIO(), append=True)
+
+
+@pytest.mark.parametrize("precision", ["enable_ioc16", "enable_io16xc32"])
+def test_half_precision_dumps(precision, tmp_path):
+    model = make_model("transformer")
+    x = batch("transformer", 0)[0]
+    path = str(tmp_path / "half.tjit")
+    info = traced_inference(model, x).dump(path, input_data="#rand(-1,1)", maxerr=1e-2, **{precision: True})
+    assert max(info.max_errors) < 1e-2
+    assert ("aten._to_copy.default" in info.op_counts) == (precision == "enable_io16xc32")
+    graph = tracejit.load(path)
+    assert graph.inputs["x"].dtype == torch.float16 and all(c.dtype == torch.float16 for c in graph.parameters().values())
+    out = graph(x.half())[0]
+    assert out.dtype == torch.float16
+    assert torch.allclose(out.float(), infer(x, model=model), atol=2e-2)
+
+
+def test_io16xc32_refuses_in_place_ops(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    with pytest.raises(ValueError, match=r"aten.relu_.default .* writes in place .* inplace=True"):
+        traced_inference(model, torch.randn(2, 4)).dump(str(tmp_path / "f.tjit"), enable_io16xc32=True,
+                                                         keep_opr_name=True)
+
+
+def test_dump_refusals_say_what_to_do(tmp_path):
+    model = make_model("mlp").eval()
+    x = batch("mlp", 0)[0]
+    path = str(tmp_path / "f.tjit")
+    with pytest.raises(ValueError, match=r"capture_as_const=True.*call it once, then dump"):
+        traced = tracejit.trace(infer)
+        traced(x, model=model)
+        traced.dump(path)
+    with pytest.raises(RuntimeError, match="has not been called yet.*call it once with example inputs"):
+        tracejit.trace(infer, capture_as_const=True).dump(path)
+    traced = traced_inference(model, x)
+    for options, error, text in [
+        ({"keep_opr_priority": True}, TypeError, "not accepted: aten ops have no execution priorities"),
+        ({"enable_nchw4": True}, TypeError, "not accepted: layout and fusion choices"),
+        ({"no_such_option": 1}, TypeError, "unknown option 'no_such_option'"),
+        ({"user_info": {"f": object()}}, TypeError, "user_info must be JSON-compatible"),
+        ({"arg_names": ["a", "b"]}, ValueError, r"arg_names has 2 names, infer\(\) has 1 tensor inputs \(x\)"),
+        ({"output_names": ["a=b"]}, ValueError, "'a=b' is not a valid name"),
+        ({"keep_var_name": 0, "output_names": ["y"]}, ValueError, "keep_var_name=0 drops output names"),
+        ({"enable_ioc16": True, "enable_io16xc32": True}, ValueError, "exclude each other"),
+        ({"no_assert": True}, ValueError, "no_assert applies to the test cases of input_data"),
+        ({"input_data": "#rand(0,1,3,3)"}, ValueError, r"#rand shape \[3, 3\] is not the traced shape \[8, 64\]"),
+        ({"input_data": "y:#rand(0,1)"}, ValueError, r"no input named 'y' \(inputs: x\)"),
+    ]:
+        with pytest.raises(error, match=text):
+            traced.dump(path, **options)
+    assert not os.path.exists(path)
+
+
+def test_dump_refuses_host_reads_and_non_aten_ops(tmp_path):
+    def reads(x):
+        return x * float(x.sum())
+
+    traced = tracejit.trace(reads, capture_as_const=True)
+    traced(torch.ones(3))
+    with pytest.raises(ValueError, match=r"reads tensor values on the host \(.* at test_dump.py:\d+"):
+        traced.dump(str(tmp_path / "f.tjit"))
+
+    @torch.library.custom_op("tracejit_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    traced = tracejit.trace(lambda x: twice(x) + 1, capture_as_const=True)
+    traced(torch.ones(3))
+    with pytest.raises(ValueError, match=r"cannot store op #0 tracejit_test.twice.default: .* is not an aten op"):
+        traced.dump(str(tmp_path / "f.tjit"))
+
+
+def test_loaded_graph_checks_its_inputs(tmp_path):
+    model = make_model("mlp")
+    x = batch("mlp", 0)[0]
+    traced_inference(model, x).dump(str(tmp_path / "f.tjit"))
+    graph = tracejit.load(str(tmp_path / "f.tjit"))
+    with pytest.raises(ValueError, match=r"input 'x' must be cpu float32\[8, 64\] .*got cpu float32\[4, 64\]"):
+        graph(x[:4])
+    with pytest.raises(ValueError, match=r"input 'x' must be cpu float32\[8, 64\] .*got cpu float64\[8, 64\]"):
+        graph(x.double())
+    with pytest.raises(TypeError, match=r"missing input 'x'"):
+        graph()
+    with pytest.raises(TypeError, match=r"has no input named 'y'; inputs: x"):
+        graph(y=x)
+    with pytest.raises(TypeError, match=r"input 'x' must be a tensor .*got list"):
+        graph(x.tolist())
+    transposed = x.t().contiguous().t()  # same values, another layout
+    assert torch.equal(graph(transposed)[0], graph(x)[0])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tracejit.load(str(tmp_path / "f.tjit"), backend="gpu")
+
+
+def test_dump_to_a_file_object_and_load_from_bytes_with_profiling():
+    model = make_model("mlp")
+    x = batch("mlp", 0)[0]
+    buffer = io.BytesIO()
+    traced_inference(model, x).dump(buffer, keep_opr_name=True)
+    graph = tracejit.load(buffer.getvalue(), backend="reference", profiling=True)
+    for _ in range(3):
+        assert torch.equal(graph(x)[0], infer(x, model=model))
+    report = graph.get_profile()
+    assert report["summary"]["calls"] == 3
+    assert all(row["calls"] == 3 for row in report["rows"])
+    assert {row["node"] for row in report["rows"]} >= {"aten._addmm_activation.default", "aten.addmm.default"}
+    assert all(row["sources"] == ["models.py:23 in forward"] for row in report["rows"])
+    with pytest.raises(RuntimeError, match="pass profiling=True"):
+        tracejit.load(buffer.getvalue()).get_profile()
