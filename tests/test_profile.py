@@ -63,3 +63,45 @@ def test_nodes_show_up_inside_torch_profiler():
         infer(x, model=model)
     names = {e.name for e in prof.events()}
     assert "tracejit/infer/aten.addmm.default" in names
+
+
+def _line_of(function, text: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_rows_add_up_to_the_step_time_and_name_the_lines():
+    from models import MLP, make_optimizer
+
+    torch.manual_seed(0)
+    model = MLP((256, 512, 512, 10))  # big enough that the nodes' work dominates a step
+    opt = make_optimizer("adam_fused", model.parameters())
+    # unfused, so every recorded op below is a node of its own
+    profiled = tracejit.trace(train_step, without_host=True, profiling=True, backend="aten")
+    for _ in range(8):
+        profiled(torch.randn(64, 256), torch.randint(0, 10, (64,)), model=model, opt=opt)
+    report = profiled.get_profile()
+    summary, rows = report["summary"], report["rows"]
+    checked = max((r["calls"] for r in rows if r["program"] == "checked replay"), default=0)
+    host_free = [r for r in rows if r["program"] == "without_host"]
+    assert summary["calls"] == 7 and checked + host_free[0]["calls"] == 7
+    assert all(r["calls"] == host_free[0]["calls"] for r in host_free)  # every node timed once per call
+    assert sum(r["total_ms"] for r in rows) == pytest.approx(summary["nodes_total_ms"])
+    assert summary["outside_nodes_ms"] == pytest.approx(summary["call_total_ms"] - summary["nodes_total_ms"])
+    # the rows account for most of the step: what is outside them is guards, binding and Python
+    assert 0.5 * summary["call_total_ms"] <= summary["nodes_total_ms"] <= summary["call_total_ms"]
+
+    forward = f"models.py:{_line_of(MLP.forward, 'return self.net(x)')} in forward"
+    loss = f"models.py:{_line_of(train_step, 'F.cross_entropy')} in train_step"
+    backward = f"models.py:{_line_of(train_step, 'loss.backward()')} in train_step"
+    update = f"models.py:{_line_of(train_step, 'opt.step()')} in train_step"
+    expected = {"aten.addmm.default": forward, "aten._addmm_activation.default": forward,
+                "aten._log_softmax.default": loss, "aten.nll_loss_forward.default": loss,
+                "aten.mm.default": backward, "aten.threshold_backward.default": backward,
+                "aten._fused_adam_.default": update}
+    for row in host_free:
+        if row["node"] in expected:
+            assert row["sources"] == [expected[row["node"]]], row
+    assert {r["node"] for r in host_free} >= set(expected)
