@@ -274,7 +274,7 @@ def test_dump_refusals_say_what_to_do(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_dump_refuses_host_reads_and_non_aten_ops(tmp_path):
+def test_dump_refuses_host_reads_non_aten_ops_and_dynamic_shapes(tmp_path):
     def reads(x):
         return x * float(x.sum())
 
@@ -290,6 +290,11 @@ def test_dump_refuses_host_reads_and_non_aten_ops(tmp_path):
     traced = tracejit.trace(lambda x: twice(x) + 1, capture_as_const=True)
     traced(torch.ones(3))
     with pytest.raises(ValueError, match=r"cannot store op #0 tracejit_test.twice.default: .* is not an aten op"):
+        traced.dump(str(tmp_path / "f.tjit"))
+
+    traced = tracejit.trace(lambda x: torch.nonzero(x > 0), capture_as_const=True)
+    traced(torch.randn(5))
+    with pytest.raises(ValueError, match=r"op #1 aten.nonzero.default: its output shape depends on tensor data"):
         traced.dump(str(tmp_path / "f.tjit"))
 
 

@@ -11,9 +11,6 @@ from typing import Any
 from ..errors import LoadError
 from .limits import MAX_NAME_LENGTH, MAX_NDIM, MAX_NUMEL
 
-_MISSING = object()
-
-
 def describe(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -88,10 +85,3 @@ def extent(dims: tuple[int, ...], steps: tuple[int, ...]) -> int:
         return 0
     return 1 + sum((d - 1) * s for d, s in zip(dims, steps))
 
-
-def get(value: dict, key: str, default: Any = _MISSING) -> Any:
-    if key in value:
-        return value[key]
-    if default is _MISSING:
-        raise LoadError(f"missing field {key!r}")
-    return default

@@ -15,7 +15,12 @@ from __future__ import annotations
 import re
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 
 from ..errors import LoadError
 from ..record.calls import rebuild_call
@@ -112,6 +117,12 @@ def check_graph(graph: PortableGraph) -> None:
             args, kwargs = rebuild_call(op.statics, samples, list(op.scalars))
             try:
                 result = op.target(*args, **kwargs)
+            except (DynamicOutputShapeException, DataDependentOutputException):
+                raise LoadError(f"{where}: its output shape depends on tensor data; a graph needs static "
+                                f"shapes") from None
+            except UnsupportedOperatorException:
+                raise LoadError(f"{where}: torch has no shape function for this op, so its metadata cannot "
+                                f"be checked") from None
             except Exception as error:  # noqa: BLE001 - any complaint of torch's own argument checks
                 raise LoadError(f"{where}: its arguments are invalid for this op: {_first_line(error)}") from None
             _compare(graph, op, result, where)
