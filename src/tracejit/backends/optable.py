@@ -297,7 +297,8 @@ def _hardswish(c: Compute, x):
 
 
 # -- copies and fills ---------------------------------------------------------------------------------
-@_op("_to_copy", Promotion.NO_OPMATH, "number", example=lambda x, y, z: (x * 100).to(torch.float64))
+@_op("_to_copy", Promotion.NO_OPMATH, "number",
+     example=lambda x, y, z: (x * 100).to(torch.float32 if x.dtype == torch.float64 else torch.float64))
 def _to_copy(c: Compute, x, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
              memory_format=None):
     if layout not in (None, torch.strided) or device is not None or pin_memory:

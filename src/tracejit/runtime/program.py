@@ -178,6 +178,7 @@ class CheckedProgram:
         self.graph = graph
         self.profiler = profiler
         self.scalar_offsets, self.initial_scalars = scalar_layout(record)
+        self.kernels = kernels or {}
         self.callables: list[Callable | None] = [None] * len(record.ops)
         self.group_at: list[_GroupRun | None] = [None] * len(record.ops)
         for index, node in enumerate(graph.nodes):
@@ -234,7 +235,8 @@ class CheckedProgram:
 class HostFreeProgram:
     def __init__(self, graph: Graph, profiler: Profiler | None = None, kernels: dict[int, Any] | None = None):
         self.graph = graph
-        generated = generate_straight_line(graph, profiler, kernels or {})
+        self.kernels = kernels or {}
+        generated = generate_straight_line(graph, profiler, self.kernels)
         self.source = generated.source
         self.run = generated.run  # run(env, scalars)
         self.init = generated.init  # init(env): computes the hoisted values
