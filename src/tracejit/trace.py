@@ -340,6 +340,17 @@ class trace:
 
         return dump_trace(self, file, **options)
 
+    def kernel_sources(self) -> dict[str, str]:
+        """Generated source of every compiled fused kernel of this function, by kernel name."""
+        sources = {}
+        for entry in self._entries():
+            programs = [entry.program] + ([entry.host_free.program] if entry.host_free is not None else [])
+            for program in programs:
+                for kernel in program.kernels.values():
+                    if getattr(kernel, "source", None):
+                        sources[kernel.__name__] = kernel.source
+        return sources
+
     def listing(self) -> str:
         """The records as numbered op listings with source lines."""
         return "\n\n".join(record.listing() for record in self.records)
