@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .debug import dump_compilation, fusion_fuel
 from .errors import HostDependencyError, TraceCacheFullError, TraceMismatchError
 from .ir import build_graph
 from .ir.graph import Graph
@@ -242,7 +243,8 @@ class trace:
                 graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
                 result = self._optimize(graph)
                 entry.history = result.history
-                program = HostFreeProgram(result.graph, self._profiler, self._kernels(result.graph))
+                kernels = self._kernels(result.graph, result.history, "without_host")
+                program = HostFreeProgram(result.graph, self._profiler, kernels)
                 entry.host_free = HostFreeRunner(entry.record, program, self._function)
             entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state)
             self._install_fast_call(entry)
@@ -260,20 +262,25 @@ class trace:
 
     def _compile(self, record: Record) -> CheckedProgram:
         graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)
+        history = [("record", graph, 0.0)]
         if self._fusion is not None:  # the only pass that changes a host-visible graph
-            graph = self._optimize(graph).graph
-        return CheckedProgram(record, graph, self._profiler, self._kernels(graph))
+            result = self._optimize(graph)
+            graph, history = result.graph, result.history
+        return CheckedProgram(record, graph, self._profiler, self._kernels(graph, history, "checked"))
 
     def _optimize(self, graph: Graph) -> PipelineResult:
         can_fuse = self._fusion.can_fuse if self._fusion is not None else None
         sublinear = self.options.sublinear_memory_config
+        fuel = fusion_fuel()
         if sublinear is None:
-            return run_pipeline(graph, self.options.opt_level, passes=pipeline(can_fuse))
-        passes = pipeline(can_fuse, sublinear.checkpoint_every, int(sublinear.lb_memory_mb * 2**20))
+            return run_pipeline(graph, self.options.opt_level, passes=pipeline(can_fuse, fusion_fuel=fuel))
+        passes = pipeline(can_fuse, sublinear.checkpoint_every, int(sublinear.lb_memory_mb * 2**20), fuel)
         return run_pipeline(graph, self.options.opt_level, passes=passes)
 
-    def _kernels(self, graph: Graph) -> dict:
-        return compile_fused_nodes(graph, self._fusion.compile if self._fusion is not None else None)
+    def _kernels(self, graph: Graph, history: list, program: str) -> dict:
+        kernels = compile_fused_nodes(graph, self._fusion.compile if self._fusion is not None else None)
+        dump_compilation(self.__name__, program, history, kernels)  # only with TRACEJIT_DUMP_DIR set
+        return kernels
 
     # -- introspection --------------------------------------------------------------------------
 

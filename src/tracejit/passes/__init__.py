@@ -46,13 +46,14 @@ PIPELINE: list[tuple[int, Pass]] = [
 
 
 def pipeline(can_fuse: CanFuse | None = None, checkpoint_every: int | None = None,
-             rematerialize_min_bytes: int | None = None) -> list[tuple[int, Pass]]:
-    """PIPELINE with the trace's choices bound: the fusion backend's `can_fuse` for the grouping
-    pass, and rematerialization (sublinear memory) after dead code elimination when requested."""
+             rematerialize_min_bytes: int | None = None, fusion_fuel: int | None = None) -> list[tuple[int, Pass]]:
+    """PIPELINE with the trace's choices bound: the fusion backend's `can_fuse` (and the fuel that
+    bounds how many groups form) for the grouping pass, and rematerialization (sublinear memory)
+    after dead code elimination when requested."""
     passes = list(PIPELINE)
     if can_fuse is not None:
         def group_elementwise_for_backend(graph: Graph) -> Graph:
-            return group_elementwise(graph, can_fuse)
+            return group_elementwise(graph, can_fuse, fuel=fusion_fuel)
 
         group_elementwise_for_backend.__name__ = "group_elementwise"
         passes = [(level, group_elementwise_for_backend if p is group_elementwise else p) for level, p in passes]

@@ -1,0 +1,43 @@
+"""Debugging switches read from the environment, at the edge: passes and backends take plain values.
+
+- `TRACEJIT_FUSION_FUEL=n`: form at most n fused groups per graph, to bisect a suspected
+  miscompile (n=0 turns fusion off while keeping everything else).
+- `TRACEJIT_DUMP_DIR=path`: write every compiled graph after each pass and every kernel source,
+  as `path/<function>/<n>_<program>/<k>_<pass>.py` and `.../kernels/<kernel>.<ext>`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+_compilations = itertools.count()
+
+
+def fusion_fuel() -> int | None:
+    value = os.environ.get("TRACEJIT_FUSION_FUEL")
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"TRACEJIT_FUSION_FUEL must be an integer, got {value!r}") from None
+
+
+def dump_compilation(function_name: str, program: str, history: list, kernels: dict[Any, Any]) -> Path | None:
+    """Write the graphs and kernel sources of one compilation when TRACEJIT_DUMP_DIR is set."""
+    root = os.environ.get("TRACEJIT_DUMP_DIR")
+    if not root:
+        return None
+    directory = Path(root) / function_name / f"{next(_compilations):03d}_{program}"
+    (directory / "kernels").mkdir(parents=True, exist_ok=True)
+    for k, (name, graph, *_rest) in enumerate(history):
+        (directory / f"{k:02d}_{name}.py").write_text(str(graph) + "\n")
+    for kernel in kernels.values():
+        source = getattr(kernel, "source", None)
+        if source:
+            suffix = ".py" if "@triton.jit" in source else ".c"
+            (directory / "kernels" / f"{kernel.__name__}{suffix}").write_text(source)
+    return directory
