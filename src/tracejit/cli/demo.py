@@ -91,8 +91,8 @@ def _inference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, directory: st
     batch = x[:256]
     traced(batch, model=model)
     path = os.path.join(directory, "classifier.tjit")
-    info = traced.dump(path, arg_names=["x"], output_names=["logits"], keep_param_name=True, keep_opr_name=True,
-                       input_data="#rand(-4,4)", user_info={"classes": 10, "trained_steps": "see demo"})
+    info = traced.dump(path, arg_names=["x"], output_names=["logits"], keep_param_name=True,
+                       input_data="#rand(-4,4)", user_info={"classes": 10, "features": 64})
     print(f"dumped for inference (eval mode, capture_as_const=True) to {os.path.basename(path)}: {info.ops} ops, "
           f"{info.params} parameters, {info.file_size / 1024:.1f} KiB, test case max error {info.max_errors[0]:.2g}")
     loaded = tracejit.load(path, profiling=True)
