@@ -4,6 +4,7 @@ message; nothing crashes, hangs, allocates what a file merely declares, or execu
 import copy
 import io
 import json
+import math
 import zipfile
 
 import pytest
@@ -47,6 +48,8 @@ def load_or_refuse(data: bytes):
     except tracejit.LoadError as error:
         assert str(error)
         return None
+    if any(math.prod(meta.shape) > 1 << 20 for meta in graph.inputs.values()):
+        return graph  # accepted with an input too large to make here (an unused input may be any size)
     inputs = {name: torch.zeros(meta.shape, dtype=meta.dtype) for name, meta in graph.inputs.items()}
     try:
         graph(**inputs)
