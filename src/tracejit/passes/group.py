@@ -49,33 +49,72 @@ def group_elementwise(graph: Graph, can_fuse: CanFuse | None = None, max_members
     """`fuel` bounds how many groups are formed (bisecting a suspected miscompile)."""
     if can_fuse is None:
         return graph
-    nodes = list(graph.nodes)
-    groups: list[list[int]] = []
-    spaces: list[tuple] = []
-    producer: dict[int, int] = {}  # value id -> group that computes it
-    readers: dict[int, list[int]] = {}  # value id -> groups reading it from outside
-    for index, node in enumerate(nodes):
-        if not _candidate(node) or not can_fuse(graph, node):
-            continue
-        space = space_of(graph, node)
-        target = _choose_group(graph, nodes, groups, spaces, producer, readers, node, space, max_members)
-        if target is None:
-            groups.append([])
-            spaces.append(space)
-            target = len(groups) - 1
-        groups[target].append(index)
-        for vid in (*node.outputs, *node.writes):
-            if vid is not None:
-                producer[vid] = target
-        for vid in node.inputs:
-            if producer.get(vid) != target:
-                readers.setdefault(vid, []).append(target)
-    fused = [g for g in groups if len(g) >= min_members]
+    grouping = _Grouping(graph, max_members)
+    for index, node in enumerate(grouping.nodes):
+        if _candidate(node) and can_fuse(graph, node):
+            grouping.add(index, node)
+    fused = [g for g in grouping.groups if len(g) >= min_members]
     if fuel is not None:
         fused = fused[:max(fuel, 0)]
     if not fused:
         return graph
-    return _rewrite(graph, nodes, fused)
+    return _rewrite(graph, grouping.nodes, fused)
+
+
+class _Grouping:
+    """Groups formed so far, and which group computes or reads each value."""
+
+    def __init__(self, graph: Graph, max_members: int):
+        self.graph = graph
+        self.nodes = list(graph.nodes)
+        self.max_members = max_members
+        self.groups: list[list[int]] = []
+        self.spaces: list[tuple] = []
+        self.producer: dict[int, int] = {}  # value id -> group that computes it
+        self.readers: dict[int, set[int]] = {}  # value id -> groups reading it from outside
+
+    def add(self, index: int, node: Node) -> None:
+        space = space_of(self.graph, node)
+        candidates = self._candidates(node, space)
+        target = next((g for g in candidates if self._legal(self.groups[g] + [index])), None)
+        if target is None:
+            self.groups.append([])
+            self.spaces.append(space)
+            target = len(self.groups) - 1
+        self.groups[target].append(index)
+        for vid in (*node.outputs, *node.writes):
+            if vid is not None:
+                self.producer[vid] = target
+        for vid in node.inputs:
+            if self.producer.get(vid) != target:
+                self.readers.setdefault(vid, set()).add(target)
+        for other in candidates:  # a node joining two groups lets them run as one (Adam's moments)
+            if other != target and self._legal(self.groups[target] + self.groups[other]):
+                self._merge(other, target)
+
+    def _candidates(self, node: Node, space: tuple) -> list[int]:
+        feeding = [self.producer[v] for v in node.inputs if v in self.producer]
+        sharing = [g for v in node.inputs if v not in self.producer for g in self.readers.get(v, ())]
+        ordered = dict.fromkeys(sorted(feeding, reverse=True) + sorted(sharing, reverse=True))
+        return [g for g in ordered if self.spaces[g] == space and self.groups[g]]
+
+    def _legal(self, members: list[int]) -> bool:
+        return len(members) <= self.max_members and legal_group(
+            self.graph, [self.nodes[i] for i in sorted(members)], self.nodes)
+
+    def _merge(self, source: int, target: int) -> None:
+        self.groups[target] = sorted(self.groups[target] + self.groups[source])
+        self.groups[source] = []
+        for vid, group in self.producer.items():
+            if group == source:
+                self.producer[vid] = target
+        for groups in self.readers.values():
+            if source in groups:
+                groups.discard(source)
+                groups.add(target)
+        for vid, group in self.producer.items():  # a value both produced and read inside the group
+            if group == target:
+                self.readers.get(vid, set()).discard(target)
 
 
 def _candidate(node: Node) -> bool:
@@ -102,18 +141,6 @@ def space_of(graph: Graph, node: Node) -> tuple:
                 unique.append(v)
         results = unique
     return tuple(graph.values[v].meta.shape for v in results)
-
-
-def _choose_group(graph, nodes, groups, spaces, producer, readers, node, space, max_members) -> int | None:
-    feeding = [producer[v] for v in node.inputs if v in producer]
-    sharing = [g for v in node.inputs if v not in producer for g in readers.get(v, ())]
-    for g in dict.fromkeys(sorted(feeding, reverse=True) + sorted(sharing, reverse=True)):
-        members = groups[g]
-        if spaces[g] != space or len(members) >= max_members:
-            continue
-        if legal_group(graph, [nodes[i] for i in members] + [node], nodes):
-            return g
-    return None
 
 
 def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = None) -> bool:
