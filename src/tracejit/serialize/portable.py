@@ -131,8 +131,9 @@ def from_graph(graph: Graph, record: Record, input_names: list[str], output_name
                              f"capture_as_const=True should have captured")
         if node.op is Op.CONST:
             tensor = graph.constants[graph.values[node.outputs[0]].handle]
+            name = _constant_name(record, graph.values[node.outputs[0]].handle, node.attr("name"))
             constants.append(PortableConstant(renumber(node.outputs[0]), tensor.detach(),
-                                              node.attr("name") if keep_param_name else None))
+                                              name if keep_param_name else None))
         elif node.op is Op.CALL:
             ops.append(PortableOp(node.target, tuple(renumber(v) for v in node.inputs),
                                   tuple(renumber(v) for v in node.outputs), tuple(renumber(v) for v in node.writes),
@@ -143,6 +144,18 @@ def from_graph(graph: Graph, record: Record, input_names: list[str], output_name
     outputs = [PortableOutput(name, renumber(v)) for name, v in zip(output_names, graph.outputs)]
     names = renumber.names if keep_var_name >= 2 else {}
     return PortableGraph(graph.function_name, renumber.values, inputs, outputs, constants, ops, names)
+
+
+def _constant_name(record: Record, handle: int, name: str, depth: int = 0) -> str:
+    """A folded constant is named after what it was computed from: `t(model.fc.weight)`."""
+    if handle >= len(record.tensors) or depth > 8:  # a constant a pass made (it names it) / a long chain
+        return name
+    info = record.tensors[handle]
+    if info.producer is None:
+        return info.name
+    op = record.ops[info.producer]
+    arguments = ", ".join(_constant_name(record, h, "?", depth + 1) for h in op.inputs)
+    return f"{op.op._schema.name.split('::')[-1]}({arguments})"
 
 
 def _short_source(source: SourceLocation | None) -> SourceLocation | None:
