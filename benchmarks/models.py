@@ -25,9 +25,11 @@ class SmallCNN(nn.Module):
 
     def __init__(self, classes: int = 10):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        # no conv bias before BatchNorm: its gradient is float noise around 0, which Adam's
+        # normalisation turns into lr-sized updates that differ between any two summation orders
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(16)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(32)
         self.drop = nn.Dropout(0.25)
         self.head = nn.Linear(32, classes)

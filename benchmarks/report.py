@@ -13,7 +13,7 @@ import torch
 
 from . import bandwidth as bandwidth_module
 from .suite import OK, WorkloadResult
-from .validate import STEPS, TOLERANCE
+from .validate import OUTPUT_TOLERANCE, STATE_TOLERANCE, STEPS
 
 
 def fmt_time(seconds: float | None) -> str:
@@ -30,13 +30,17 @@ def _mb(value: float | None) -> str:
     return "" if value is None else f"{value:.1f} MB"
 
 
-def workload_table(result: WorkloadResult, bandwidth: dict | None) -> str:
-    workload = result.workload
-    bound = bandwidth_module.bound_seconds(workload.ideal_bytes, bandwidth) if workload.ideal_bytes and bandwidth else None
+def workload_table(result: WorkloadResult) -> str:
+    workload, bandwidth = result.workload, result.bandwidth
+    bound = bandwidth_module.bound_seconds(workload.ideal_bytes, bandwidth) if bandwidth else None
     header = ["system", "median", "min", "× eager", "1st call", "2nd+3rd", "peak RSS 1-3", "peak RSS steady", "check"]
     if bound:
         header.insert(4, f"of bound ({fmt_time(bound)})")
-    lines = [f"### {workload.name}", "", workload.description, "",
+    caption = workload.description
+    if bound:
+        caption += (f". Bound: {workload.ideal_bytes / 1e6:.0f} MB at {bandwidth['bound_gb_per_s']:.1f} GB/s, "
+                    f"the bandwidth measured among these systems")
+    lines = [f"### {workload.name}", "", caption, "",
              "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 2) + "---|"]
     for system in result.systems:
         if system.status != OK:
@@ -63,7 +67,7 @@ def bandwidth_table(bandwidth: dict) -> str:
     for name, kernel in bandwidth["kernels"].items():
         lines.append(f"| `{name}` | {fmt_time(kernel['median_s'])} | {fmt_time(kernel['min_s'])} | "
                      f"{kernel['gb_per_s']:.1f} |")
-    lines.append(f"\nbound used below: {bandwidth['bound_gb_per_s']:.1f} GB/s")
+    lines.append("\nBandwidth-bound rows measure it again among their own systems, under the same load.")
     return "\n".join(lines) + "\n"
 
 
@@ -125,8 +129,12 @@ def machine() -> dict:
 def _commit() -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        # other work in progress in the tree (src/ is installed editable) is part of what was measured
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "src"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+uncommitted changes in src/" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -143,12 +151,14 @@ def write_json(path: str, settings, started: datetime.datetime, seconds: float, 
     document = {
         "date": started.isoformat(timespec="seconds"), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": machine(), "commit": _commit(), "run_seconds": seconds,
+        "TRACEJIT_BACKEND": os.environ.get("TRACEJIT_BACKEND"),
         "load_average_1min": {"start": load_at_start, "end": os.getloadavg()[0]},
-        "protocol": {**settings.__dict__, "validation_steps": STEPS, "tolerance": TOLERANCE,
+        "protocol": {**settings.__dict__, "validation_steps": STEPS, "output_tolerance": OUTPUT_TOLERANCE,
+                     "state_tolerance_relative_norm": STATE_TOLERANCE,
                      "memory": "resident set size: Linux VmHWM reset via /proc/self/clear_refs, fresh subprocess"},
         "bandwidth": bandwidth,
         "workloads": [{"name": r.workload.name, "description": r.workload.description,
-                       "ideal_bytes": r.workload.ideal_bytes,
+                       "ideal_bytes": r.workload.ideal_bytes, "bandwidth": r.bandwidth,
                        "systems": [{**s.to_dict(), "ratio_vs_eager": r.ratio(s)} for s in r.systems]}
                       for r in results],
     }

@@ -64,10 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print(report.bandwidth_table(measured_bandwidth), flush=True)
     results = []
     for workload in rows:
-        result = suite.run_workload(workload, chosen, settings)
+        row_begin = time.perf_counter()
+        result = suite.run_workload(workload, chosen, settings, measure_bandwidth=not args.no_bandwidth)
         if not args.no_first_call:
             suite.add_first_calls(result, chosen)
-        print(report.workload_table(result, measured_bandwidth), flush=True)
+        print(report.workload_table(result) + f"\n({time.perf_counter() - row_begin:.0f} s)\n", flush=True)
         results.append(result)
     for table in (report.recording_table(results), report.warmup_table(results)):
         if table:

@@ -10,7 +10,7 @@ import torch
 
 import tracejit
 
-from . import firstcall, protocol
+from . import bandwidth, firstcall, protocol
 from .systems import NotApplicable, System
 from .validate import compare, run_steps
 from .workloads import Workload
@@ -36,6 +36,7 @@ class SystemResult:
 class WorkloadResult:
     workload: Workload
     systems: list[SystemResult] = field(default_factory=list)
+    bandwidth: dict | None = None  # bandwidth-bound rows: the bound measured among their systems
 
     def get(self, key: str) -> SystemResult | None:
         return next((s for s in self.systems if s.key == key), None)
@@ -48,7 +49,8 @@ class WorkloadResult:
         return eager.timing.median_s / result.timing.median_s
 
 
-def run_workload(workload: Workload, systems: list[System], settings: protocol.Settings) -> WorkloadResult:
+def run_workload(workload: Workload, systems: list[System], settings: protocol.Settings,
+                 measure_bandwidth: bool = True) -> WorkloadResult:
     torch._dynamo.reset()  # earlier rows' compiled code must not count against dynamo's recompile limit
     result = WorkloadResult(workload)
     calls: dict[str, Callable[[], Any]] = {}
@@ -64,9 +66,13 @@ def run_workload(workload: Workload, systems: list[System], settings: protocol.S
         result.systems.append(outcome)
         if call is not None:
             calls[system.key] = call
+    if workload.ideal_bytes and measure_bandwidth:
+        calls.update(bandwidth.kernels())
     timings = protocol.measure(calls, settings)
     for system_result in result.systems:
         system_result.timing = timings.get(system_result.key)
+    if workload.ideal_bytes and measure_bandwidth:
+        result.bandwidth = bandwidth.summarize(timings)
     return result
 
 

@@ -3,10 +3,14 @@
 Both run STEPS calls from identical, seeded cases (the RNG reseeded too, so dropout draws the same
 masks); then every returned tensor of every step and every tensor the steps changed (parameters,
 gradients, buffers, optimizer state) is compared. Systems that run eager's aten ops unfused must
-match bit for bit; compiled ones within TOLERANCE, elementwise as in torch.allclose. The tolerance
-is set by Adam, not by the compilers: Adam divides by sqrt(v), so where a gradient is near zero a
-reordered float sum (a fused BatchNorm, LayerNorm or softmax) moves that element's update by up to
-lr = 1e-3 per step; five steps of torch.compile differ from eager by up to ~3e-5 in parameters.
+match bit for bit. For the others, returned tensors (losses, outputs) must be elementwise close
+(OUTPUT_TOLERANCE, as in torch.allclose) at every step, and each state tensor close in norm:
+|got - eager| / |eager| <= STATE_TOLERANCE. The state bound is loose because of Adam, not of the
+compilers: Adam divides by sqrt(v), so a reordered float sum (fused BatchNorm, LayerNorm, softmax)
+that flips the sign of a near-zero gradient moves that element by up to 2 * lr per step, and a
+BatchNorm network carries the difference on: after five steps torch.compile's cnn_train state is
+within a few percent of eager's in norm while its losses agree to 1e-5. A broken step (skipped or
+wrong update) shows in the losses.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from .workloads import Case
 
 STEPS = 5  # enough for tracejit to record, re-record lazy optimizer state, and replay host-free twice
 RNG_SEED = 1234
-TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
+OUTPUT_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+STATE_TOLERANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -51,20 +56,40 @@ def compare(reference: Outcome, got: Outcome, exact: bool) -> Verdict:
         return Verdict(False, f"changed state {sorted(got.state)}, eager {sorted(reference.state)}")
     pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(reference.outputs, got.outputs))]
     pairs += [(name, reference.state[name], got.state[name]) for name in reference.state]
-    worst = 0.0
+    worst_output, worst_state = 0.0, 0.0
     for name, a, b in pairs:
         if a.shape != b.shape or a.dtype != b.dtype:
             return Verdict(False, f"{name}: {b.dtype}{list(b.shape)}, eager {a.dtype}{list(a.shape)}")
-        if torch.equal(a, b):
+        if torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and
+                                 torch.equal(a.nan_to_num(), b.nan_to_num())):
             continue
-        diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item()
         if exact:
-            return Verdict(False, f"{name} not bitwise equal (max abs diff {diff:.2g})")
-        if not torch.allclose(b, a, equal_nan=True, **TOLERANCE):
-            return Verdict(False, f"{name}: max abs diff {diff:.2g} beyond rtol={TOLERANCE['rtol']:g}, "
-                                  f"atol={TOLERANCE['atol']:g}")
-        worst = max(worst, diff)
-    return Verdict(True, "bitwise" if worst == 0 else f"max abs diff {worst:.1g}")
+            return Verdict(False, f"{name} not bitwise equal (max abs diff {_max_abs(a, b):.2g})")
+        if name.startswith("output"):
+            if not torch.allclose(b, a, equal_nan=True, **OUTPUT_TOLERANCE):
+                return Verdict(False, f"{name}: max abs diff {_max_abs(a, b):.2g} beyond "
+                                      f"rtol={OUTPUT_TOLERANCE['rtol']:g}, atol={OUTPUT_TOLERANCE['atol']:g}")
+            worst_output = max(worst_output, _max_abs(a, b))
+        else:
+            relative = _relative(a, b)
+            if not relative <= STATE_TOLERANCE:
+                return Verdict(False, f"{name}: relative difference {relative:.2g} in norm, beyond {STATE_TOLERANCE:g}")
+            worst_state = max(worst_state, relative)
+    if worst_output == worst_state == 0:
+        return Verdict(True, "bitwise")
+    return Verdict(True, f"outputs max abs diff {worst_output:.1g}; state {worst_state:.1g} in norm")
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise difference; NaN in both counts as equal, NaN in one as infinitely far."""
+    diff = (a.double() - b.double()).abs()
+    diff = torch.where(a.isnan() & b.isnan(), 0.0, diff) if a.is_floating_point() else diff
+    return diff.nan_to_num(nan=float("inf")).max().item() if diff.numel() else 0.0
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / a.norm().clamp_min(1e-30)).nan_to_num(nan=float("inf")).item()
 
 
 def _tensors(result: Any) -> list[torch.Tensor]:
