@@ -31,33 +31,43 @@ def test_numpy_in_the_middle_sees_the_right_numbers_every_call(trace):
     assert len(record.ops) == 2  # the read itself is not an op of the program
 
 
+READS = {
+    "item": lambda y: y.item(),
+    "tolist": lambda y: y.tolist(),
+    "bool": lambda y: bool(y > 10),
+    "float": lambda y: float(y),
+    "int": lambda y: int(y),
+    "index": lambda y: list(range(100, 130))[y.long()],
+    "repr": lambda y: repr(y),
+    "format": lambda y: f"{y:.3f}",
+    "numpy": lambda y: y.numpy().copy(),
+    "asarray": lambda y: float(np.asarray(y)),
+}
+
+
 @REFUSED_READ
-@pytest.mark.parametrize("read", ["item", "tolist", "bool", "float", "int", "repr", "format", "asarray"])
-def test_host_reads_of_every_kind(trace, read):
+@pytest.mark.parametrize("read", list(READS))
+def test_host_reads_of_every_kind_see_the_values_of_each_call(trace, read):
     seen = []
 
     @trace
     def f(x):
         y = x.sum()
-        value = {
-            "item": lambda: y.item(),
-            "tolist": lambda: y.tolist(),
-            "bool": lambda: bool(y > 0),
-            "float": lambda: float(y),
-            "int": lambda: int(y),
-            "repr": lambda: repr(y),
-            "format": lambda: f"{y:.3f}",
-            "asarray": lambda: float(np.asarray(y)),
-        }[read]()
-        seen.append(value)
+        seen.append(READS[read](y))  # in the middle of the function: y must be real, and this call's
         return y * 2
 
-    for i in range(3):
-        x = torch.arange(4.0) + i
+    expected = []
+    for i in range(4):
+        x = torch.arange(4.0) + i  # sums 6, 10, 14, 18: every read differs between calls (bool flips)
+        expected.append(READS[read](x.sum()))
         assert torch.equal(f(x), x.sum() * 2)
-    fresh = [x for x in seen]
-    assert fresh[0] != fresh[1] or read == "bool"
-    assert len(f.records[0].host_reads) >= 1
+    assert len(seen) == 4
+    for got, want in zip(seen, expected):
+        assert (got == want).all() if isinstance(want, np.ndarray) else got == want
+    assert len(set(map(str, seen))) == (2 if read == "bool" else 4)
+    record = f.records[0]
+    assert len(f.records) == 1 and record.host_reads  # repr() and asarray() read through item()/numpy() too
+    assert {r.position for r in record.host_reads} == {len(record.ops) - 1}  # before the last op, y * 2
 
 
 @REFUSED_READ

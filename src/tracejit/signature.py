@@ -12,13 +12,42 @@ def tensor_key(tensor: torch.Tensor) -> tuple:
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
-    """Shapes, strides, dtypes, devices and requires_grad of the tensor inputs, and the training
-    flag of keyword modules (`model.eval()` selects a trace of its own)."""
+    """Shapes, strides, dtypes, devices and requires_grad of the tensor inputs; which tensor inputs are
+    the same object (`step(x, x)` for an autoencoder dispatches other handles than `step(x, y)`); and
+    the training flags of keyword modules and all their submodules (`model.eval()`, or only
+    `model.bn.eval()`, selects a trace of its own)."""
+    keyword = [(name, v) for name, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
+    tensors = [*args, *(v for _, v in keyword)]
     return (
         tuple(tensor_key(a) for a in args),
-        tuple((name, tensor_key(v)) for name, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)),
-        tuple(v.training for v in kwargs.values() if isinstance(v, torch.nn.Module)),
+        tuple((name, tensor_key(v)) for name, v in keyword),
+        tuple(training_flags(v) for v in kwargs.values() if isinstance(v, torch.nn.Module)),
+        _repeated_inputs(tensors) if len({id(t) for t in tensors}) != len(tensors) else (),
     )
+
+
+def _repeated_inputs(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """For each tensor input (positional, then keyword by name), the first input that is the same object."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+
+
+_submodules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def training_flags(module: torch.nn.Module) -> int:
+    """The training flags of a module and its submodules as the bits of one int, the module's own flag
+    lowest, above the last flag a 1 that marks how many there are.
+
+    The submodules are listed once per module: one replaced later is not watched (a call that then
+    diverges raises TraceMismatchError rather than computing something else)."""
+    submodules = _submodules.get(module)
+    if submodules is None:  # without the module itself: a value holding its key would keep it alive
+        submodules = _submodules[module] = tuple(module.modules())[1:]
+    flags = 1
+    for sub in reversed(submodules):
+        flags = (flags << 1) | sub.training
+    return (flags << 1) | module.training
 
 
 _parameters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -62,10 +91,20 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
         grad = ", requires_grad" if requires_grad else ""
         return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}"
 
-    positional, keyword, training = key
+    positional, keyword, training, repeated = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]
     parts += [f"{name}=: {one(k)}" for name, k in keyword]
-    parts += ["training" if flag else "eval" for flag in training]
+    parts += [_describe_training(flags) for flags in training]
+    parts += [f"input {i} is input {j}" for i, j in enumerate(repeated) if i != j]
     if grad_state:
         parts += [f"gradient state {state:#x}" for state in grad_state]
     return "(" + ", ".join(parts) + ")"
+
+
+def _describe_training(flags: int) -> str:
+    bits = bin(flags)[3:][::-1]  # without the marker, the module's own flag first
+    own, submodules = bits[0] == "1", bits[1:]
+    odd = submodules.count("0" if own else "1")
+    if not odd:
+        return "training" if own else "eval"
+    return f"{'training' if own else 'eval'}, {odd} of {len(submodules)} submodules {'in eval' if own else 'training'}"

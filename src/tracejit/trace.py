@@ -193,8 +193,9 @@ class trace:
             recorder.abandon()  # symbolic: run what was recorded, so side effects match an eager call
             raise
         recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
-        # A call that created or accumulated gradients depends on which .grad exist when it starts.
-        depends = gradient_snapshot(kwargs) != grads_before
+        # A call that ran a backward pass, or created or accumulated gradients, depends on which
+        # parameters require grad and which .grad exist when it starts.
+        depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
         entry = TraceEntry(key, record, program, grad_state if depends else None)
         if not depends:
             self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]

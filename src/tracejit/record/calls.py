@@ -29,6 +29,8 @@ _VALUE_SCALAR_OPS = {
     "threshold", "smooth_l1_loss", "smooth_l1_loss_backward", "huber_loss", "huber_loss_backward",
     "rrelu_with_noise", "celu", "_fused_dropout", "dropout", "clamp", "clamp_min", "clamp_max",
     "clamp_", "clamp_min_", "clamp_max_", "mse_loss", "l1_loss", "cross_entropy_loss",
+    # the value of torch.where(c, x, 0.5)'s scalar, of x // k, and of the fill ops
+    "scalar_tensor", "floor_divide", "floor_divide_", "index_fill", "index_fill_",
 }
 # A Python number can also arrive in a Tensor slot: the dispatcher unwraps wrapped-number tensors
 # (`t / 0.5` reaches aten.div.Tensor with a float).
@@ -47,7 +49,17 @@ def _is_value_scalar_op(op: torch._ops.OpOverload) -> bool:
         torch.Tag.pointwise in op.tags
         or name.startswith(("_foreach_", "_fused_"))
         or name in _VALUE_SCALAR_OPS
+        or _is_in_place_pointwise(op, name)
     )
+
+
+def _is_in_place_pointwise(op: torch._ops.OpOverload, name: str) -> bool:
+    """`masked_fill_`, `threshold_`, `eq_`...: torch tags the functional form pointwise but not all of
+    the in-place forms, whose scalars are just as much values."""
+    if not name.endswith("_") or op.namespace != "aten":
+        return False
+    functional = getattr(getattr(aten, name[:-1], None), op._overloadname, None)
+    return functional is not None and torch.Tag.pointwise in functional.tags
 
 
 @functools.cache

@@ -39,7 +39,15 @@ HOST_READ_METHODS = {
 }
 
 
+# Shape reads never reach the dispatcher either. They are hooked only while a call is recorded
+# (to set the SHAPE_READ flag): torch's own Python code reads shapes often, and a replay needs no flag.
+SHAPE_READ_METHODS = ("size", "dim", "numel", "stride", "__len__")
+
+
 class Handler(Protocol):
+    """A recorder or a replayer. A handler with `records_shape_reads = True` also gets
+    `on_shape_read(tensor)` calls; the attribute is optional and false by default."""
+
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
 
     def on_host_read(self, tensor: torch.Tensor, what: str) -> None: ...
@@ -78,31 +86,67 @@ def _host_read_hook(original: Any, what: str) -> Any:
     return hook
 
 
-_HOOKS = {name: _host_read_hook(getattr(torch.Tensor, name), what) for name, what in HOST_READ_METHODS.items()}
-_ORIGINALS = {name: torch.Tensor.__dict__.get(name) for name in HOST_READ_METHODS}
-_hooks_lock = threading.Lock()
-_hooks_users = 0
+def _notify_shape_read(tensor: torch.Tensor) -> None:
+    context = current_context()
+    if context is not None and not context.excluded:
+        notify = getattr(context.handler, "on_shape_read", None)  # None: a replay (or another thread's)
+        if notify is not None:
+            notify(tensor)
 
 
-@contextlib.contextmanager
-def _host_read_hooks() -> Iterator[None]:
-    global _hooks_users
-    with _hooks_lock:
-        if _hooks_users == 0:
-            for name, hook in _HOOKS.items():
-                setattr(torch.Tensor, name, hook)
-        _hooks_users += 1
-    try:
-        yield
-    finally:
-        with _hooks_lock:
-            _hooks_users -= 1
-            if _hooks_users == 0:
-                for name, original in _ORIGINALS.items():
-                    if original is None:
-                        delattr(torch.Tensor, name)  # it was inherited from TensorBase
-                    else:
-                        setattr(torch.Tensor, name, original)
+def _shape_read_hook(original: Any) -> Any:
+    def hook(self, *args, **kwargs):
+        _notify_shape_read(self)
+        return original(self, *args, **kwargs)
+
+    hook.__name__ = getattr(original, "__name__", "shape read")
+    hook.__doc__ = getattr(original, "__doc__", None)
+    return hook
+
+
+def _shape_property(original: Any) -> property:
+    def read(self):
+        _notify_shape_read(self)
+        return original.__get__(self)
+
+    return property(read, doc=getattr(original, "__doc__", None))
+
+
+class _Hooks:
+    """Methods of torch.Tensor replaced while at least one traced call on any thread needs them."""
+
+    def __init__(self, hooks: dict[str, Any]):
+        self.hooks = hooks
+        self.originals = {name: torch.Tensor.__dict__.get(name) for name in hooks}
+        self.lock = threading.Lock()
+        self.users = 0
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        with self.lock:
+            if self.users == 0:
+                for name, hook in self.hooks.items():
+                    setattr(torch.Tensor, name, hook)
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.users -= 1
+                if self.users == 0:
+                    for name, original in self.originals.items():
+                        if original is None:
+                            delattr(torch.Tensor, name)  # it was inherited from TensorBase
+                        else:
+                            setattr(torch.Tensor, name, original)
+
+
+_HOST_READ_HOOKS = _Hooks({name: _host_read_hook(getattr(torch.Tensor, name), what)
+                           for name, what in HOST_READ_METHODS.items()})
+_SHAPE_READ_HOOKS = _Hooks({
+    **{name: _shape_read_hook(getattr(torch.Tensor, name)) for name in SHAPE_READ_METHODS},
+    "shape": _shape_property(torch.Tensor.shape),
+})
 
 
 class CallContext:
@@ -131,8 +175,10 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
     """Run a block as a traced call: install both modes and the thread's call context."""
     outer = check_not_nested(context.function_name)
     _local.context = context
+    records_shapes = getattr(context.handler, "records_shape_reads", False)
+    shape_hooks = _SHAPE_READ_HOOKS.installed() if records_shapes else contextlib.nullcontext()
     try:
-        with _host_read_hooks(), _DispatchMode(context):
+        with _HOST_READ_HOOKS.installed(), shape_hooks, _DispatchMode(context):
             yield context
     finally:
         _local.context = outer

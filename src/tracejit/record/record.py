@@ -32,6 +32,9 @@ class Flag(enum.Flag):
     MUTATED = enum.auto()  # some recorded op wrote into it
     ESCAPED = enum.auto()  # alive after the call: returned, stored in .grad, in optimizer state...
     RETURNED = enum.auto()  # part of the traced function's return value
+    # Python code of the call read its shape (.shape, size(), dim(), numel(), stride(), len()) while
+    # it was recorded. Shapes are part of the input signature, so such reads never change a replay.
+    SHAPE_READ = enum.auto()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from .calls import (
 )
 from .handles import HandleMap
 from .names import ExternalNames
-from .regions import RegionTracker
 from .record import (
     ExcludedBlock,
     Flag,
@@ -28,6 +27,7 @@ from .record import (
     TensorInfo,
     TensorMeta,
 )
+from .regions import RegionTracker
 from .source import user_location
 
 _LITERAL_OPS = frozenset(
@@ -39,8 +39,11 @@ class Recorder:
     """Builds a `Record` from the ops of one call.
 
     A recorder can also *resume* a record: a replay that diverges from a provisional record
-    hands over its handle map and the matched prefix, and recording continues from there.
+    hands over its handle map and the matched prefix, and recording continues from there (shape
+    reads after that point are not flagged: the hooks that see them are installed per call).
     """
+
+    records_shape_reads = True
 
     def __init__(self, function_name: str, *, capture_as_const: bool, external_names: ExternalNames):
         self.function_name = function_name
@@ -58,6 +61,7 @@ class Recorder:
         self.rerecorded = False
         self.regions = RegionTracker()
         self.storages: dict[int, StorageWeakRef] = {}  # internal handle -> its memory, held weakly
+        self._busy = 0  # inside a handler method: shape reads are tracejit's own, not the host's
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -116,6 +120,13 @@ class Recorder:
     # -- handler protocol -----------------------------------------------------------------------
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self._busy += 1
+        try:
+            return self._on_op(func, args, kwargs)
+        finally:
+            self._busy -= 1
+
+    def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if is_ignored_op(func):
             return self.regions.run(func, args, kwargs)
         if func in HOST_VALUE_OPS:
@@ -143,7 +154,20 @@ class Recorder:
     def execute(self, func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
+    def on_shape_read(self, tensor: torch.Tensor) -> None:
+        if not self._busy:
+            handle = self.handles.get(tensor)
+            if handle is not None:
+                self.tensors[handle].flags |= Flag.SHAPE_READ
+
     def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
+        self._busy += 1
+        try:
+            self._on_host_read(tensor, what)
+        finally:
+            self._busy -= 1
+
+    def _on_host_read(self, tensor: torch.Tensor, what: str) -> None:
         handle = self.handles.get(tensor)
         if handle is None:
             return  # a tensor from outside the trace: its data is real
@@ -153,6 +177,14 @@ class Recorder:
 
     def on_excluded_block(self) -> None:
         self.excluded_blocks.append(ExcludedBlock(len(self.ops), user_location()))
+        self._busy += 1
+        try:
+            self.catch_up()
+        finally:
+            self._busy -= 1
+
+    def catch_up(self) -> None:
+        """An excluded block begins: make what the host can see real. Nothing to do: every op ran."""
 
     # -- after the call (hooks for recorders that defer execution, see symbolic.py) -------------
 

@@ -13,17 +13,15 @@ from typing import Any
 class RegionTracker:
     def __init__(self) -> None:
         self.open: list[str] = []  # innermost last
-        self._names: dict[int, str] = {}  # id of the range handle -> range name
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         result = func(*args, **kwargs)
         if args and isinstance(args[0], str):
             self.open.append(args[0])
-            self._names[id(result)] = args[0]
-        elif args and id(args[0]) in self._names:
-            name = self._names.pop(id(args[0]))
-            if name in self.open:
-                del self.open[len(self.open) - 1 - self.open[::-1].index(name)]
+        elif self.open and func._schema.name.endswith("_record_function_exit"):
+            # The exit op gets the range's handle in another Python wrapper than enter returned, so
+            # it cannot be matched by identity; ranges opened by `with` blocks close innermost first.
+            self.open.pop()
         return result
 
     def current(self) -> tuple[str, ...]:

@@ -78,14 +78,14 @@ class SymbolicRecorder(Recorder):
             self._inputs[handle] = tensor
         return handle
 
-    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in HOST_VALUE_OPS:
             for value in args:
                 if isinstance(value, torch.Tensor):
                     self._check_readable(value, str(func))
         recorded = len(self.ops)
         self._allocated = []
-        result = super().on_op(func, args, kwargs)
+        result = super()._on_op(func, args, kwargs)
         if len(self.ops) > recorded:
             self._track(self.ops[-1], mutated_tensors(func, args, kwargs))
             if torch.Tag.nondeterministic_seeded in func.tags:
@@ -173,9 +173,9 @@ class SymbolicRecorder(Recorder):
 
     # -- host reads and excluded blocks -----------------------------------------------------------
 
-    def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
+    def _on_host_read(self, tensor: torch.Tensor, what: str) -> None:
         self._check_readable(tensor, what)
-        super().on_host_read(tensor, what)
+        super()._on_host_read(tensor, what)
 
     def _check_readable(self, tensor: torch.Tensor, what: str) -> None:
         key = storage_key(tensor)
@@ -214,8 +214,8 @@ class SymbolicRecorder(Recorder):
             "with symbolic=False."
         )
 
-    def on_excluded_block(self) -> None:
-        super().on_excluded_block()
+    def catch_up(self) -> None:
+        """An excluded block begins: it is eager code, so run the ops recorded so far."""
         self._catch_up()
 
     # -- running the record for real --------------------------------------------------------------

@@ -76,7 +76,8 @@ def extra_op(record: Record, func: Any, statics: tuple, tensor_names: list[str],
              source: SourceLocation) -> TraceMismatchError:
     position = len(record.ops)
     last = record.ops[-1] if record.ops else None
-    after = f"\n  the trace ended after {record.format_op(last)}\n            at {last.source}" if last else ""
+    after = (f"\n  the trace ended after {record.format_op(last)}\n            at {last.source}{_code(last.source)}"
+             if last else "")
     return TraceMismatchError(
         _header(record, position, f"more ops than recorded (the trace has {position})")
         + after.lstrip("\n") + _came(_render_call(func, statics, tensor_names, scalars), source)
@@ -88,8 +89,8 @@ def premature_end(record: Record, position: int, source: SourceLocation) -> Trac
     return TraceMismatchError(
         _header(record, position, f"premature end: the function returned after {position} of "
                                   f"{len(record.ops)} recorded ops")
-        + "  next recorded: " + _recorded(record, op).lstrip()
-        + f"\n  got:      return at {source}"
+        + _recorded(record, op)
+        + f"\n  got:      the function returned instead (traced call at {source}{_code(source)})"
     )
 
 
@@ -115,9 +116,13 @@ def const_violated(record: Record, position: int, handle: int, detail: str,
 
 
 def output_mismatch(record: Record, detail: str, source: SourceLocation) -> TraceMismatchError:
+    handles = list(dict.fromkeys(record.output.handles()))
+    described = "".join(f"\n    {record.describe_handle(h)}" for h in handles[:4])
+    more = f"\n    ... and {len(handles) - 4} more" if len(handles) > 4 else ""
     return TraceMismatchError(
         f"{record.function_name}() returned a different output than recorded: {detail}\n"
-        f"  recorded output: {record.output.describe()}\n  returned at {source}" + _code(source)
+        f"  recorded output: {record.output.describe()}{described}{more}\n"
+        f"  traced call at {source}" + _code(source)
     )
 
 
