@@ -147,3 +147,23 @@ def test_fusion_fuel_and_dump_dir(tmp_path, monkeypatch):
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     assert any(p.startswith("chain/") and p.endswith("_group_elementwise.py") for p in written)
     assert any("/kernels/" in p and p.endswith(".c") for p in written)
+
+
+def test_rematerialized_activations_fuse_with_their_backward():
+    # A recomputed tanh shares the record position of the backward op it serves; the group it
+    # forms with tanh_backward must not swallow the matmul that reads the recomputed value first.
+    def deep():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                   torch.nn.Tanh(), torch.nn.Linear(16, 10))
+
+    (model_a, opt_a), (model_b, opt_b) = twin(deep(), "sgd_momentum")
+    traced = tracejit.trace(train_step, backend="c", without_host=True,
+                            sublinear_memory_config=tracejit.SublinearMemoryConfig(checkpoint_every=2))
+    for step in range(4):
+        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+        loss_a = train_step(x, y, model=model_a, opt=opt_a)
+        assert torch.allclose(traced(x, y, model=model_b, opt=opt_b), loss_a, rtol=1e-5)
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert "rematerialize" in [name for name, _, _ in traced.history] and fused_nodes(traced)

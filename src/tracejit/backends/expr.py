@@ -124,7 +124,7 @@ class Compute:
         return self.b.emit("where", (self.b.cast(condition, torch.bool), self.value(a), self.value(b)), self.dtype)
 
     def logical(self, op: str, *operands: Any) -> Ref:
-        return self.b.emit(op, tuple(self.b.cast(o, torch.bool) for o in operands), torch.bool)
+        return self.b.emit(op, tuple(self.b.cast(self.value(o), torch.bool) for o in operands), torch.bool)
 
 
 def _typed_constant(value: int | float, dtype: torch.dtype) -> int | float | bool:

@@ -158,13 +158,22 @@ def _masked_fill(c: Compute, x, mask, value):
     return c.where(mask, value, x)
 
 
-for _name, _primitive in (("logical_and", "and"), ("logical_or", "or"), ("logical_xor", "xor"),
-                          ("bitwise_and", "and"), ("bitwise_or", "or"), ("bitwise_xor", "xor")):
+def _bools_only(c: Compute, *operands):
+    """Bitwise ops are logic on bool tensors; on integers they are bit operations the table lacks."""
+    if any(not isinstance(o, Ref) or c.b.dtype(o) != torch.bool for o in operands):
+        raise Unsupported("bitwise ops on integers")
+
+
+for _name, _primitive in (("logical_and", "and"), ("logical_or", "or"), ("logical_xor", "xor")):
     _op(_name, Promotion.ALWAYS_BOOL, "bool", lambda x, y, z, n=_name: getattr(torch, n)(x > 0, y > 0))(
         lambda c, x, other, p=_primitive: c.logical(p, x, other))
-for _name in ("logical_not", "bitwise_not"):
-    _op(_name, Promotion.ALWAYS_BOOL, "bool", lambda x, y, z, n=_name: getattr(torch, n)(x > 0))(
-        lambda c, x: c.logical("not", x))
+for _name, _primitive in (("bitwise_and", "and"), ("bitwise_or", "or"), ("bitwise_xor", "xor")):
+    _op(_name, Promotion.DEFAULT, "bool", lambda x, y, z, n=_name: getattr(torch, n)(x > 0, y > 0))(
+        lambda c, x, other, p=_primitive: _bools_only(c, x, other) or c.logical(p, x, other))
+_op("logical_not", Promotion.ALWAYS_BOOL, "bool", lambda x, y, z: torch.logical_not(x > 0))(
+    lambda c, x: c.logical("not", x))
+_op("bitwise_not", Promotion.DEFAULT, "bool", lambda x, y, z: torch.bitwise_not(x > 0))(
+    lambda c, x: _bools_only(c, x) or c.logical("not", x))
 
 
 # -- clamping and activations -------------------------------------------------------------------------

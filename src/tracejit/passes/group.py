@@ -72,6 +72,7 @@ class _Grouping:
         self.spaces: list[tuple] = []
         self.producer: dict[int, int] = {}  # value id -> group that computes it
         self.readers: dict[int, set[int]] = {}  # value id -> groups reading it from outside
+        self.index_of = {id(n): i for i, n in enumerate(self.nodes)}
 
     def add(self, index: int, node: Node) -> None:
         space = space_of(self.graph, node)
@@ -100,7 +101,7 @@ class _Grouping:
 
     def _legal(self, members: list[int]) -> bool:
         return len(members) <= self.max_members and legal_group(
-            self.graph, [self.nodes[i] for i in sorted(members)], self.nodes)
+            self.graph, [self.nodes[i] for i in sorted(members)], self.nodes, self.index_of)
 
     def _merge(self, source: int, target: int) -> None:
         self.groups[target] = sorted(self.groups[target] + self.groups[source])
@@ -143,20 +144,27 @@ def space_of(graph: Graph, node: Node) -> tuple:
     return tuple(graph.values[v].meta.shape for v in results)
 
 
-def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = None) -> bool:
-    """Whether `members` may run as one node firing at the last member's position."""
+def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = None,
+                index_of: dict[int, int] | None = None) -> bool:
+    """Whether `members` may run as one node in place of its last member.
+
+    The span is measured in node order, which is the execution order (a rematerialized node
+    shares the record position of the op it serves, so positions alone do not order nodes);
+    barriers are record positions."""
     nodes = list(graph.nodes) if nodes is None else nodes
+    index_of = {id(n): i for i, n in enumerate(nodes)} if index_of is None else index_of
     first, last = min(m.fire_at for m in members), max(m.fire_at for m in members)
     if any(first < p <= last for p in graph.barriers):  # the read happens before op p
         return False
+    start, end = min(index_of[id(m)] for m in members), max(index_of[id(m)] for m in members)
     member_ids = {id(m) for m in members}
     produced = {v for m in members for v in (*m.outputs, *m.writes) if v is not None}
     read = {v for m in members for v in m.inputs} - produced
     read_roots = {graph.values[v].root for v in read}
     if not _writes_are_exclusive(graph, members, read):
         return False
-    for node in nodes:
-        if id(node) in member_ids or not node.positions or not first < node.fire_at < last:
+    for node in nodes[start + 1:end]:
+        if id(node) in member_ids or not node.positions:
             continue
         if any(v in produced for v in node.inputs):
             return False  # needs a member's value before the group runs
