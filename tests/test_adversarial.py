@@ -1,8 +1,8 @@
 """Programs a demanding PyTorch user writes, against eager, over several calls.
 
 Each either matches eager bit for bit (outputs and every piece of state) or raises a clear
-TraceMismatchError; none may compute something else silently. The last tests pin known bugs of
-without_host=True (strict xfails: they start failing the day the bug is fixed).
+TraceMismatchError; none may compute something else silently. Known bugs of without_host=True found
+the same way are pinned in test_without_host_known_bugs.py.
 """
 
 import copy
@@ -12,64 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, MLP, batch
+from side_by_side import mse, same_tree, seeded, side_by_side, state_of, step_of
 
-import tracejit
 from tracejit import TraceMismatchError
-
-
-def same_tree(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
-    return a == b
-
-
-def state_of(obj) -> list:
-    if isinstance(obj, nn.Module):
-        return ([t.detach() for t in obj.state_dict().values()]
-                + [p.grad for p in obj.parameters()] + [p.requires_grad for p in obj.parameters()])
-    if isinstance(obj, torch.optim.Optimizer):
-        return [v for s in obj.state_dict()["state"].values() for v in s.values()]
-    return [obj]
-
-
-def side_by_side(traced_fn, fn, objects: dict, inputs, steps: int, between=None):
-    """Run fn eagerly on `objects` and traced on a deep copy; compare outputs and state after every call."""
-    twins = copy.deepcopy(objects)  # one deepcopy: optimizers keep pointing at the copied parameters
-    for i in range(steps):
-        if between is not None:
-            between(i, objects)
-            between(i, twins)
-        args = inputs(i)
-        torch.manual_seed(100 + i)
-        want = fn(*[a.clone() for a in args], **objects)
-        torch.manual_seed(100 + i)
-        got = traced_fn(*[a.clone() for a in args], **twins)
-        assert same_tree(got, want), f"call {i}: {got} vs {want}"
-        for name, obj in objects.items():
-            assert same_tree(state_of(twins[name]), state_of(obj)), f"call {i}: {name} differs"
-    return twins
-
-
-def step_of(loss_fn):
-    def step(*args, model, opt, **kwargs):
-        loss = loss_fn(model, *args, **kwargs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return step
-
-
-def mse(model, x):
-    return model(x).square().mean()
-
-
-def seeded(*shape, kind=torch.randn):
-    return lambda i: (kind(*shape, generator=torch.Generator().manual_seed(i)),)
 
 
 # -- values that change between calls without changing the program ----------------------------------
@@ -386,93 +331,3 @@ def test_program_changes_are_refused_clearly(trace, change, message):
     config.update(act=False, scale=3.0, p=0.0)
     with pytest.raises(TraceMismatchError, match=message):
         traced(x)
-
-
-# -- known bugs of without_host=True (runtime/hostfree.py, not this file's to fix) -------------------
-
-
-@pytest.mark.xfail(strict=True, reason="hostfree.find_lr_bindings matches the record's scalars against the current "
-                   "lr when it rebinds; once a scheduler has changed lr, a rebind (after any guard failure) loses the "
-                   "binding and later host-free calls use the recorded lr")
-def test_without_host_lr_survives_a_rebind():
-    model = nn.Linear(4, 2)
-    twin = copy.deepcopy(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
-    step = step_of(lambda model, x, flag: mse(model, x))
-    traced = tracejit.trace(step, without_host=True)
-    for i in range(6):
-        x = torch.randn(3, 4)
-        flag = i != 3  # another keyword value: the guard fails, the function runs and rebinds
-        assert torch.equal(step(x, model=model, opt=opts[0], flag=flag), traced(x, model=twin, opt=opts[1], flag=flag))
-        for opt in opts:
-            opt.param_groups[0]["lr"] *= 0.5
-    assert torch.equal(model.weight, twin.weight)
-
-
-@pytest.mark.xfail(strict=True, reason="after a re-record (lazy momentum state), the matched prefix keeps the first "
-                   "call's scalars, so hostfree.find_lr_bindings misses the lr of a group changed since then")
-def test_without_host_lr_of_a_group_changed_before_the_re_record():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
-                           {"params": model[2].parameters(), "lr": 0.01, "momentum": 0.5}])
-
-    def between(i, objects):
-        objects["opt"].param_groups[0]["lr"] = 0.1 / (i + 1)
-
-    step = step_of(mse)
-    side_by_side(tracejit.trace(step, without_host=True), step, {"model": model, "opt": opt}, seeded(5, 4), 5, between)
-
-
-@pytest.mark.xfail(strict=True, reason="the host-free guard checks the training flag of keyword modules only, not of "
-                   "their submodules: model.bn.eval() keeps running the training-mode program")
-def test_without_host_submodule_eval():
-    def forward(x, *, model):
-        return model(x)
-
-    def between(i, objects):
-        objects["model"].drop.train(i % 2 == 0)
-
-    side_by_side(tracejit.trace(forward, without_host=True), forward, {"model": CNN()},
-                 lambda i: (batch("cnn", i)[0],), 4, between)
-
-
-@pytest.mark.xfail(strict=True, reason="the host-free guard does not check which inputs are the same object: a trace "
-                   "recorded for step(x, x) serves step(a, b) and reads b where the function reads a")
-def test_without_host_inputs_that_stop_being_the_same_tensor():
-    def f(x, y):
-        x.add_(1)
-        return y * 2
-
-    traced = tracejit.trace(f, without_host=True)
-    for same in (True, True, False):
-        a = torch.randn(3)
-        b = a if same else torch.randn(3)
-        a_eager = a.clone()
-        b_eager = a_eager if same else b.clone()
-        want = f(a_eager, b_eager)
-        assert torch.equal(traced(a, b), want)
-        assert torch.equal(a, a_eager) and torch.equal(b, b_eager)
-
-
-@pytest.mark.xfail(strict=True, reason="checked replay with fusion: an exception inside the function leaves the "
-                   "placeholders of an unfinished fused group unfilled, so tensors the host kept hold garbage "
-                   "(runtime/replay.py never completes the program's state when the call raises)")
-def test_exception_in_a_fused_replay_leaves_kept_values_real():
-    kept = []
-    fail = {"on": False}
-
-    def f(x):
-        b = x * 2 + 1  # one fused group with the multiplication below
-        kept.append(b)
-        if fail["on"]:
-            raise ValueError("boom")
-        return (b * 3).relu()
-
-    traced = tracejit.trace(f, backend="reference")
-    x = torch.randn(4)
-    traced(x)
-    traced(x)
-    fail["on"] = True
-    with pytest.raises(ValueError):
-        traced(x)
-    assert torch.equal(kept[-1], x * 2 + 1)
