@@ -16,7 +16,6 @@ from side_by_side import mse, same_tree, seeded, side_by_side, state_of, step_of
 
 from tracejit import TraceMismatchError
 
-
 # -- values that change between calls without changing the program ----------------------------------
 
 
