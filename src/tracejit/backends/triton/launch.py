@@ -1,0 +1,118 @@
+"""Python launchers of Triton kernels: generated code, one small function per kernel.
+
+A launcher has the kernel calling convention of runtime/fused.py, `kernel(inputs, s, outs=None)`,
+like the C launchers: it checks that every tensor it addresses has the strides the kernel was
+specialized for (a different layout runs the group through aten instead), allocates the outputs
+the caller did not hand in, and launches the kernel on the tensors and the dynamic scalars.
+
+A multi-lane kernel reads its pointers and scalars from a per-call int64 table (pointers and int
+scalars, then float scalars as float64 bits: `array` packs both without a Python loop per value),
+copied to the device in one transfer, and its static (lane, start, end) work table, made once.
+On a CUDA device the launch runs under that device (Triton launches on the current one).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..lower import KernelSpec
+from .render import OPTIONS, TritonKernel
+
+
+def make_launcher(spec: KernelSpec, kernel: TritonKernel, function: Any, fallback: Callable,
+                  interpret: bool) -> Callable:
+    namespace: dict[str, Any] = {"FALLBACK": fallback, "EMPTY": torch.empty_strided}
+    launch = _launch_lines(spec, kernel, function, namespace)
+    if launch and spec.device.type == "cuda":
+        namespace["DEVICE"] = torch.cuda.device(spec.device)
+        launch = ["with DEVICE:", *(f"    {line}" for line in launch)]
+    if launch and interpret:
+        # the interpreter computes with numpy, which warns where IEEE arithmetic quietly gives inf or NaN
+        namespace["QUIET"] = np.errstate
+        launch = ["with QUIET(all='ignore'):", *(f"    {line}" for line in launch)]
+    lines = [f"def {kernel.name}(inputs, s, outs=None):"]
+    lines += [f"    {line}" for line in _prologue(spec, namespace) + launch + [_returned(spec)]]
+    exec(compile("\n".join(lines) + "\n", f"<tracejit triton launcher {kernel.name}>", "exec"), namespace)
+    launcher = namespace[kernel.name]
+    launcher.spec = spec
+    launcher.kernel = kernel
+    launcher.source = kernel.source
+    return launcher
+
+
+def _addressed_inputs(spec: KernelSpec) -> list[int]:
+    return sorted({i for lane in spec.lanes for i, _ in lane.loads} | set(spec.written_inputs))
+
+
+def _prologue(spec: KernelSpec, namespace: dict) -> list[str]:
+    """Unpack inputs, check their layouts, allocate the outputs."""
+    addressed = _addressed_inputs(spec)
+    lines = []
+    if spec.input_metas:
+        names = ", ".join(f"x{i}" for i in range(len(spec.input_metas)))
+        lines.append(f"{names}{',' if len(spec.input_metas) == 1 else ''} = inputs")
+    if addressed:
+        checks = " or ".join(f"x{i}.stride() != {tuple(spec.input_metas[i].stride)!r}" for i in addressed)
+        lines.append(f"if {checks}: return FALLBACK(inputs, s, outs)")
+    returned = {index: position for position, (kind, index) in enumerate(spec.output_sources) if kind == "new"}
+    for a, meta in enumerate(spec.allocations):
+        namespace[f"D{a}"] = meta.dtype
+        namespace[f"V{a}"] = meta.device
+        fresh = f"EMPTY({tuple(meta.shape)!r}, {tuple(meta.stride)!r}, dtype=D{a}, device=V{a})"
+        if a in returned:
+            p = returned[a]
+            lines.append(f"o{a} = outs[{p}] if outs is not None and outs[{p}] is not None else {fresh}")
+        else:
+            lines.append(f"o{a} = {fresh}")
+    return lines
+
+
+def _launch_lines(spec: KernelSpec, kernel: TritonKernel, function: Any, namespace: dict) -> list[str]:
+    if kernel.grid == 0:
+        return []  # nothing to compute: every lane is empty
+    namespace["KERNEL"] = function[(kernel.grid,)]
+    options = ", ".join(f"{k}={v!r}" for k, v in {"num_warps": kernel.num_warps, **OPTIONS}.items())
+    if kernel.work:
+        return [*_table_lines(spec, kernel, namespace), f"KERNEL(WORK, table, {options})"]
+    lane = spec.lanes[0]
+    args = []
+    for kind, index in kernel.parameters:
+        if kind == "input":
+            args.append(f"x{index}")
+        elif kind == "target":
+            args.append(f"o{index}")
+        else:
+            convert = "float" if spec.scalar_types[index] is float else "int"
+            args.append(f"{convert}(s[{lane.scalars[index]}])")
+    return [f"KERNEL({', '.join(args)}, {options})"]
+
+
+def _table_lines(spec: KernelSpec, kernel: TritonKernel, namespace: dict) -> list[str]:
+    """Build the per-call table: every lane's pointers and int scalars, then its float scalars."""
+    work = [value for item in kernel.work for value in item]
+    namespace["WORK"] = torch.tensor(work, dtype=torch.int64, device=spec.device)
+    namespace["INTS"] = lambda values: array.array("q", values).tobytes()
+    namespace["FLOATS"] = lambda values: array.array("d", values).tobytes()
+    namespace["TABLE"] = lambda data: torch.frombuffer(bytearray(data), dtype=torch.int64).to(spec.device)
+    allocated = len(spec.allocations)
+    ints, floats = [], []
+    for lane in spec.lanes:
+        ints += [f"x{i}.data_ptr()" for i, _ in lane.loads]
+        ints += [f"o{t}.data_ptr()" if t < allocated else f"x{spec.written_inputs[t - allocated]}.data_ptr()"
+                 for t, _ in lane.stores]
+        ints += [f"s[{lane.scalars[k]}]" for k, t in enumerate(spec.scalar_types) if t is not float]
+        floats += [f"s[{lane.scalars[k]}]" for k, t in enumerate(spec.scalar_types) if t is float]
+    data = f"INTS(({', '.join(ints)},))"
+    if floats:
+        data += f" + FLOATS(({', '.join(floats)},))"
+    return [f"table = TABLE({data})"]
+
+
+def _returned(spec: KernelSpec) -> str:
+    values = [f"o{index}" if kind == "new" else f"x{index}" for kind, index in spec.output_sources]
+    return f"return ({', '.join(values)}{',' if len(values) == 1 else ''})"
