@@ -77,7 +77,10 @@ def compare(reference: Outcome, got: Outcome, exact: bool) -> Verdict:
             worst_state = max(worst_state, relative)
     if worst_output == worst_state == 0:
         return Verdict(True, "bitwise")
-    return Verdict(True, f"outputs max abs diff {worst_output:.1g}; state {worst_state:.1g} in norm")
+    parts = [f"outputs max abs diff {worst_output:.1g}"] if worst_output else ["outputs bitwise"]
+    if reference.state:
+        parts.append(f"state {worst_state:.1g} in norm" if worst_state else "state bitwise")
+    return Verdict(True, "; ".join(parts))
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
