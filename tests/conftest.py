@@ -19,6 +19,9 @@ os.environ.setdefault("TRACEJIT_BACKEND", "aten")
 MODES = {
     "default": {},
     "symbolic": {"symbolic": True},
+    # every fusion code path (grouping, placeholders, in-place hand-outs, early reads), bit-exact:
+    # the reference backend runs each group op by op (compiled kernels: test_c_*.py, test_fused_*.py)
+    "fused": {"backend": "reference"},
 }
 
 

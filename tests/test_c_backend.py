@@ -7,8 +7,7 @@ Tolerance: exact for ops whose math is exact in IEEE arithmetic (add, mul, where
 
 import pytest
 import torch
-from fused_support import (SPECIAL_VALUES, assert_close_to_eager, dtypes_of, example_inputs, fused_nodes,
-                           trace_with)
+from fused_support import SPECIAL_VALUES, assert_close_to_eager, dtypes_of, example_inputs, fused_nodes, trace_with
 
 import tracejit
 from tracejit.backends.optable import OP_TABLE
@@ -38,7 +37,7 @@ def test_op_table_entry_matches_eager(name, dtype):
     example = OP_TABLE[name].example
     inputs = example_inputs(dtype)
     try:
-        want = _wrapped(example)(*inputs)
+        _wrapped(example)(*inputs)
     except RuntimeError:
         pytest.skip(f"eager PyTorch rejects {name} on {dtype}")
     traced = trace_with("c", _wrapped(example))

@@ -141,8 +141,7 @@ class _Lowering:
         values = _bind_schema(member.target, args, kwargs)
         per_lane = [[_lane_item(v, j) for v in values] if foreach else values for j in range(self.lanes)]
         operands = [self._across_lanes([lane[k] for lane in per_lane]) for k in range(len(values))]
-        compute, result = self._types(entry, per_lane[0])
-        element = entry.lower(Compute(self.builder, compute), *operands)
+        element = entry.lower(Compute(self.builder, self._compute_type(entry, per_lane[0])), *operands)
         written = self._written_per_lane(member, per_lane)
         if written is None:
             outputs = [v for v in member.outputs if v is not None]
@@ -181,8 +180,8 @@ class _Lowering:
             raise Unsupported("a list argument outside a multi-tensor op")
         return first
 
-    def _types(self, entry, operands: list) -> tuple[torch.dtype, torch.dtype]:
-        """(compute type, result type) of one member, by PyTorch's promotion rule."""
+    def _compute_type(self, entry, operands: list) -> torch.dtype:
+        """The type one member computes in, by PyTorch's promotion rule (results are cast after)."""
         samples = []
         for item in operands:
             if isinstance(item, _Tensor):
@@ -196,7 +195,7 @@ class _Lowering:
         compute, result = elementwise_dtypes(*samples, type_promotion_kind=entry.promotion)
         if compute.is_complex or result.is_complex:
             raise Unsupported("complex numbers")
-        return opmath(compute), result
+        return opmath(compute)
 
     def _written_per_lane(self, member: Node, per_lane: list) -> list[int] | None:
         """Per lane, the value id of the written target's new version (None for out-of-place ops)."""
@@ -216,7 +215,7 @@ class _Lowering:
 
     def _write_storage(self, written: list[tuple[int, int]], element: Ref) -> bool:
         """Note an in-place write; False when the target is a temporary the group created itself."""
-        before, after = written[0]
+        before = written[0][0]
         root = self.graph.values[before].root
         role = self.role_of_root.get(root)
         if before in self.input_index:

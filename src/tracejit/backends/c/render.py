@@ -53,7 +53,7 @@ def _literal(value, dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "1" if value else "0"
     if not dtype.is_floating_point:
-        return f"((int64_t){int(value)}LL)" if abs(int(value)) < 2**62 else f"((int64_t){int(value)}LL)"
+        return f"((int64_t){int(value)}LL)"
     suffix = "f" if dtype == torch.float32 else ""
     if math.isnan(value):
         return f"__builtin_nan{suffix}(\"\")"
@@ -284,10 +284,9 @@ def _store_aliases(spec: KernelSpec) -> dict[int, int]:
     allocated = len(spec.allocations)
     aliases = {}
     for k in range(len(spec.store_exprs)):
-        positions = {lane.stores[k][0] - allocated for lane in spec.lanes}
         targets = [spec.written_inputs[lane.stores[k][0] - allocated] if lane.stores[k][0] >= allocated else None
                    for lane in spec.lanes]
-        if None in targets or not positions:
+        if None in targets:
             continue
         for m in range(operands):
             if all(lane.loads[m][0] == target for lane, target in zip(spec.lanes, targets)):
