@@ -156,3 +156,21 @@ def test_kernel_sources_are_exposed():
     assert "tj_sigmoidf" in source and "tj_tanhf" in source
     assert source.count("in0[") == 1 and source.count("in1[") == 1  # each input loaded once
     assert source.count("out0[") == 1  # one store
+
+
+def test_without_a_compiler_one_warning_then_unfused(monkeypatch):
+    from tracejit.backends.c import toolchain
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(toolchain, "_warned", False)
+    toolchain.compiler.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no working C compiler"):
+            assert tracejit.backends.resolve_backend("c") is None
+        traced = trace_with("c", lambda x: (x * 2 + 1).relu())
+        x = torch.randn(10)
+        traced(x)
+        assert torch.equal(traced(x), (x * 2 + 1).relu()) and fused_nodes(traced) == []
+    finally:
+        monkeypatch.undo()
+        toolchain.compiler.cache_clear()
