@@ -127,7 +127,7 @@ class Compute:
         return self.b.emit(op, tuple(self.b.cast(self.value(o), torch.bool) for o in operands), torch.bool)
 
 
-def _typed_constant(value: int | float, dtype: torch.dtype) -> int | float | bool:
+def _typed_constant(value: float, dtype: torch.dtype) -> int | float | bool:
     if dtype == torch.bool:
         return bool(value)
     if dtype.is_floating_point:

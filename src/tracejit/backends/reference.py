@@ -22,7 +22,7 @@ from ..runtime.callables import resolve_callable
 class MemberStep:
     """One member op, run on tensors looked up by value id."""
 
-    __slots__ = ("function", "statics", "inputs", "start", "stop", "kind", "outputs", "written")
+    __slots__ = ("function", "inputs", "kind", "outputs", "start", "statics", "stop", "written")
 
     def __init__(self, graph: Graph, member: Node):
         metas = member.attr("input_metas") or ()

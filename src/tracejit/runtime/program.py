@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from ..backends.reference import ReferenceKernel
 from ..ir.graph import Graph, Node, Op
 from ..record.calls import has_dynamic_output_shape
 from ..record.record import Record
 from .codegen import callable_for, generate_straight_line
 from .fastpath import generate_steps
-from ..backends.reference import ReferenceKernel
 from .profile import CLOCK, Profiler, Row
 
 
@@ -41,7 +41,7 @@ def scalar_layout(record: Record) -> tuple[list[int], list]:
 class CallState:
     """What one checked call holds: values by handle, and which of them are not computed yet."""
 
-    __slots__ = ("env", "pending", "stepped", "fired", "broken")
+    __slots__ = ("broken", "env", "fired", "pending", "stepped")
 
     def __init__(self, num_handles: int):
         self.env: list = [None] * num_handles
