@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import time
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bandwidth, firstcall, protocol, report, suite, systems, workloads
+from benchmarks import bandwidth, firstcall, protocol, report, suite, systems, targets, workloads
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -42,8 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     child = getattr(args, firstcall.CHILD_FLAG.lstrip("-").replace("-", "_"))
     if child:
-        import json
-
         print(json.dumps(firstcall.measure(*child)))
         return 0
     started, begin, load = datetime.datetime.now(), time.perf_counter(), os.getloadavg()[0]
@@ -75,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             print(table)
     seconds = time.perf_counter() - begin
     report.write_json(path, settings, started, seconds, measured_bandwidth, results, load)
+    with open(path) as written:
+        print(targets.table(json.load(written)))
     print(f"{len(rows)} workloads in {seconds:.0f} s; results written to {os.path.relpath(path)}")
     scratch.cleanup()
     return 0
