@@ -16,7 +16,7 @@ import torch
 
 from ..ir.graph import Graph, Node
 from ..record.calls import rebuild_call
-from ..runtime.callables import resolve_callable
+from ..record.callables import resolve_callable
 
 
 class MemberStep:

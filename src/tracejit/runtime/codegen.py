@@ -19,7 +19,7 @@ import torch
 from ..ir.graph import INPUT_OPS, Graph, Node, Op
 from ..passes.plan_memory import out_overload
 from ..record.record import TENSOR, KwargStatic, ScalarSlot
-from .callables import resolve_callable
+from ..record.callables import resolve_callable
 from .profile import CLOCK, Profiler, Row
 
 _INLINE_TYPES = (int, bool, str, type(None))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..record.calls import rebuild_call
-from ..record.record import TensorMeta
+from .calls import rebuild_call
+from .record import TensorMeta
 
 _NAMESPACES = (torch._C._VariableFunctions, torch._C._nn)
 
