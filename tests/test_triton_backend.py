@@ -1,6 +1,6 @@
 """The Triton backend proven without a GPU: kernels run in Triton's interpreter on CPU tensors and
 match eager (op table, random chains, layouts, in-place, multi-tensor optimizer steps, special
-values), and every kernel these tests generate compiles offline for CUDA sm_80 and sm_90.
+values). test_triton_aot.py builds every kernel these tests generate for CUDA sm_80 and sm_90.
 
 Tolerances are in triton_support.py: exact (bit for bit, signed zeros included) unless an op
 computes a transcendental or eager rounds differently (ROUNDS_DIFFERENTLY says why), then a few ulp.
@@ -8,20 +8,27 @@ computes a transcendental or eager rounds differently (ROUNDS_DIFFERENTLY says w
 
 from __future__ import annotations
 
-import dataclasses
-import random
-
 import pytest
 import torch
 import triton_support as ts
 from models import batch, make_model
-
-import tracejit
-from tracejit.backends import resolve_backend
-from tracejit.backends.optable import OP_TABLE
-from tracejit.backends.triton.render import render_kernel
-
-pytest.importorskip("triton")
+from triton_cases import (
+    CASES,
+    bias_add,
+    chain_case,
+    elementwise_chain,
+    foreach_lists,
+    huge_kernel,
+    in_place,
+    list_inputs,
+    noncontiguous,
+    optimizer,
+    scaled,
+    small_int_inputs,
+    sweep_case,
+    trace,
+    train_step,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -29,111 +36,6 @@ def _interpret():
     with ts.interpreter():
         yield
 
-
-def trace(function, **options):
-    return tracejit.trace(function, backend="triton", **options)
-
-
-# -- cases: each builds a function and its first call; the offline build test re-traces them all -------------
-
-def sweep_case(dtype):
-    return ts.sweep_function(dtype), ts.random_inputs(dtype, 0), {}, {}
-
-
-CHAIN_ENTRIES = [e for e in OP_TABLE.values() if e.dtypes in ("float", "number")]
-CHAIN_TYPES = [(torch.float32,) * 3, (torch.float64,) * 3, (torch.float32, torch.float16, torch.float32),
-               (torch.bfloat16, torch.float32, torch.float16)]
-
-
-def chain_case(seed):
-    rng = random.Random(seed)
-    entries = [rng.choice(CHAIN_ENTRIES) for _ in range(rng.randint(3, 6))]
-    dtypes = CHAIN_TYPES[seed % len(CHAIN_TYPES)]
-
-    def chain(x, y, z):
-        a, b = x, y
-        for entry in entries:
-            result = entry.example(a, b, z)
-            a, b = (result.to(x.dtype) if result.dtype == torch.bool else result), a
-        return a * 1, b * 1
-
-    inputs = tuple(t.to(d) for t, d in zip(ts.random_inputs(torch.float64, seed), dtypes))
-    return chain, inputs, {}, {"entries": entries, "dtypes": dtypes}
-
-
-def elementwise_chain(x, y):
-    return ((x * y + 1).sigmoid() * x - y).tanh() * 0.5 + x
-
-
-def bias_add(x, b, column, s):
-    return ((x + b).relu() * s + column).sigmoid()
-
-
-def noncontiguous(x, y):
-    a = x.t() * 2 + y[:, ::2]  # a transposed and a strided view: N-d index math
-    return a.relu(), (a * y[:, 1::2]).t()
-
-
-def in_place(x, y, acc):
-    x.mul_(0.5).add_(y).clamp_(-1.0, 1.0)
-    acc.add_(x * y)
-    return (x + acc).tanh()
-
-
-def foreach_lists(*tensors):
-    xs, ys = list(tensors[:4]), list(tensors[4:])
-    torch._foreach_mul_(xs, 0.9)
-    torch._foreach_add_(xs, ys, alpha=0.1)
-    return torch._foreach_sigmoid(xs)
-
-
-def list_inputs(seed):
-    """Two lists of four tensors: larger than a block, 2-d, 0-d and small."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = [(3000,), (40, 33), (), (7,)] * 2
-    return tuple(torch.randn(s, generator=g) for s in shapes)
-
-
-def masked(x, keep):
-    return torch.where(keep, x, 0.0).relu() * 2, keep.logical_not()  # bool loads and stores
-
-
-def small_ints(a, b, c):
-    return (a + b) * c, (a * 3).abs(), b.to(torch.float16) * 0.5  # int8, uint8, int16: promotion, wrap-around
-
-
-def small_int_inputs(seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(-128, 128, (500,), generator=g, dtype=torch.int8),
-            torch.randint(0, 256, (500,), generator=g, dtype=torch.uint8),
-            torch.randint(-300, 300, (500,), generator=g, dtype=torch.int16))
-
-
-def foreach_ints(*tensors):
-    return torch._foreach_mul(torch._foreach_add(list(tensors), 3), -2)  # int scalars in the lane table
-
-
-def scaled(x, y, *, lr, k):
-    return (x * lr + y).relu() + k
-
-
-CASES = {
-    **{f"sweep-{str(d).split('.')[-1]}": (lambda d=d: sweep_case(d)) for d in ts.FLOAT_TYPES + ts.INT_TYPES},
-    **{f"chain-{seed}": (lambda seed=seed: chain_case(seed)) for seed in range(12)},
-    "elementwise_chain": lambda: (elementwise_chain, (torch.randn(1000), torch.randn(1000)), {}, {}),
-    "bias_add": lambda: (bias_add, (torch.randn(24, 40), torch.randn(40), torch.randn(24, 1), torch.tensor(0.7)),
-                         {}, {}),
-    "noncontiguous": lambda: (noncontiguous, (torch.randn(40, 24), torch.randn(24, 80)), {}, {}),
-    "in_place": lambda: (in_place, (torch.randn(300), torch.randn(300), torch.zeros(300)), {}, {}),
-    "foreach_lists": lambda: (foreach_lists, list_inputs(0), {}, {}),
-    "masked": lambda: (masked, (torch.randn(64, 8), torch.randn(64, 8) > 0), {}, {}),
-    "small_ints": lambda: (small_ints, small_int_inputs(0), {}, {}),
-    "foreach_ints": lambda: (foreach_ints, (torch.arange(2000), torch.arange(5), torch.tensor(7)), {}, {}),
-    "scaled": lambda: (scaled, (torch.randn(100), torch.randn(100)), {"lr": 0.1, "k": 3}, {}),
-}
-
-
-# -- (a) kernels match eager ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ts.FLOAT_TYPES + ts.INT_TYPES, ids=str)
 def test_every_op_table_entry_matches_eager(dtype):
@@ -182,6 +84,7 @@ def test_elementwise_chain_loads_each_input_once_and_stores_once():
         x, y = torch.randn(1000), torch.randn(1000)
         assert ts.mismatch(traced(x, y), elementwise_chain(x, y), exact_match=False) is None
     (launcher,) = ts.triton_launchers(traced)
+    assert traced.kernel_sources() == {launcher.kernel.name: launcher.source}
     source = launcher.source
     assert source.count("tl.load(") == 2 and source.count("tl.store(") == 1, source
     assert "mask = offs < 1000" in source  # the tail of the last block
@@ -264,15 +167,6 @@ def test_bool_and_small_int_kernels_match_eager(name):
     assert ts.triton_launchers(traced) and all(hasattr(k, "kernel") for _, k in ts.fused_kernels(traced))
 
 
-def huge_kernel():
-    """The elementwise_chain kernel rendered for 3 * 2^30 elements (rendered only: too big to run here)."""
-    traced = trace(elementwise_chain)
-    traced(torch.randn(1000), torch.randn(1000))
-    (launcher,) = ts.triton_launchers(traced)
-    lane = dataclasses.replace(launcher.spec.lanes[0], shape=(3 * 2**30,))
-    return render_kernel(dataclasses.replace(launcher.spec, lanes=(lane,)))
-
-
 def test_a_huge_iteration_space_uses_64_bit_offsets():
     kernel = huge_kernel()
     assert "offs = tl.program_id(0).to(tl.int64) * 1024 + tl.arange(0, 1024)" in kernel.source
@@ -280,30 +174,6 @@ def test_a_huge_iteration_space_uses_64_bit_offsets():
 
 
 # -- training steps: forward, backward and a multi-tensor optimizer step over several calls ----------------
-
-def optimizer(name, params, lr=1e-2):
-    if name == "adam_foreach":
-        return torch.optim.Adam(params, lr=lr, foreach=True)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
-
-
-def train_step(x, y, *, model, opt):
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
-def training_case(opt_name, without_host=False):
-    model = make_model("mlp")
-    return train_step, batch("mlp", 0), {"model": model, "opt": optimizer(opt_name, model.parameters())}, {
-        "options": {"without_host": without_host}}
-
-
-CASES.update({f"train-{o}-{h}": (lambda o=o, h=h: training_case(o, h)) for o, h in
-              [("adam_foreach", False), ("sgd_momentum", False), ("sgd_momentum", True)]})
-
 
 def close_state(a, b, rtol=1e-5, atol=1e-6):
     return torch.allclose(a, b, rtol=rtol, atol=atol)
@@ -369,76 +239,3 @@ def test_learning_rate_schedule_runs_one_compiled_program():
         assert close_state(a, b)
 
 
-# -- devices -----------------------------------------------------------------------------------------------
-
-def test_cpu_tensors_are_fused_only_in_the_interpreter(monkeypatch):
-    from tracejit.backends.triton import TritonBackend
-
-    assert TritonBackend.device_type == "cuda" and TritonBackend().device_types == {"cuda", "cpu"}
-    monkeypatch.delenv("TRACEJIT_BACKEND", raising=False)
-    auto = resolve_backend("auto")  # the C backend keeps the CPU tensors even when Triton interprets
-    assert getattr(auto, "by_device", {}).get("cpu", auto).name != "triton"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert TritonBackend().device_types == {"cuda"}
-    traced = trace(elementwise_chain)
-    x, y = torch.randn(100), torch.randn(100)
-    for _ in range(2):
-        assert torch.equal(traced(x, y), elementwise_chain(x, y))
-    assert ts.fused_op_count(traced) == 0
-
-
-class _Recorder:
-    """Stands in for a CUDA device guard and a compiled kernel: notes what happens in which order."""
-
-    def __init__(self):
-        self.events = []
-
-    def __enter__(self):
-        self.events.append("enter device")
-
-    def __exit__(self, *exc):
-        self.events.append("exit device")
-
-    def __getitem__(self, grid):
-        return lambda *args, **options: self.events.append(("launch", grid, len(args), options))
-
-
-def test_a_cuda_kernel_launches_under_its_device():
-    from tracejit.backends.triton.launch import make_launcher
-
-    traced = trace(elementwise_chain)
-    x, y = torch.randn(1000), torch.randn(1000)
-    traced(x, y)
-    (launcher,) = ts.triton_launchers(traced)
-    cuda = torch.device("cuda", 1)
-    spec = dataclasses.replace(launcher.spec, device=cuda, allocations=tuple(
-        dataclasses.replace(meta, device=cuda) for meta in launcher.spec.allocations))
-    recorder = _Recorder()
-    fake = make_launcher(spec, launcher.kernel, recorder, launcher.__globals__["FALLBACK"], interpret=False)
-    assert fake.__globals__["DEVICE"].idx == 1
-    fake.__globals__.update(DEVICE=recorder, V0=torch.device("cpu"))  # allocate on the CPU instead
-    (out,) = fake([x, y], traced._entries()[0].program.initial_scalars)
-    launch = ("launch", (1,), 5, {"num_warps": 4, "enable_fp_fusion": False, "enable_reflect_ftz": False})
-    assert recorder.events == ["enter device", launch, "exit device"] and out.shape == (1000,)
-
-
-# -- (b) every kernel these tests generate compiles for CUDA targets ------------------------------------------
-
-def all_generated_kernels() -> list:
-    """The kernels of every case (a first call records and builds them without running one), plus
-    any other kernel the tests of this session generated."""
-    for make in CASES.values():
-        function, args, kwargs, info = make()
-        traced = trace(function, **info.get("options", {}))
-        traced(*args, **kwargs)
-        ts.triton_launchers(traced)  # records its kernels in ts.GENERATED
-    kernel = huge_kernel()
-    ts.GENERATED.setdefault(kernel.source, kernel)
-    return list(ts.GENERATED.values())
-
-
-def test_every_generated_kernel_compiles_for_cuda_targets():
-    kernels = all_generated_kernels()
-    assert len(kernels) >= len(CASES)
-    problems = ts.compile_all(kernels)
-    assert not problems, "\n\n".join(problems)

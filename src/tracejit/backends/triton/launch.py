@@ -7,13 +7,17 @@ the caller did not hand in, and launches the kernel on the tensors and the dynam
 
 A multi-lane kernel reads its pointers and scalars from a per-call int64 table (pointers and int
 scalars, then float scalars as float64 bits: `array` packs both without a Python loop per value),
-copied to the device in one transfer, and its static (lane, start, end) work table, made once.
-On a CUDA device the launch runs under that device (Triton launches on the current one).
+copied to the device in one transfer when it changed (`LaneTable`), and its static (lane, start,
+end) work table, made once.
+
+On a CUDA device the launch runs under that device (Triton launches on the current one), and a
+kernel Triton fails to build for that GPU sends its group to aten, with one warning.
 """
 
 from __future__ import annotations
 
 import array
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +30,7 @@ from .render import OPTIONS, TritonKernel
 
 def make_launcher(spec: KernelSpec, kernel: TritonKernel, function: Any, fallback: Callable,
                   interpret: bool) -> Callable:
-    namespace: dict[str, Any] = {"FALLBACK": fallback, "EMPTY": torch.empty_strided}
+    namespace: dict[str, Any] = {"FALLBACK": fallback, "EMPTY": torch.empty_strided, "BROKEN": False}
     launch = _launch_lines(spec, kernel, function, namespace)
     if launch and spec.device.type == "cuda":
         namespace["DEVICE"] = torch.cuda.device(spec.device)
@@ -35,7 +39,11 @@ def make_launcher(spec: KernelSpec, kernel: TritonKernel, function: Any, fallbac
         # the interpreter computes with numpy, which warns where IEEE arithmetic quietly gives inf or NaN
         namespace["QUIET"] = np.errstate
         launch = ["with QUIET(all='ignore'):", *(f"    {line}" for line in launch)]
+    elif launch:
+        launch = _give_up_on_build_errors(kernel, namespace, launch)
     lines = [f"def {kernel.name}(inputs, s, outs=None):"]
+    if not interpret:
+        lines.append("    if BROKEN: return FALLBACK(inputs, s, outs)")
     lines += [f"    {line}" for line in _prologue(spec, namespace) + launch + [_returned(spec)]]
     exec(compile("\n".join(lines) + "\n", f"<tracejit triton launcher {kernel.name}>", "exec"), namespace)
     launcher = namespace[kernel.name]
@@ -43,6 +51,23 @@ def make_launcher(spec: KernelSpec, kernel: TritonKernel, function: Any, fallbac
     launcher.kernel = kernel
     launcher.source = kernel.source
     return launcher
+
+
+def _give_up_on_build_errors(kernel: TritonKernel, namespace: dict, launch: list[str]) -> list[str]:
+    """A kernel Triton cannot build for this GPU (the first launch compiles it) warns once, and its
+    group runs through aten from then on. The interpreter builds nothing: its errors are real."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    def give_up(error: Exception, inputs, s, outs):
+        warnings.warn(f"tracejit: Triton could not build kernel {kernel.name} for this GPU "
+                      f"({type(error).__name__}: {error}); its group runs through aten", stacklevel=3)
+        namespace["BROKEN"] = True
+        return namespace["FALLBACK"](inputs, s, outs)
+
+    namespace.update(BUILD_ERRORS=(CompilationError, OutOfResources, PTXASError), GIVE_UP=give_up)
+    return ["try:", *(f"    {line}" for line in launch),
+            "except BUILD_ERRORS as error:", "    return GIVE_UP(error, inputs, s, outs)"]
 
 
 def _addressed_inputs(spec: KernelSpec) -> list[int]:
@@ -98,7 +123,7 @@ def _table_lines(spec: KernelSpec, kernel: TritonKernel, namespace: dict) -> lis
     namespace["WORK"] = torch.tensor(work, dtype=torch.int64, device=spec.device)
     namespace["INTS"] = lambda values: array.array("q", values).tobytes()
     namespace["FLOATS"] = lambda values: array.array("d", values).tobytes()
-    namespace["TABLE"] = lambda data: torch.frombuffer(bytearray(data), dtype=torch.int64).to(spec.device)
+    namespace["TABLE"] = LaneTable(spec.device)
     allocated = len(spec.allocations)
     ints, floats = [], []
     for lane in spec.lanes:
@@ -111,6 +136,25 @@ def _table_lines(spec: KernelSpec, kernel: TritonKernel, namespace: dict) -> lis
     if floats:
         data += f" + FLOATS(({', '.join(floats)},))"
     return [f"table = TABLE({data})"]
+
+
+class LaneTable:
+    """The per-call table on the kernel's device. A call whose table has the same bytes as the last
+    one (same tensors, same scalars: SGD at a constant learning rate) reuses it without a copy; a CUDA
+    table goes through pinned memory, so the copy does not stall the host."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.data: bytes | None = None
+        self.tensor: torch.Tensor | None = None
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        if data != self.data:
+            host = torch.frombuffer(bytearray(data), dtype=torch.int64)
+            if self.device.type == "cuda":
+                host = host.pin_memory().to(self.device, non_blocking=True)
+            self.tensor, self.data = host, data
+        return self.tensor
 
 
 def _returned(spec: KernelSpec) -> str:
