@@ -31,9 +31,12 @@ _FUNCTIONS: dict[str, tuple[tuple[str, ...], str]] = {
     # name: (dependencies, definition)
     "tj_expf": ((), r"""
 /* exp(x) = 2^n * exp(r), r = x - n*ln2 in [-ln2/2, ln2/2]; the scale is applied in two halves so
-   results down to the smallest subnormal are exact multiplications. */
+   results down to the smallest subnormal are exact multiplications. No special cases: the clamp
+   keeps n in range, overflow and underflow then happen in the final products as they should,
+   and NaN flows through every step (the clamp's comparisons are false for it). */
 static inline float tj_expf(float x) {
-  float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  float xc = x < -104.0f ? -104.0f : x;
+  xc = xc > 89.0f ? 89.0f : xc;
   float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
   float r = xc - n * 0.693145751953125f;
   r = r - n * 1.428606765330187045e-06f;
@@ -45,10 +48,7 @@ static inline float tj_expf(float x) {
   float p = 1.0f + (r + r * r * q);
   int32_t ni = (int32_t)n;
   int32_t half = ni / 2;
-  float y = p * tj_bits_to_float((half + 127) << 23) * tj_bits_to_float((ni - half + 127) << 23);
-  y = x > 88.72283935546875f ? __builtin_inff() : y;
-  y = x < -103.972084045410156f ? 0.0f : y;
-  return x != x ? x : y;
+  return p * tj_bits_to_float((half + 127) << 23) * tj_bits_to_float((ni - half + 127) << 23);
 }
 """),
     "tj_logf": ((), r"""
@@ -110,9 +110,10 @@ static inline float tj_expm1f(float x) {
 }
 """),
     "tj_tanhf": (("tj_expf",), r"""
-/* odd polynomial near 0, 1 - 2/(exp(2|x|) + 1) beyond (no cancellation there: tanh >= 0.55). */
+/* odd polynomial near 0 (written x * (1 + z p) so tanh(-0) = -0), 1 - 2/(exp(2|x|) + 1) beyond
+   (no cancellation there: tanh >= 0.55), sign copied back; NaN flows through both branches. */
 static inline float tj_tanhf(float x) {
-  float a = x < 0.0f ? -x : x;
+  float a = fabsf(x);
   float z = x * x;
   float p = 0.0021429602056741714f;
   p = TJ_FMA(p, z, -0.008177395910024643f);
@@ -120,13 +121,10 @@ static inline float tj_tanhf(float x) {
   p = TJ_FMA(p, z, -0.05394676327705383f);
   p = TJ_FMA(p, z, 0.1333320587873459f);
   p = TJ_FMA(p, z, -0.3333333134651184f);
-  float small = x + x * (z * p);
+  float small = x * (1.0f + z * p);
   float e = tj_expf(2.0f * (a > 20.0f ? 20.0f : a));
-  float big = 1.0f - 2.0f / (e + 1.0f);
-  big = x < 0.0f ? -big : big;
-  float y = a < 0.625f ? small : big;
-  y = x == 0.0f ? x : y;
-  return x != x ? x : y;
+  float big = copysignf(1.0f - 2.0f / (e + 1.0f), x);
+  return a < 0.625f ? small : big;
 }
 """),
     "tj_sigmoidf": (("tj_expf",), r"""
