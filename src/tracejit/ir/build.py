@@ -85,6 +85,7 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         capture_as_const=capture_as_const,
         constants=dict(record.constants),
         host_reads=frozenset(r.handle for r in record.host_reads),
-        barriers=tuple(sorted({r.position for r in record.host_reads} | {b.position for b in record.excluded_blocks})),
+        reads=tuple(sorted({(r.position, r.handle) for r in record.host_reads})),
+        barriers=tuple(sorted({b.position for b in record.excluded_blocks})),
     )
 

@@ -93,7 +93,8 @@ class Graph:
     provenance: str = "record"  # which pass produced this graph, and its time
     arena_bytes: int = 0  # size of the persistent buffer arena planned by plan_memory
     host_reads: frozenset[int] = frozenset()  # handles the host read (numpy, item, print...)
-    barriers: tuple[int, ...] = ()  # positions of host reads and excluded blocks
+    reads: tuple[tuple[int, int], ...] = ()  # (position, handle) of each host read: before op `position`
+    barriers: tuple[int, ...] = ()  # positions of excluded blocks: arbitrary host code runs there
     # handle -> constant tensor (captured or folded); shared, never mutated by passes
     constants: dict[int, Any] = field(default_factory=dict, compare=False)
 

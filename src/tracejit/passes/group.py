@@ -149,16 +149,21 @@ def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = No
     """Whether `members` may run as one node in place of its last member.
 
     The span is measured in node order, which is the execution order (a rematerialized node
-    shares the record position of the op it serves, so positions alone do not order nodes);
-    barriers are record positions."""
+    shares the record position of the op it serves, so positions alone do not order nodes).
+    Excluded blocks (arbitrary host code) and host reads of a value the group computes end a
+    group; a host read of anything else does not (Adam reads `step` between its two updates,
+    and the scalars it computes from it are bound when the group runs)."""
     nodes = list(graph.nodes) if nodes is None else nodes
     index_of = {id(n): i for i, n in enumerate(nodes)} if index_of is None else index_of
     first, last = min(m.fire_at for m in members), max(m.fire_at for m in members)
-    if any(first < p <= last for p in graph.barriers):  # the read happens before op p
+    if any(first < p <= last for p in graph.barriers):  # the block runs before op p
+        return False
+    produced = {v for m in members for v in (*m.outputs, *m.writes) if v is not None}
+    produced_handles = {graph.values[v].handle for v in produced}
+    if any(first < p <= last and handle in produced_handles for p, handle in graph.reads):
         return False
     start, end = min(index_of[id(m)] for m in members), max(index_of[id(m)] for m in members)
     member_ids = {id(m) for m in members}
-    produced = {v for m in members for v in (*m.outputs, *m.writes) if v is not None}
     read = {v for m in members for v in m.inputs} - produced
     read_roots = {graph.values[v].root for v in read}
     if not _writes_are_exclusive(graph, members, read):
@@ -191,7 +196,9 @@ def _writes_are_exclusive(graph: Graph, members: list[Node], read: set[int]) -> 
         value = graph.values[vid]
         if value.root in written and value.handle != written[value.root]:
             return False
-    return True
+    # other views of a written storage get new versions too; no member may read one of them
+    aliases = {v for m in members for v in m.writes if graph.values[v].handle != written.get(graph.values[v].root)}
+    return not any(v in aliases for m in members for v in m.inputs)
 
 
 def _rewrite(graph: Graph, nodes: list[Node], groups: list[list[int]]) -> Graph:
@@ -203,7 +210,7 @@ def _rewrite(graph: Graph, nodes: list[Node], groups: list[list[int]]) -> Graph:
         if g is None:
             rewritten.append(node)
         elif index == groups[g][-1]:
-            rewritten.append(_fused_node(graph, g, [nodes[i] for i in groups[g]], needed, nodes))
+            rewritten.append(_fused_node(graph, g, [nodes[i] for i in groups[g]], needed))
     return graph.with_nodes(rewritten, "group_elementwise")
 
 
@@ -224,7 +231,7 @@ def _needed_outside(graph: Graph, nodes: list[Node], member_of: dict[int, int]) 
     return needed
 
 
-def _fused_node(graph: Graph, number: int, members: list[Node], needed: set[int], nodes: list[Node]) -> Node:
+def _fused_node(graph: Graph, number: int, members: list[Node], needed: set[int]) -> Node:
     produced = [v for m in members for v in (*m.outputs, *m.writes) if v is not None]
     inputs = list(dict.fromkeys(v for m in members for v in m.inputs if v not in produced))
     final = _final_versions(graph, produced)
@@ -234,11 +241,6 @@ def _fused_node(graph: Graph, number: int, members: list[Node], needed: set[int]
     own = {v for v in produced if v not in _writes_of(members) or graph.values[v].handle in handed}
     # the last member's values are always computed: checked replay hands them to the host
     wanted = set(needed) | {v for v in members[-1].outputs if v is not None}
-    if graph.host_visible and _inputs_change(graph, members, inputs, nodes):
-        # a placeholder the host still holds at the end of the call could not be recomputed from
-        # the inputs any more: compute the final value of every tensor the host may have seen
-        seen = {graph.values[v].handle for m in members for v in m.outputs if v is not None}
-        wanted |= {v for v in final if graph.values[v].handle in seen}
     outputs = tuple(v for v in dict.fromkeys(produced) if v in wanted and v in final and v in own)
     ops = "_".join(str(m.target).split(".")[1].removeprefix("_foreach_") for m in members[:4])
     name = f"fused{number}_{ops}" + ("_etc" if len(members) > 4 else "")
@@ -259,12 +261,3 @@ def _final_versions(graph: Graph, produced: list[int]) -> set[int]:
 
 def _writes_of(members: list[Node]) -> set[int]:
     return {v for m in members for v in m.writes}
-
-
-def _inputs_change(graph: Graph, members: list[Node], inputs: list[int], nodes: list[Node]) -> bool:
-    """Whether a storage the group reads is written by the group itself or by any later node."""
-    roots = {graph.values[v].root for v in inputs}
-    last = max(m.fire_at for m in members)
-    if any(graph.values[v].root in roots for v in _writes_of(members)):
-        return True
-    return any(node.fire_at > last and any(graph.values[v].root in roots for v in node.writes) for node in nodes)

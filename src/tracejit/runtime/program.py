@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..backends.reference import ReferenceKernel
+from ..errors import TraceMismatchError
 from ..ir.graph import Graph, Node, Op
 from ..record.calls import has_dynamic_output_shape
 from ..record.record import Record
@@ -79,6 +80,8 @@ class _GroupRun:
         input_roots = {graph.values[v].root for v in node.inputs}
         self.real_after_run = set(self.output_handles) | {
             self.handle_of[w] for m in node.members for w in m.writes if graph.values[w].root in input_roots}
+        self.recomputable = _recomputable(graph, node)
+        self.graph = graph
 
     def step(self, position: int, args: tuple, kwargs: dict, tensors: list[torch.Tensor], state: CallState,
              scalars: list) -> Any:
@@ -147,13 +150,26 @@ class _GroupRun:
 
     def materialize(self, handle: int, state: CallState, scalars: list) -> None:
         """Make `handle`'s contents real now: the host reads it before (or without) the kernel filling it."""
-        if self in state.fired:  # a value the kernel did not need to store: recompute it (pure group)
+        if self in state.fired:  # a value the kernel did not store: recompute it from the inputs
+            wanted = self.final_of[handle]
+            if wanted not in self.recomputable:
+                raise self._kept_error(wanted)
             env = state.env
             inputs = [env[self.handle_of[v]] for v in self.node.inputs]
-            env[handle].copy_(self.reference.partial(inputs, scalars, self.final_of[handle]))
+            env[handle].copy_(self.reference.partial(inputs, scalars, wanted))
             del state.pending[handle]
             return
         self.interrupt(state, scalars)
+
+    def _kept_error(self, vid: int) -> TraceMismatchError:
+        member = next(m for m in self.node.members if vid in m.outputs or vid in m.writes)
+        return TraceMismatchError(
+            f"{self.graph.function_name}() kept a reference to t{self.handle_of[vid]} ({member.name} at "
+            f"{member.source}), a value inside the fused kernel {self.node.name} that the recorded call "
+            f"did not keep. The kernel does not store it, and its inputs have changed since, so it cannot "
+            f"be computed now. Keep the value on the first call too (the trace then stores it), or trace "
+            f"with backend='aten'."
+        )
 
     def interrupt(self, state: CallState, scalars: list) -> None:
         """Run the members handed out so far for real, and the rest of the group op by op."""
@@ -169,6 +185,20 @@ class _GroupRun:
         for handle in [h for h, group in state.pending.items() if group is self]:
             del state.pending[handle]
         state.broken.add(self)
+
+
+def _recomputable(graph: Graph, node: Node) -> set[int]:
+    """Member values that can still be recomputed from the node's inputs at the end of the call:
+    computed out of place from storage that neither the group nor any later node writes."""
+    fire = node.fire_at
+    written = {graph.values[w].root for n in graph.nodes if n is node or n.fire_at > fire for w in n.writes}
+    ok: set[int] = set()
+    for member in node.members:
+        pure = not member.writes and all(v in ok or (v in node.inputs and graph.values[v].root not in written)
+                                         for v in member.inputs)
+        if pure:
+            ok.update(v for v in member.outputs if v is not None)
+    return ok
 
 
 class CheckedProgram:
