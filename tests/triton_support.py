@@ -231,12 +231,6 @@ COMPARE_WHERE = {
                                                        "gradient, its scalar loop and CUDA pass it through (as "
                                                        "the op table does)")),
 }
-# A bug of the op table, not of this backend (see the report): masked_fill, threshold and threshold_backward
-# on int tensors compute in float32 because their scalar is a float, so ints beyond 2^24 round.
-INT_COMPARE_WHERE = {name: lambda x, y, z: x.abs() < 2**24 for name in ("masked_fill", "threshold",
-                                                                       "threshold_backward")}
-
-
 def exact(entry: OpEntry) -> bool:
     return entry.name not in _TRANSCENDENTAL_ENTRIES and entry.name not in ROUNDS_DIFFERENTLY
 

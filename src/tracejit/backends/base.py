@@ -29,14 +29,19 @@ class Backend:
     `build(graph, specs) -> list[Kernel | None]`."""
 
     name = "base"
-    device_type = "cpu"
+    device_type = "cpu"  # the device `auto` routes to this backend
     dtypes: frozenset = frozenset()
+
+    @property
+    def device_types(self) -> frozenset[str]:
+        """Devices whose tensors the kernels take (Triton's interpreter adds the CPU)."""
+        return frozenset({self.device_type})
 
     def can_fuse(self, graph: Graph, node: Node) -> bool:
         if entry_for(node.target) is None:
             return False
         metas = [graph.values[v].meta for v in (*node.inputs, *(o for o in node.outputs if o is not None))]
-        if any(m.device.type != self.device_type or m.dtype not in self.dtypes for m in metas):
+        if any(m.device.type not in self.device_types or m.dtype not in self.dtypes for m in metas):
             return False
         return _lowers_alone(graph, node)
 

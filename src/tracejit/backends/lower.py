@@ -183,6 +183,8 @@ class _Lowering:
     def _compute_type(self, entry, operands: list) -> torch.dtype:
         """The type one member computes in, by PyTorch's promotion rule (results are cast after)."""
         samples = []
+        if entry.promote_args is not None:
+            operands = [operands[i] for i in entry.promote_args]
         for item in operands:
             if isinstance(item, _Tensor):
                 meta = self.graph.values[item.value].meta

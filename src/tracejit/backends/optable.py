@@ -38,15 +38,18 @@ class OpEntry:
     dtypes: str  # which tensors the op accepts: "float", "number" (float and int) or "bool"
     # eager reference for the tests: (x, y, z) -> tensor, from float tensors x, y and z > 0
     example: Callable[..., torch.Tensor]
+    # schema positions of the arguments that take part in type promotion (None: every tensor and
+    # scalar); `masked_fill(int_tensor, mask, 2.5)` computes in the tensor's type, not in float
+    promote_args: tuple[int, ...] | None = None
 
 
 OP_TABLE: dict[str, OpEntry] = {}
 
 
 def _op(name: str, promotion: Promotion = Promotion.DEFAULT, dtypes: str = "float",
-        example: Callable[..., torch.Tensor] | None = None):
+        example: Callable[..., torch.Tensor] | None = None, promote_args: tuple[int, ...] | None = None):
     def register(lower: Callable[..., Ref]) -> Callable[..., Ref]:
-        OP_TABLE[name] = OpEntry(name, lower, promotion, dtypes, example)
+        OP_TABLE[name] = OpEntry(name, lower, promotion, dtypes, example, promote_args)
         return lower
     return register
 
@@ -153,7 +156,8 @@ def _where(c: Compute, condition, x, other):
     return c.where(condition, x, other)
 
 
-@_op("masked_fill", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.masked_fill(y > 0, 2.5))
+@_op("masked_fill", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.masked_fill(y > 0, 2.5),
+     promote_args=(0,))
 def _masked_fill(c: Compute, x, mask, value):
     return c.where(mask, value, x)
 
@@ -201,13 +205,13 @@ def _relu(c: Compute, x):
     return c.where(c.lt(x, 0), 0, x)  # keeps -0.0 and NaN, like PyTorch
 
 
-@_op("threshold", dtypes="number", example=lambda x, y, z: F.threshold(x, 0.1, 20.0))
+@_op("threshold", dtypes="number", example=lambda x, y, z: F.threshold(x, 0.1, 20.0), promote_args=(0,))
 def _threshold(c: Compute, x, threshold, value):
     return c.where(c.le(x, threshold), value, x)
 
 
 @_op("threshold_backward", dtypes="number",
-     example=lambda x, y, z: torch.ops.aten.threshold_backward(x, y, 0.0))
+     example=lambda x, y, z: torch.ops.aten.threshold_backward(x, y, 0.0), promote_args=(0, 1))
 def _threshold_backward(c: Compute, grad, x, threshold):
     return c.where(c.le(x, threshold), 0, grad)
 

@@ -8,9 +8,8 @@ interpreter, which is how the tests prove them without a GPU (docs/kernels.md).
 from __future__ import annotations
 
 from ...ir.graph import Graph, Node
-from ..base import Backend, Kernel, _lowers_alone
+from ..base import Backend, Kernel
 from ..lower import KernelSpec
-from ..optable import entry_for
 from .expressions import TL_TYPES, NotRenderable
 from .jit import interpreting, kernel_function
 from .launch import make_launcher
@@ -29,14 +28,6 @@ class TritonBackend(Backend):
     def device_types(self) -> frozenset[str]:
         """CUDA tensors; CPU tensors too when kernels run in the interpreter."""
         return frozenset({"cuda", "cpu"}) if self.interpret else frozenset({"cuda"})
-
-    def can_fuse(self, graph: Graph, node: Node) -> bool:
-        if entry_for(node.target) is None:
-            return False
-        metas = [graph.values[v].meta for v in (*node.inputs, *(o for o in node.outputs if o is not None))]
-        if any(m.device.type not in self.device_types or m.dtype not in self.dtypes for m in metas):
-            return False
-        return _lowers_alone(graph, node)
 
     def build(self, graph: Graph, specs: list[KernelSpec], nodes: list[Node]) -> list[Kernel | None]:
         kernels: list[Kernel | None] = []
