@@ -93,3 +93,42 @@ def test_excluded_block_sees_real_values():
         x = torch.full((4,), float(i))
         assert torch.equal(f(x), x.exp().sin().cos())
         assert seen[-1] == pytest.approx(4 * torch.exp(torch.tensor(float(i))).item())
+
+
+def test_exception_in_a_fused_replay_leaves_kept_values_real():
+    kept = []
+    fail = {"on": False}
+
+    def f(x):
+        b = x * 2 + 1  # one fused group with the multiplication below
+        kept.append(b)
+        if fail["on"]:
+            raise ValueError("boom")
+        return (b * 3).relu()
+
+    traced = tracejit.trace(f, backend="reference")
+    x = torch.randn(4)
+    traced(x)
+    traced(x)
+    fail["on"] = True
+    with pytest.raises(ValueError):
+        traced(x)
+    assert torch.equal(kept[-1], x * 2 + 1)
+
+
+def test_exception_after_a_deferred_in_place_member_applies_it():
+    fail = {"on": False}
+
+    def f(x, *, w):
+        w.add_(x)  # handed out, computed when the group's last member arrives
+        if fail["on"]:
+            raise ValueError("boom")
+        return (w * 2).relu()
+
+    traced = tracejit.trace(f, backend="reference")
+    w = torch.zeros(4)
+    traced(torch.ones(4), w=w), traced(torch.ones(4), w=w)
+    fail["on"] = True
+    with pytest.raises(ValueError):
+        traced(torch.ones(4), w=w)
+    assert torch.equal(w, torch.full((4,), 3.0))  # as after an eager call that raised there

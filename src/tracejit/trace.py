@@ -220,8 +220,12 @@ class trace:
             external_names=ExternalNames(self._function, kwargs),
             capture_as_const=self.options.capture_as_const,
         )
-        with traced_call(CallContext(self, replayer, self.options.capture_as_const)):
-            result = self._function(*args, **kwargs)
+        try:
+            with traced_call(CallContext(self, replayer, self.options.capture_as_const)):
+                result = self._function(*args, **kwargs)
+        except BaseException:
+            replayer.abandon()  # what the function did before raising happens, as in an eager call
+            raise
         new_record = replayer.finish(result)
         if new_record is not None:
             replaced = TraceEntry(entry.key, new_record, self._compile(new_record), entry.grad_state)

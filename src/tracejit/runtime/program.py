@@ -249,17 +249,23 @@ class CheckedProgram:
             group.materialize(handle, state, scalars)
 
     def complete(self, state: CallState, scalars: list) -> None:
-        """Make every placeholder handed out so far real (the host may look at any of them)."""
+        """Settle every pending value before arbitrary host code runs (an excluded block, the eager
+        rest of a re-recording call, an exception): groups still waiting for members run the ones
+        handed out for real; values a finished kernel did not store are computed if someone still
+        holds them and dropped otherwise."""
         for handle in list(state.pending):
-            self.materialize(state, handle, scalars)
+            group = state.pending.get(handle)
+            if group is None:
+                continue  # settled by an earlier interrupt of its group
+            # references: the state's list and getrefcount's own argument
+            if group not in state.fired or sys.getrefcount(state.env[handle]) > 2:
+                group.materialize(handle, state, scalars)
+            else:
+                del state.pending[handle]
 
     def finish(self, state: CallState, scalars: list) -> None:
-        """At the end of a call, make real the placeholders something outside still references
-        (a value the record did not see escape); the others are garbage nobody can read."""
-        for handle in list(state.pending):
-            # references: the state's list and getrefcount's own argument
-            if sys.getrefcount(state.env[handle]) > 2:
-                self.materialize(state, handle, scalars)
+        """At the end of a call: values the host still references are made real, the rest is garbage."""
+        self.complete(state, scalars)
 
 
 class HostFreeProgram:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TraceMismatchError
 from ..record.calls import HOST_VALUE_OPS, has_dynamic_output_shape, is_ignored_op, split_call
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
@@ -222,6 +223,15 @@ class Replayer:
         self.program.complete(self.state, self.scalars)
         self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
                                         self.capture_as_const, self.regions)
+
+    def abandon(self) -> None:
+        """The function raised: run the fused members it was handed, so tensors it kept are real and
+        in-place updates it asked for happened (the exception itself propagates unchanged)."""
+        if self.recorder is None:
+            try:
+                self.program.complete(self.state, self.scalars)
+            except TraceMismatchError:
+                pass  # a kept value that cannot be computed: the user's exception is the news
 
     def finish(self, result: Any) -> Record | None:
         """Check the end of the call; return a new record if the call re-recorded."""
