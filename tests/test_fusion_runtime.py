@@ -132,3 +132,12 @@ def test_exception_after_a_deferred_in_place_member_applies_it():
     with pytest.raises(ValueError):
         traced(torch.ones(4), w=w)
     assert torch.equal(w, torch.full((4,), 3.0))  # as after an eager call that raised there
+
+
+def test_a_fused_group_is_one_profile_row_in_checked_replay():
+    traced = tracejit.trace(chain, backend="reference", profiling=True)
+    x, y = torch.randn(64), torch.randn(64)
+    for _ in range(4):
+        traced(x, y)
+    (row,) = traced.get_profile()["rows"]
+    assert row["node"].startswith("fused") and row["calls"] == 3 and len(row["ops"]) == 8

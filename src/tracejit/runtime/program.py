@@ -222,9 +222,19 @@ class CheckedProgram:
         fast = [self.callables[op.index] is not None and not has_dynamic_output_shape(op.op) for op in record.ops]
         self.profile_rows = None
         if profiler is not None:
-            self.profile_rows = [profiler.add_row(Row(op.name, (op.name,), (str(op.source),), "checked replay"))
-                                 for op in record.ops]
+            self.profile_rows = [self._profile_row(profiler, op) for op in record.ops]
         self.steps = generate_steps(record, self.callables, fast, self.profile_rows, profiler)
+
+    def _profile_row(self, profiler: Profiler, op) -> int | None:
+        """One row per op; a fused group gets one row, timed where its kernel runs (its last member)."""
+        group = self.group_at[op.index]
+        if group is None:
+            return profiler.add_row(Row(op.name, (op.name,), (str(op.source),), "checked replay"))
+        if op.index != group.last:
+            return None
+        members = group.node.members
+        return profiler.add_row(Row(group.node.name, tuple(m.name for m in members),
+                                    tuple(dict.fromkeys(str(m.source) for m in members)), "checked replay"))
 
     def new_state(self) -> CallState:
         return CallState(len(self.record.tensors))
@@ -238,7 +248,7 @@ class CheckedProgram:
             result = self.callables[position](*args, **kwargs)
         else:
             result = group.step(position, args, kwargs, tensors, state, scalars)
-        if self.profiler is not None:
+        if self.profiler is not None and self.profile_rows[position] is not None:
             self.profiler.stop(self.profile_rows[position], start)
         return result
 
