@@ -196,7 +196,17 @@ def test_plan_memory_reuses_buffers_for_disjoint_lifetimes():
         env[x.handle] = x_value
         program.run(env, [])
         assert torch.allclose(env[out.handle], x_value.exp().sin().cos() + x_value)
-    assert plan_memory(graph).arena_bytes == 0  # default threshold: small tensors are not planned
+    # default threshold: every CPU intermediate (a fresh CPU tensor costs more than an out= write)
+    assert plan_memory(graph).arena_bytes == after.arena_bytes
+    assert plan_memory(graph, min_bytes=1 << 20).arena_bytes == 0
+
+
+def test_plan_memory_leaves_small_values_off_the_cpu_to_the_allocator():
+    b = GraphBuilder()
+    x = b.arg(torch.randn(64, 64, device="meta"))
+    a = b.call(aten.exp.default, x)
+    out = b.call(aten.sin.default, a)
+    assert plan_memory(verify(b.build([out]))).arena_bytes == 0
 
 
 def test_plan_memory_never_plans_returned_storage():

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_same_state, batch, make_model, train_side_by_side, train_step, twin
+from models import CNN, assert_same_state, batch, make_model, train_side_by_side, train_step, twin
+from side_by_side import side_by_side
 
 import tracejit
 from tracejit.errors import HostDependencyError
@@ -198,3 +199,30 @@ def test_host_free_function_called_inside_another_trace_is_refused():
 
     with pytest.raises(RuntimeError, match="is being traced"):
         outer(x)
+
+
+def test_without_host_submodule_eval():
+    def forward(x, *, model):
+        return model(x)
+
+    def between(i, objects):
+        objects["model"].drop.train(i % 2 == 0)
+
+    side_by_side(tracejit.trace(forward, without_host=True), forward, {"model": CNN()},
+                 lambda i: (batch("cnn", i)[0],), 4, between)
+
+
+def test_without_host_inputs_that_stop_being_the_same_tensor():
+    def f(x, y):
+        x.add_(1)
+        return y * 2
+
+    traced = tracejit.trace(f, without_host=True)
+    for same in (True, True, False):
+        a = torch.randn(3)
+        b = a if same else torch.randn(3)
+        a_eager = a.clone()
+        b_eager = a_eager if same else b.clone()
+        want = f(a_eager, b_eager)
+        assert torch.equal(traced(a, b), want)
+        assert torch.equal(a, a_eager) and torch.equal(b, b_eager)

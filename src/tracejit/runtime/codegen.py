@@ -18,8 +18,8 @@ import torch
 
 from ..ir.graph import INPUT_OPS, Graph, Node, Op
 from ..passes.plan_memory import out_overload
-from ..record.record import TENSOR, KwargStatic, ScalarSlot
 from ..record.callables import resolve_callable
+from ..record.record import TENSOR, KwargStatic, ScalarSlot, TensorMeta
 from .profile import CLOCK, Profiler, Row
 
 _INLINE_TYPES = (int, bool, str, type(None))
@@ -28,6 +28,13 @@ _INLINE_TYPES = (int, bool, str, type(None))
 def callable_for(node: Node) -> Callable:
     metas = node.attr("input_metas") or ()
     return resolve_callable(node.target, node.attr("statics", ()), tuple(metas), node.attr("scalars", ()))
+
+
+def out_callable(node: Node, out: TensorMeta) -> Callable:
+    """The fastest verified callable of the node's `.out` overload, writing into a tensor of `out`."""
+    statics = (*node.attr("statics", ()), KwargStatic("out", TENSOR))
+    metas = (*(node.attr("input_metas") or ()), out)
+    return resolve_callable(out_overload(node.target), statics, metas, node.attr("scalars", ()))
 
 
 @dataclass
@@ -92,7 +99,7 @@ class _Emitter:
             meta = self.graph.values[node.outputs[0]].meta
             out = arena[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
             args.append(f"out={self.constant(out, 'buf')}")
-            function = self.constant(out_overload(node.target)._op, "f")
+            function = self.constant(out_callable(node, meta), "f")
         else:
             function = self.constant(callable_for(node), "f")
         return f"{self.targets(node)}{function}({', '.join(args)})  # {node.name}"
@@ -121,32 +128,45 @@ def _profiled(emitter: _Emitter, profiler: Profiler | None, node: Node, line: st
     ]
 
 
+@dataclass(frozen=True)
+class RunParts:
+    """What `run` is made of, for callers that inline it: the without_host call binds the loaded
+    handles to locals itself and writes the kept ones where they belong (see hostfree.py)."""
+
+    loads: tuple[int, ...]  # handles `run` reads from env, in order
+    body: tuple[str, ...]  # the node calls and dels, over the locals h<handle>
+    stores: tuple[int, ...]  # handles `run` writes back to env: returned and escaped values
+
+
 def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
                            kernels: dict[int, Any] | None = None) -> GeneratedProgram:
-    """`kernels` maps the index of every FUSED node to its kernel (see runtime/fused.py)."""
+    """`kernels` maps the index of every FUSED node to its kernel (see runtime/fused.py). The
+    generated `run` carries its `RunParts` as the attribute `parts`."""
     emitter = _Emitter(graph)
     arena = _allocate_arena(graph)
     hoisted = [n for n in graph.nodes if n.op is Op.CALL and n.attr("hoisted")]
     hoisted_handles = tuple(graph.values[v].handle for n in hoisted for v in n.outputs if v is not None)
-    run_lines = _load_lines(graph, hoisted_handles)
     last_use = _last_uses(graph)
     keep = {graph.values[v].handle for v in graph.outputs} | set(graph.escaped)
+    body = []
     for index, node in enumerate(graph.nodes):
         if node.op in INPUT_OPS or node.attr("hoisted"):
             continue
         line = _fused_call(emitter, node, kernels[index]) if node.op is Op.FUSED else emitter.call(node, arena)
-        run_lines += _profiled(emitter, profiler, node, line, "without_host")
+        body += _profiled(emitter, profiler, node, line, "without_host")
         dead = sorted(h for h, last in last_use.items() if last == index and h not in keep)
         if dead:
-            run_lines.append("del " + ", ".join(f"h{h}" for h in dead))
-    run_lines += [f"env[{h}] = h{h}" for h in sorted(keep)]
-    init_lines = _load_lines(graph, ())
-    init_lines = [line for line in init_lines if _loaded_handle(line) in _inputs_of(graph, hoisted)]
+            body.append("del " + ", ".join(f"h{h}" for h in dead))
+    parts = RunParts(_loaded_handles(graph, hoisted_handles), tuple(body), tuple(sorted(keep)))
+    run_lines = [f"h{h} = env[{h}]" for h in parts.loads] + body + [f"env[{h}] = h{h}" for h in parts.stores]
+    hoisted_inputs = _inputs_of(graph, hoisted)
+    init_lines = [f"h{h} = env[{h}]" for h in _loaded_handles(graph, ()) if h in hoisted_inputs]
     init_lines += [emitter.call(n, None) for n in hoisted]
     init_lines += [f"env[{h}] = h{h}" for h in hoisted_handles]
     source = _function("run", "env, s", run_lines) + "\n" + _function("init", "env", init_lines)
     namespace = dict(emitter.namespace)
     exec(compile(source, f"<tracejit program {graph.function_name}>", "exec"), namespace)
+    namespace["run"].parts = parts
     return GeneratedProgram(source, namespace["run"], namespace["init"], hoisted_handles, arena)
 
 
@@ -162,17 +182,9 @@ def _function(name: str, params: str, lines: list[str]) -> str:
     return f"def {name}({params}):\n" + "\n".join(f"    {line}" for line in lines or ["pass"]) + "\n"
 
 
-def _load_lines(graph: Graph, extra_handles: tuple[int, ...]) -> list[str]:
-    handles = []
-    for node in graph.nodes:
-        if node.op in INPUT_OPS:
-            handles.append(graph.values[node.outputs[0]].handle)
-    handles += extra_handles
-    return [f"h{h} = env[{h}]" for h in dict.fromkeys(handles)]
-
-
-def _loaded_handle(line: str) -> int:
-    return int(line.split(" = ")[0][1:])
+def _loaded_handles(graph: Graph, extra_handles: tuple[int, ...]) -> tuple[int, ...]:
+    handles = [graph.values[node.outputs[0]].handle for node in graph.nodes if node.op in INPUT_OPS]
+    return tuple(dict.fromkeys([*handles, *extra_handles]))
 
 
 def _inputs_of(graph: Graph, nodes: list[Node]) -> set[int]:

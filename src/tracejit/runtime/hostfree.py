@@ -146,6 +146,37 @@ class _Source:
 MISS = object()  # what a generated call returns when it cannot serve the call
 
 
+def _other_device(expr: str, device: torch.device, src: _Source) -> str:
+    """A condition true when the tensor `expr` is not on `device` (`is_cpu` is the cheapest read)."""
+    if device.type == "cpu":
+        return f"not {expr}.is_cpu"
+    return f"{expr}.device != {src.constant(device, 'v')}"
+
+
+def _training_flags_differ(expr: str, module: torch.nn.Module, src: _Source) -> str:
+    """A condition true when the training flag of the module or of one of its submodules (held
+    weakly, listed once as signature.training_flags lists them) is not the recorded one."""
+    checks = [f"{expr}.training is not {module.training}"]
+    for sub in tuple(module.modules())[1:]:
+        checks.append(f"{src.constant(weakref.ref(sub), 'r')}().training is not {sub.training}")
+    return " or ".join(checks)
+
+
+def same_object_key(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, the index of the first one that is the same object."""
+    return [next(j for j in range(i + 1) if tensors[j] is t) for i, t in enumerate(tensors)]
+
+
+def _same_object_checks(exprs: list[str], tensors: list[torch.Tensor]) -> list[str]:
+    """Which tensor inputs are one object is part of the signature (`f(x, x)` records other handles
+    than `f(x, y)`): compare every pair, a handful of `is` tests for the usual few inputs."""
+    if len(exprs) > 6:
+        return [_fail(f"SAME([{', '.join(exprs)}]) != {same_object_key(tensors)}", "other inputs are the same tensor now")]
+    pairs = [f"{a} is {'not ' if tensors[i] is tensors[j] else ''}{b}"
+             for i, a in enumerate(exprs) for j, b in enumerate(exprs) if i < j]
+    return [_fail(" or ".join(pairs), "other inputs are the same tensor now")] if pairs else []
+
+
 def _fail(condition: str, message: str) -> str:
     # The message is kept as a comment: the generated call only says "not me" (MISS), and the
     # slow path that follows explains nothing either, it runs the function.
@@ -172,47 +203,65 @@ class HostFreeRunner:
         """Specialize the call to the inputs' signature and the objects a host-run call just used."""
         self._compute_hoisted(objects)
         src = _Source(self.function)
-        src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, TEMPLATE=self.env_template,
-                             SCALARS=self.initial_scalars, RUN=self.program.run, IS_GRAD=torch.is_grad_enabled,
-                             SET_GRAD=torch._C._set_grad_enabled, GRAD_STATE=gradient_state)
+        src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=self.initial_scalars,
+                             IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
+                             GRAD_STATE=gradient_state, SAME=same_object_key)
         lines = self._signature_checks(args, kwargs, grad_state, src)
-        guards = []
+        guards = []  # inside a try: a module or optimizer that lost an attribute is a MISS
+        for name, value in kwargs.items():
+            if isinstance(value, torch.nn.Module):  # a freed submodule is None, without .training
+                guards.append(_fail(_training_flags_differ(f"kw[{name!r}]", value, src),
+                                    f"{name} or one of its submodules switched between train and eval"))
         for name, value in sorted(kwargs.items()):
             if isinstance(value, _PRIMITIVES):
                 guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
-        for index, handle in enumerate(self.record.arg_handles):
-            guards.append(f"env[{handle}] = args[{index}]")
-        for name, handle in self.record.kwarg_handles.items():
-            guards.append(f"env[{handle}] = kw[{name!r}]")
-        for binding in find_lr_bindings(self.record, objects, kwargs):
+        guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
+        guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
+        lr_bindings = find_lr_bindings(self.record, objects, kwargs)
+        for binding in lr_bindings:
             sign = "-" if binding.sign < 0 else ""
             guards.append(f"s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups[{binding.group}]['lr']")
-        lines += ["env = list(TEMPLATE)", "s = list(SCALARS)", "try:", *(f"    {line}" for line in guards),
+        # the program only reads the scalars: without learning rates to bind, the recorded list serves
+        lines += ["s = list(SCALARS)" if lr_bindings else "s = SCALARS", "try:", *(f"    {line}" for line in guards),
                   "except (KeyError, AttributeError, IndexError, TypeError):",
-                  "    return MISS  # a module, optimizer or global no longer has what it had",
-                  "previous = IS_GRAD()", "SET_GRAD(False)", "try:", "    RUN(env, s)",
-                  *(f"    {line}" for line in self._epilogue(objects, src)),
-                  "finally:", "    SET_GRAD(previous)"]
+                  "    return MISS  # a module, optimizer or global no longer has what it had"]
+        lines += self._program_lines(objects, src)
         self.sources["call"], self.call = src.function("call", "args, kw", lines)
+
+    def _program_lines(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
+        """The program's straight-line body inlined after the guards (they bound its inputs to the
+        locals h<handle> it reads), with gradients off, then the epilogue."""
+        run = self.program.run
+        clashes = {name for name in run.__globals__ if name in src.namespace and name != "__builtins__"}
+        if clashes:
+            raise AssertionError(f"tracejit: generated names used twice in one call: {sorted(clashes)}")
+        src.namespace.update((k, v) for k, v in run.__globals__.items() if k != "__builtins__")
+        bound = {*self.record.arg_handles, *self.record.kwarg_handles.values()}
+        bound |= {info.handle for info in self.record.tensors if info.kind is Kind.EXTERNAL}
+        # hoisted views of externals and constants come from the binding's template
+        loads = [f"h{h} = {src.constant(self.env_template[h], 'c')}" for h in run.parts.loads if h not in bound]
+        return [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)", "try:",
+                *(f"    {line}" for line in (*run.parts.body, *self._epilogue(objects, src))),
+                "finally:", "    if grad: SET_GRAD(True)"]
 
     def _signature_checks(self, args: tuple, kwargs: dict, grad_state: tuple | None, src: _Source) -> list[str]:
         """The input signature of this trace (see signature.py), checked on the call's inputs."""
         lines = [_fail(f"len(args) != {len(args)} or kw.keys() != {src.constant(set(kwargs), 'keys')}",
                        "other arguments")]
-        tensors = [(f"args[{i}]", a) for i, a in enumerate(args)]
-        tensors += [(f"kw[{n!r}]", v) for n, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        lines += [f"a{i} = args[{i}]" for i in range(len(args))]
+        tensors = [(f"a{i}", a) for i, a in enumerate(args)]
+        tensors += [(f"kw[{n!r}]", v) for n, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
         for expr, tensor in tensors:
+            grad = "not " if tensor.requires_grad else ""
             lines.append(_fail(
                 f"not isinstance({expr}, TENSOR) or {expr}.shape != {src.constant(tensor.shape, 's')} or "
                 f"{expr}.stride() != {src.constant(tensor.stride(), 'st')} or {expr}.dtype is not "
-                f"{src.constant(tensor.dtype, 'd')} or {expr}.device != {src.constant(tensor.device, 'v')} or "
-                f"{expr}.requires_grad is not {tensor.requires_grad}", "another tensor signature"))
-        for name, value in kwargs.items():
-            if isinstance(value, torch.nn.Module):
-                lines.append(_fail(f"kw[{name!r}].training is not {value.training}", "train/eval switched"))
+                f"{src.constant(tensor.dtype, 'd')} or {_other_device(expr, tensor.device, src)} or "
+                f"{grad}{expr}.requires_grad", "another tensor signature"))
+        lines += _same_object_checks([expr for expr, _ in tensors], [t for _, t in tensors])
         if grad_state is not None:
             lines.append(_fail(f"GRAD_STATE(kw) != {src.constant(grad_state, 'g')}", "other .grad state"))
         return lines
@@ -234,25 +283,32 @@ class HostFreeRunner:
         self.env_template = template
 
     def _external_guard(self, info: Any, obj: torch.Tensor | None, src: _Source, names: ExternalNames) -> list[str]:
+        """One check per external: still the object the function would reach (and alive), with the
+        recorded shape, dtype and device, and the same storage when views of it are kept."""
         if obj is None:
             raise GuardFailure(f"external t{info.handle} ({info.name}) is no longer alive")
-        local = f"e{info.handle}"
-        lines = [f"{local} = {src.constant(weakref.ref(obj), 'r')}()", _fail(f"{local} is None", f"{info.name} was freed")]
+        local, ref = f"h{info.handle}", src.constant(weakref.ref(obj), "r")
         locator = names.locator_of(obj)
         if locator is not None:
             expr = src.locator(locator)
-            lines += src.pending
+            lines = [*src.pending, f"{local} = {expr}"]
             src.pending.clear()
-            lines.append(_fail(f"{expr} is not {local}", f"{locator.describe()} is another tensor now"))
             src.resolved[locator] = local
+            # a freed object's reference returns None, which the located tensor is not either
+            same = f"{local} is not {ref}()"
+            what = f"{locator.describe()} is another tensor now"
+        else:
+            lines = [f"{local} = {ref}()"]
+            same = f"{local} is None"
+            what = f"{info.name} was freed"
         meta = info.meta
-        lines.append(_fail(
-            f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.dtype is not {src.constant(meta.dtype, 'd')}"
-            f" or {local}.device != {src.constant(meta.device, 'v')}",
-            f"{info.name} changed shape, dtype or device (recorded {meta})"))
+        checks = [same, f"{local}.shape != {src.constant(meta.shape, 's')}",
+                  f"{local}.dtype is not {src.constant(meta.dtype, 'd')}", _other_device(local, meta.device, src)]
+        changed = f"{what}, or is not {meta} anymore"
         if info.handle in self.program.hoisted_roots:  # views of it are kept: its storage must stay
-            lines.append(_fail(f"{local}.data_ptr() != {obj.data_ptr()}", f"{info.name} got new storage"))
-        lines.append(f"env[{info.handle}] = {local}")
+            checks.append(f"{local}.data_ptr() != {obj.data_ptr()}")
+            changed += ", or has new storage"
+        lines.append(_fail(" or ".join(checks), changed))
         return lines
 
     def _epilogue(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
@@ -262,15 +318,14 @@ class HostFreeRunner:
             obj = objects.get(handle)
             if obj is not None and not self.record.tensors[handle].flags & Flag.RETURNED:
                 ref = src.constant(weakref.ref(obj), "r")
-                body += [f"o = {ref}()", f"if o is not None and o is not env[{handle}]:",
-                         f"    o.copy_(env[{handle}])"]
+                body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
 
 
 def _output_expr(spec: OutputSpec) -> str:
     if spec.kind == "tensor":
-        return f"env[{spec.handle}]"
+        return f"h{spec.handle}"
     if spec.kind == "none":
         return "None"
     if spec.kind == "dict":
