@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..record.record import TENSOR, Kind, KwargStatic, OpRecord, Record, ScalarSlot
+from ..record.record import TENSOR, Kind, KwargStatic, OpRecord, Record, ScalarSlot, TensorMeta
 from .profile import CLOCK
 
 MISS = object()
@@ -42,23 +42,35 @@ class _Writer:
         return self.constant(value)
 
 
-def _tensor_check(w: _Writer, expr: str, handle: int, bindable: bool, indent: str) -> list[str]:
+def _tensor_check(w: _Writer, expr: str, handle: int, external: TensorMeta | None, bindable: bool,
+                  indent: str) -> list[str]:
+    """Check that the tensor at `expr` is the one mapped to `handle`. A tensor seen for the first
+    time is bound where the record has an external: inline for a plain external of this metadata
+    not bound to another object yet (`B`, the replayer's bound externals), through the replayer's
+    `BIND` for constants; anything else is a MISS for the generic path to explain."""
     t, e = w.name("t"), w.name("e")
-    unknown = f"if not BIND({t}, {handle}): return MISS" if bindable else "return MISS"
+    if external is not None:
+        r = w.name("r")
+        meta_differs = (f"{t}.shape != {w.constant(external.shape)} or {t}.stride() != {w.constant(external.stride)}"
+                        f" or {t}.dtype is not {w.constant(external.dtype)} or {_other_device(w, t, external.device)}")
+        unknown = [f"if {handle} in B or {meta_differs}: return MISS",
+                   f"{r} = REF({t})", f"E[id({t})] = ({handle}, {r})", f"B[{handle}] = {r}"]
+    else:
+        unknown = [f"if not BIND({t}, {handle}): return MISS" if bindable else "return MISS"]
     return [
         f"{indent}{t} = {expr}",
         f"{indent}{e} = E.get(id({t}))",
         f"{indent}if {e} is None or {e}[1]() is not {t}:",
-        f"{indent}    {unknown}",
+        *(f"{indent}    {line}" for line in unknown),
         f"{indent}elif {e}[0] != {handle}: return MISS",
     ]
 
 
-def _value_check(w: _Writer, expr: str, static: Any, handles: list[int], bindable: set[int],
+def _value_check(w: _Writer, expr: str, static: Any, handles: list[int], bindable: dict[int, TensorMeta | None],
                  indent: str) -> list[str]:
     if static is TENSOR:
         handle = handles.pop(0)
-        return _tensor_check(w, expr, handle, handle in bindable, indent)
+        return _tensor_check(w, expr, handle, bindable.get(handle), handle in bindable, indent)
     if isinstance(static, ScalarSlot):
         return [f"{indent}if type({expr}) is not {static.type.__name__}: return MISS"]
     if isinstance(static, tuple):
@@ -82,10 +94,22 @@ def _is_slot(value: Any) -> bool:
     return isinstance(value, tuple) and any(_is_slot(v) for v in value)
 
 
+def _other_device(w: _Writer, expr: str, device: Any) -> str:
+    return f"not {expr}.is_cpu" if device.type == "cpu" else f"{expr}.device != {w.constant(device)}"
+
+
+def _inline_binding(info: Any) -> TensorMeta | None:
+    """The metadata a first-seen tensor must have to be bound as this external inline (see
+    Replayer._first_seen_error); None where binding needs the replayer (constants, literals)."""
+    return info.meta if info.kind is Kind.EXTERNAL and not info.literal else None
+
+
 def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable, profile_row: int | None) -> list[str]:
     positional = [s for s in op.statics if not isinstance(s, KwargStatic)]
     keywords = [s for s in op.statics if isinstance(s, KwargStatic)]
-    bindable = {h for h in op.inputs if record.tensors[h].kind in (Kind.EXTERNAL, Kind.CONST)}
+    # handle -> the metadata to bind a first-seen plain external with inline; None: bind through BIND
+    bindable = {h: _inline_binding(record.tensors[h]) for h in op.inputs
+                if record.tensors[h].kind in (Kind.EXTERNAL, Kind.CONST)}
     handles = list(op.inputs)
     body = [f"if len(args) != {len(positional)} or len(kwargs) != {len(keywords)}: return MISS"]
     for i, static in enumerate(positional):
@@ -112,8 +136,9 @@ def generate_steps(record: Record, callables: list[Callable | None], fast: list[
                    profile_rows: list[int] | None = None, profiler: Any = None) -> list[Callable | None]:
     """One step function per position (None where the position needs the generic path).
 
-    A step is called as `step(args, kwargs, E, BIND)` with E the replay's id -> (handle, ref)
-    table and BIND(tensor, handle) -> bool the replayer's binding of a first-seen external.
+    A step is called as `step(args, kwargs, E, BIND, B)` with E the replay's id -> (handle, ref)
+    table, BIND(tensor, handle) -> bool the replayer's binding of a first-seen external or constant,
+    and B its handle -> weak reference of the externals bound so far in the call.
     """
     w = _Writer()
     if profiler is not None:
@@ -124,6 +149,6 @@ def generate_steps(record: Record, callables: list[Callable | None], fast: list[
             continue
         row = profile_rows[op.index] if profile_rows is not None else None
         body = _step_source(w, record, op, callables[op.index], row)
-        source.append(f"def step{op.index}(args, kwargs, E, BIND):\n" + "\n".join(f"    {line}" for line in body))
+        source.append(f"def step{op.index}(args, kwargs, E, BIND, B):\n" + "\n".join(f"    {line}" for line in body))
     exec(compile("\n\n".join(source) + "\n", f"<tracejit replay steps {record.function_name}>", "exec"), w.namespace)
     return [w.namespace.get(f"step{op.index}") for op in record.ops]

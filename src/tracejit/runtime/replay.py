@@ -71,7 +71,7 @@ class Replayer:
             if position < self._length and func is self._ops[position].op:
                 step = self._steps[position]
                 if step is not None:
-                    result = step(args, kwargs, self._table, self._bind_first_seen)
+                    result = step(args, kwargs, self._table, self._bind_first_seen, self.bound_externals)
                     if result is not MISS:
                         self.position = position + 1
                         return result
