@@ -37,17 +37,17 @@ _FUNCTIONS: dict[str, tuple[tuple[str, ...], str]] = {
 static inline float tj_expf(float x) {
   float xc = x < -104.0f ? -104.0f : x;
   xc = xc > 89.0f ? 89.0f : xc;
-  float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
-  float r = xc - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
+  float n = TJ_FMA(xc, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  /* round to nearest */
+  float r = TJ_FMA(n, -0.693145751953125f, xc);  /* exact: ln2's high part has 8 trailing zero bits */
+  r = TJ_FMA(n, -1.428606765330187045e-06f, r);
   float q = 0.0013814611593261361f;
   q = TJ_FMA(q, r, 0.008368710055947304f);
   q = TJ_FMA(q, r, 0.04166838899254799f);
   q = TJ_FMA(q, r, 0.1666652113199234f);
   q = TJ_FMA(q, r, 0.4999999403953552f);
-  float p = 1.0f + (r + r * r * q);
+  float p = 1.0f + TJ_FMA(r * r, q, r);
   int32_t ni = (int32_t)n;
-  int32_t half = ni / 2;
+  int32_t half = ni >> 1;  /* both halves stay within a float's exponent range */
   return p * tj_bits_to_float((half + 127) << 23) * tj_bits_to_float((ni - half + 127) << 23);
 }
 """),
