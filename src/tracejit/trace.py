@@ -245,12 +245,15 @@ class trace:
             return
         try:
             if entry.host_free is None:
+                started = CLOCK()
                 graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
                 result = self._optimize(graph)
                 entry.history = result.history
                 kernels = self._kernels(result.graph, result.history, "without_host")
                 program = HostFreeProgram(result.graph, self._profiler, kernels)
                 entry.host_free = HostFreeRunner(entry.record, program, self._function)
+                if self._profiler is not None:
+                    self._profiler.compiled(CLOCK() - started)
             entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state)
             self._install_fast_call(entry)
         except HostDependencyError as error:
@@ -266,12 +269,16 @@ class trace:
             self._fast_call = entry.host_free.call
 
     def _compile(self, record: Record) -> CheckedProgram:
+        started = CLOCK()
         graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)
         history = [("record", graph, 0.0)]
         if self._fusion is not None:  # the only pass that changes a host-visible graph
             result = self._optimize(graph)
             graph, history = result.graph, result.history
-        return CheckedProgram(record, graph, self._profiler, self._kernels(graph, history, "checked"))
+        program = CheckedProgram(record, graph, self._profiler, self._kernels(graph, history, "checked"))
+        if self._profiler is not None:
+            self._profiler.compiled(CLOCK() - started)
+        return program
 
     def _optimize(self, graph: Graph) -> PipelineResult:
         can_fuse = self._fusion.can_fuse if self._fusion is not None else None

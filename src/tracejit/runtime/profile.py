@@ -40,6 +40,8 @@ class Profiler:
     call_time: float = 0.0
     recording_calls: int = 0  # calls that recorded (eager run + compile), reported apart
     recording_time: float = 0.0
+    compile_time: float = 0.0  # compiling done inside replayed calls (the host-free program), reported apart
+    _compiling_in_call: float = 0.0
     events: deque = field(default_factory=lambda: deque(maxlen=_MAX_TRACE_EVENTS))
     _origin: float = field(default_factory=CLOCK)
 
@@ -57,13 +59,20 @@ class Profiler:
         row.total += end - start
         self.events.append((index, start, end))
 
+    def compiled(self, seconds: float) -> None:
+        """A compilation ran inside the current call; its time is not the call's."""
+        self._compiling_in_call += seconds
+
     def call_done(self, start: float, recorded: bool) -> None:
+        elapsed = CLOCK() - start
         if recorded:
             self.recording_calls += 1
-            self.recording_time += CLOCK() - start
+            self.recording_time += elapsed
         else:
             self.calls += 1
-            self.call_time += CLOCK() - start
+            self.call_time += elapsed - self._compiling_in_call
+            self.compile_time += self._compiling_in_call
+        self._compiling_in_call = 0.0
 
     def label(self, index: int) -> str:
         row = self.rows[index]
@@ -92,6 +101,7 @@ class Profiler:
                 "calls": self.calls,
                 "recording_calls": self.recording_calls,
                 "recording_ms": self.recording_time * 1e3,
+                "compile_ms": self.compile_time * 1e3,
                 "call_total_ms": self.call_time * 1e3,
                 "call_mean_us": self.call_time / self.calls * 1e6 if self.calls else 0.0,
                 "nodes_total_ms": nodes_total * 1e3,
