@@ -10,6 +10,7 @@ keeping the text apart from the toolchain as tinygrad's renderers and runtimes d
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +25,8 @@ from .reference import ReferenceKernel
 Kernel = Callable[..., tuple]
 
 
-class Backend:
-    """Base of the backends; subclasses set `name`, `device_type`, `dtypes` and implement
-    `build(graph, specs) -> list[Kernel | None]`."""
+class Backend(abc.ABC):
+    """What the compiler asks of a backend; subclasses set `name`, `device_type` and `dtypes`."""
 
     name = "base"
     device_type = "cpu"  # the device `auto` routes to this backend
@@ -45,8 +45,19 @@ class Backend:
             return False
         return _lowers_alone(graph, node)
 
+    @abc.abstractmethod
     def compile(self, graph: Graph, fused: list[tuple[int, Node]]) -> dict[int, Kernel]:
-        """node index -> kernel; groups that do not lower are left out (they run by reference)."""
+        """node index -> kernel; groups left out run by reference, op by op."""
+
+    @staticmethod
+    def fallback(graph: Graph, node: Node) -> ReferenceKernel:
+        return ReferenceKernel(graph, node)
+
+
+class CompiledBackend(Backend):
+    """A backend that renders KernelSpecs to source and builds them (C, Triton)."""
+
+    def compile(self, graph: Graph, fused: list[tuple[int, Node]]) -> dict[int, Kernel]:
         specs, indices = [], []
         for index, node in fused:
             try:
@@ -59,12 +70,9 @@ class Backend:
         kernels = self.build(graph, specs, [node for i, node in fused if i in set(indices)])
         return {index: kernel for index, kernel in zip(indices, kernels) if kernel is not None}
 
+    @abc.abstractmethod
     def build(self, graph: Graph, specs: list[KernelSpec], nodes: list[Node]) -> list[Kernel | None]:
-        raise NotImplementedError(f"backend {self.name} does not compile kernels")
-
-    @staticmethod
-    def fallback(graph: Graph, node: Node) -> ReferenceKernel:
-        return ReferenceKernel(graph, node)
+        """One kernel per spec (None: that group runs by reference)."""
 
 
 def _lowers_alone(graph: Graph, node: Node) -> bool:

@@ -77,6 +77,18 @@ class _WriteRole:
     element: Ref
 
 
+def live_exprs(spec: KernelSpec) -> set[int]:
+    """Indices of the expressions some store needs (lowering may leave others, e.g. unused loads)."""
+    needed: set[int] = set()
+    stack = [ref for ref, _ in spec.store_exprs]
+    while stack:
+        index = stack.pop()
+        if index not in needed:
+            needed.add(index)
+            stack.extend(spec.exprs[index].args)
+    return needed
+
+
 def lower_fused(graph: Graph, node: Node) -> KernelSpec:
     """The kernel of a FUSED node; raises Unsupported when some member cannot be expressed."""
     return _Lowering(graph, node).run()

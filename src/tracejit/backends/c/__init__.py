@@ -5,14 +5,14 @@ from __future__ import annotations
 import hashlib
 
 from ...ir.graph import Graph, Node
-from ..base import Backend, Kernel
+from ..base import CompiledBackend, Kernel
 from ..lower import KernelSpec
 from .launch import make_launcher
 from .render import C_TYPES, prelude, render_kernel
 from .toolchain import CompilerUnavailable, build, compiler, warn_unavailable
 
 
-class CBackend(Backend):
+class CBackend(CompiledBackend):
     name = "c"
     device_type = "cpu"
     dtypes = frozenset(C_TYPES)  # half types run unfused on the CPU

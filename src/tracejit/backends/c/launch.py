@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..launcher import prologue, returned
 from ..lower import KernelSpec
 from .render import multi_layout, single_parameters
 
@@ -33,38 +34,13 @@ def make_launcher(spec: KernelSpec, function: Any, fallback: Callable, name: str
         call = _multi_call(spec, namespace)
     namespace["FN"] = function
     lines = [f"def {name}(inputs, s, outs=None):"]
-    lines += [f"    {line}" for line in _prologue(spec, namespace) + call + [_returned(spec)]]
+    lines += [f"    {line}" for line in prologue(spec, namespace) + call + [returned(spec)]]
     exec(compile("\n".join(lines) + "\n", f"<tracejit C launcher {name}>", "exec"), namespace)
     launcher = namespace[name]
     launcher.spec = spec
     return launcher
 
 
-def _addressed_inputs(spec: KernelSpec) -> list[int]:
-    return sorted({i for lane in spec.lanes for i, _ in lane.loads} | set(spec.written_inputs))
-
-
-def _prologue(spec: KernelSpec, namespace: dict) -> list[str]:
-    """Unpack inputs, check their layouts, allocate the outputs."""
-    addressed = _addressed_inputs(spec)
-    lines = []
-    if spec.input_metas:
-        names = ", ".join(f"x{i}" for i in range(len(spec.input_metas)))
-        lines.append(f"{names}{',' if len(spec.input_metas) == 1 else ''} = inputs")
-    if addressed:
-        checks = " or ".join(f"x{i}.stride() != {tuple(spec.input_metas[i].stride)!r}" for i in addressed)
-        lines.append(f"if {checks}: return FALLBACK(inputs, s, outs)")
-    returned = {index: position for position, (kind, index) in enumerate(spec.output_sources) if kind == "new"}
-    for a, meta in enumerate(spec.allocations):
-        namespace[f"D{a}"] = meta.dtype
-        namespace[f"V{a}"] = meta.device
-        fresh = f"EMPTY({tuple(meta.shape)!r}, {tuple(meta.stride)!r}, dtype=D{a}, device=V{a})"
-        if a in returned:
-            p = returned[a]
-            lines.append(f"o{a} = outs[{p}] if outs is not None and outs[{p}] is not None else {fresh}")
-        else:
-            lines.append(f"o{a} = {fresh}")
-    return lines
 
 
 def _single_call(spec: KernelSpec) -> list[str]:
@@ -98,8 +74,3 @@ def _multi_call(spec: KernelSpec, namespace: dict) -> list[str]:
     namespace["DOUBLES"] = ctypes.c_double * max(len(floats), per_lane)
     namespace["INTS"] = ctypes.c_int64 * max(len(ints), per_lane)
     return [f"FN(PTRS({', '.join(pointers)}), DOUBLES({', '.join(floats)}), INTS({', '.join(ints)}))"]
-
-
-def _returned(spec: KernelSpec) -> str:
-    values = [f"o{index}" if kind == "new" else f"x{index}" for kind, index in spec.output_sources]
-    return f"return ({', '.join(values)}{',' if len(values) == 1 else ''})"

@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..expr import TRANSCENDENTAL, Expr
-from ..lower import KernelSpec
+from ..lower import KernelSpec, live_exprs
 from .mathlib import FLOAT_FUNCTIONS, math_source
 
 C_TYPES = {
@@ -109,7 +109,7 @@ def _expression(expr: Expr, names: list[str], load, scalar) -> str:
 
 def _body(spec: KernelSpec, load, scalar, store) -> list[str]:
     """Statements computing one element: each needed expression once, then the stores."""
-    needed = _reachable(spec)
+    needed = live_exprs(spec)
     names: list[str] = []
     lines = []
     for index, expr in enumerate(spec.exprs):
@@ -120,16 +120,6 @@ def _body(spec: KernelSpec, load, scalar, store) -> list[str]:
         lines.append(store(k, f"(({C_TYPES[dtype]})v{ref})"))
     return lines
 
-
-def _reachable(spec: KernelSpec) -> set[int]:
-    needed: set[int] = set()
-    stack = [ref for ref, _ in spec.store_exprs]
-    while stack:
-        index = stack.pop()
-        if index not in needed:
-            needed.add(index)
-            stack.extend(spec.exprs[index].args)
-    return needed
 
 
 # -- one lane -----------------------------------------------------------------------------------------

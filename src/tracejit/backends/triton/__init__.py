@@ -8,7 +8,7 @@ interpreter, which is how the tests prove them without a GPU (docs/kernels.md).
 from __future__ import annotations
 
 from ...ir.graph import Graph, Node
-from ..base import Backend, Kernel
+from ..base import CompiledBackend, Kernel
 from ..lower import KernelSpec
 from .expressions import TL_TYPES, NotRenderable
 from .jit import interpreting, kernel_function
@@ -16,7 +16,7 @@ from .launch import make_launcher
 from .render import TritonKernel, render_kernel
 
 
-class TritonBackend(Backend):
+class TritonBackend(CompiledBackend):
     name = "triton"
     device_type = "cuda"
     dtypes = frozenset(TL_TYPES)

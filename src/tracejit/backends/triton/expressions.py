@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..expr import TRANSCENDENTAL, Expr
-from ..lower import KernelSpec
+from ..lower import KernelSpec, live_exprs
 
 TL_TYPES = {
     torch.float32: "tl.float32", torch.float64: "tl.float64", torch.float16: "tl.float16",
@@ -127,20 +127,10 @@ def _sqrt(x: str, dtype: torch.dtype) -> str:
     return f"tl.sqrt_rn({x})" if dtype == torch.float32 else f"tl.sqrt({x})"
 
 
-def _reachable(spec: KernelSpec) -> set[int]:
-    needed: set[int] = set()
-    stack = [ref for ref, _ in spec.store_exprs]
-    while stack:
-        index = stack.pop()
-        if index not in needed:
-            needed.add(index)
-            stack.extend(spec.exprs[index].args)
-    return needed
-
 
 def element_statements(spec: KernelSpec, load, scalar, store) -> list[str]:
     """Statements of one block: every needed load first, then the arithmetic, then the stores."""
-    needed = _reachable(spec)
+    needed = live_exprs(spec)
     lines = [f"v{i} = {load(e.value)}" for i, e in enumerate(spec.exprs) if i in needed and e.op == "load"]
     for index, expr in enumerate(spec.exprs):
         if index not in needed or expr.op == "load":

@@ -2,8 +2,9 @@
 
 The interpreter runs a kernel as numpy code. It cannot call libdevice (`extern_elementwise` is not
 implemented), its float32 -> bfloat16 conversion truncates where the GPU rounds to nearest even,
-and its bfloat16 -> float32 conversion loses subnormals. The generated source calls these names on the GPU too (jit.py binds the real ones there);
-here they are numpy functions on the interpreter's tensors:
+and its bfloat16 -> float32 conversion loses subnormals. The generated source calls these names
+on the GPU too (jit.py binds the real ones there); here they are numpy functions on the
+interpreter's tensors:
 - libdevice math in float64 rounded once to the argument's type: within an ulp of the correctly
   rounded result, the ideal that CUDA's libdevice (<= 2 ulp, same special values) approximates;
 - `f32_to_bf16` rounds to nearest even and keeps NaN a (quiet) NaN, as `cvt.rn.bf16.f32` does;

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..launcher import prologue, returned
 from ..lower import KernelSpec
 from .render import OPTIONS, TritonKernel
 
@@ -44,7 +45,7 @@ def make_launcher(spec: KernelSpec, kernel: TritonKernel, function: Any, fallbac
     lines = [f"def {kernel.name}(inputs, s, outs=None):"]
     if not interpret:
         lines.append("    if BROKEN: return FALLBACK(inputs, s, outs)")
-    lines += [f"    {line}" for line in _prologue(spec, namespace) + launch + [_returned(spec)]]
+    lines += [f"    {line}" for line in prologue(spec, namespace) + launch + [returned(spec)]]
     exec(compile("\n".join(lines) + "\n", f"<tracejit triton launcher {kernel.name}>", "exec"), namespace)
     launcher = namespace[kernel.name]
     launcher.spec = spec
@@ -70,31 +71,6 @@ def _give_up_on_build_errors(kernel: TritonKernel, namespace: dict, launch: list
             "except BUILD_ERRORS as error:", "    return GIVE_UP(error, inputs, s, outs)"]
 
 
-def _addressed_inputs(spec: KernelSpec) -> list[int]:
-    return sorted({i for lane in spec.lanes for i, _ in lane.loads} | set(spec.written_inputs))
-
-
-def _prologue(spec: KernelSpec, namespace: dict) -> list[str]:
-    """Unpack inputs, check their layouts, allocate the outputs."""
-    addressed = _addressed_inputs(spec)
-    lines = []
-    if spec.input_metas:
-        names = ", ".join(f"x{i}" for i in range(len(spec.input_metas)))
-        lines.append(f"{names}{',' if len(spec.input_metas) == 1 else ''} = inputs")
-    if addressed:
-        checks = " or ".join(f"x{i}.stride() != {tuple(spec.input_metas[i].stride)!r}" for i in addressed)
-        lines.append(f"if {checks}: return FALLBACK(inputs, s, outs)")
-    returned = {index: position for position, (kind, index) in enumerate(spec.output_sources) if kind == "new"}
-    for a, meta in enumerate(spec.allocations):
-        namespace[f"D{a}"] = meta.dtype
-        namespace[f"V{a}"] = meta.device
-        fresh = f"EMPTY({tuple(meta.shape)!r}, {tuple(meta.stride)!r}, dtype=D{a}, device=V{a})"
-        if a in returned:
-            p = returned[a]
-            lines.append(f"o{a} = outs[{p}] if outs is not None and outs[{p}] is not None else {fresh}")
-        else:
-            lines.append(f"o{a} = {fresh}")
-    return lines
 
 
 def _launch_lines(spec: KernelSpec, kernel: TritonKernel, function: Any, namespace: dict) -> list[str]:
@@ -155,8 +131,3 @@ class LaneTable:
                 host = host.pin_memory().to(self.device, non_blocking=True)
             self.tensor, self.data = host, data
         return self.tensor
-
-
-def _returned(spec: KernelSpec) -> str:
-    values = [f"o{index}" if kind == "new" else f"x{index}" for kind, index in spec.output_sources]
-    return f"return ({', '.join(values)}{',' if len(values) == 1 else ''})"
