@@ -1,8 +1,8 @@
 """Programs a demanding PyTorch user writes, against eager, over several calls.
 
 Each either matches eager bit for bit (outputs and every piece of state) or raises a clear
-TraceMismatchError; none may compute something else silently. Known bugs of without_host=True found
-the same way are pinned in test_without_host_known_bugs.py.
+TraceMismatchError; none may compute something else silently. without_host=True cases found the
+same way live in test_without_host.py.
 """
 
 import copy

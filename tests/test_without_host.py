@@ -1,11 +1,13 @@
 """without_host=True: the program runs, the Python function does not."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, assert_same_state, batch, make_model, train_side_by_side, train_step, twin
-from side_by_side import side_by_side
+from side_by_side import mse, seeded, side_by_side, step_of
 
 import tracejit
 from tracejit.errors import HostDependencyError
@@ -226,3 +228,32 @@ def test_without_host_inputs_that_stop_being_the_same_tensor():
         want = f(a_eager, b_eager)
         assert torch.equal(traced(a, b), want)
         assert torch.equal(a, a_eager) and torch.equal(b, b_eager)
+
+
+# The learning rate a host-free call binds is the one the last host-run call used, found by the
+# value that call saw (not the value recorded on the first call).
+def test_without_host_lr_survives_a_rebind():
+    model = nn.Linear(4, 2)
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    step = step_of(lambda model, x, flag: mse(model, x))
+    traced = tracejit.trace(step, without_host=True)
+    for i in range(6):
+        x = torch.randn(3, 4)
+        flag = i != 3  # another keyword value: the guard fails, the function runs and rebinds
+        assert torch.equal(step(x, model=model, opt=opts[0], flag=flag), traced(x, model=twin, opt=opts[1], flag=flag))
+        for opt in opts:
+            opt.param_groups[0]["lr"] *= 0.5
+    assert torch.equal(model.weight, twin.weight)
+
+
+def test_without_host_lr_of_a_group_changed_before_the_re_record():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                           {"params": model[2].parameters(), "lr": 0.01, "momentum": 0.5}])
+
+    def between(i, objects):
+        objects["opt"].param_groups[0]["lr"] = 0.1 / (i + 1)
+
+    step = step_of(mse)
+    side_by_side(tracejit.trace(step, without_host=True), step, {"model": model, "opt": opt}, seeded(5, 4), 5, between)

@@ -234,11 +234,11 @@ class trace:
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs)
         else:
             entry.replays += 1
-            self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs)
+            self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars)
         return result
 
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
-                           kwargs: dict) -> None:
+                           kwargs: dict, scalars: list | None = None) -> None:
         """After a call that ran the function: (re)bind the program that runs without it."""
         entry.handles = handles  # to_fx() finds the external objects there
         if not self.options.without_host or entry.provisional:
@@ -254,7 +254,7 @@ class trace:
                 entry.host_free = HostFreeRunner(entry.record, program, self._function)
                 if self._profiler is not None:
                     self._profiler.compiled(CLOCK() - started)
-            entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state)
+            entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state, scalars)
             self._install_fast_call(entry)
         except HostDependencyError as error:
             entry.host_free_error = error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,12 +78,18 @@ class Recorder:
 
     @classmethod
     def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
-               capture_as_const: bool, regions: RegionTracker) -> Recorder:
-        """Continue `record` from op `position`, with the handles a replay bound so far."""
+               capture_as_const: bool, regions: RegionTracker, scalars: list) -> Recorder:
+        """Continue `record` from op `position`, with the handles a replay bound so far and the
+        dynamic scalars it saw (`scalars`, flat): the matched ops keep this call's values."""
         recorder = cls(record.function_name, capture_as_const=capture_as_const, external_names=external_names)
         first_dropped = _first_handle_created_from(record, position)
         recorder.tensors = [_copy_info(info) for info in record.tensors[:first_dropped]]
-        recorder.ops = list(record.ops[:position])
+        recorder.ops = []
+        offset = 0
+        for op in record.ops[:position]:
+            observed = tuple(scalars[offset:offset + len(op.scalars)])
+            recorder.ops.append(replace(op, scalars=observed) if observed != op.scalars else op)
+            offset += len(op.scalars)
         handles.drop_from(first_dropped)
         recorder.handles = handles
         recorder.host_reads = [r for r in record.host_reads if r.position <= position]

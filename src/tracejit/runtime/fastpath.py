@@ -67,19 +67,20 @@ def _tensor_check(w: _Writer, expr: str, handle: int, external: TensorMeta | Non
 
 
 def _value_check(w: _Writer, expr: str, static: Any, handles: list[int], bindable: dict[int, TensorMeta | None],
-                 indent: str) -> list[str]:
+                 slots: list[int], indent: str) -> list[str]:
     if static is TENSOR:
         handle = handles.pop(0)
         return _tensor_check(w, expr, handle, bindable.get(handle), handle in bindable, indent)
-    if isinstance(static, ScalarSlot):
-        return [f"{indent}if type({expr}) is not {static.type.__name__}: return MISS"]
+    if isinstance(static, ScalarSlot):  # its value is kept: the host-free program binds from it
+        return [f"{indent}if type({expr}) is not {static.type.__name__}: return MISS",
+                f"{indent}S[{slots.pop(0)}] = {expr}"]
     if isinstance(static, tuple):
         if not any(_is_slot(v) for v in static):
             return [f"{indent}if {expr} != {w.constant(list(static))} and {expr} != {w.constant(static)}: return MISS"]
         seq = w.name("l")
         lines = [f"{indent}{seq} = {expr}", f"{indent}if len({seq}) != {len(static)}: return MISS"]
         for i, item in enumerate(static):
-            lines += _value_check(w, f"{seq}[{i}]", item, handles, bindable, indent)
+            lines += _value_check(w, f"{seq}[{i}]", item, handles, bindable, slots, indent)
         return lines
     if static is None:
         return [f"{indent}if {expr} is not None: return MISS"]
@@ -104,19 +105,21 @@ def _inline_binding(info: Any) -> TensorMeta | None:
     return info.meta if info.kind is Kind.EXTERNAL and not info.literal else None
 
 
-def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable, profile_row: int | None) -> list[str]:
+def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable, profile_row: int | None,
+                 scalar_offset: int) -> list[str]:
     positional = [s for s in op.statics if not isinstance(s, KwargStatic)]
     keywords = [s for s in op.statics if isinstance(s, KwargStatic)]
     # handle -> the metadata to bind a first-seen plain external with inline; None: bind through BIND
     bindable = {h: _inline_binding(record.tensors[h]) for h in op.inputs
                 if record.tensors[h].kind in (Kind.EXTERNAL, Kind.CONST)}
     handles = list(op.inputs)
+    slots = list(range(scalar_offset, scalar_offset + len(op.scalars)))
     body = [f"if len(args) != {len(positional)} or len(kwargs) != {len(keywords)}: return MISS"]
     for i, static in enumerate(positional):
-        body += _value_check(w, f"args[{i}]", static, handles, bindable, "")
+        body += _value_check(w, f"args[{i}]", static, handles, bindable, slots, "")
     for item in keywords:
         body.append(f"if {item.name!r} not in kwargs: return MISS")
-        body += _value_check(w, f"kwargs[{item.name!r}]", item.value, handles, bindable, "")
+        body += _value_check(w, f"kwargs[{item.name!r}]", item.value, handles, bindable, slots, "")
     call = f"r = {w.constant(function)}(*args, **kwargs)"
     if profile_row is None:
         body.append(call)
@@ -136,19 +139,22 @@ def generate_steps(record: Record, callables: list[Callable | None], fast: list[
                    profile_rows: list[int] | None = None, profiler: Any = None) -> list[Callable | None]:
     """One step function per position (None where the position needs the generic path).
 
-    A step is called as `step(args, kwargs, E, BIND, B)` with E the replay's id -> (handle, ref)
+    A step is called as `step(args, kwargs, E, BIND, B, S)` with E the replay's id -> (handle, ref)
     table, BIND(tensor, handle) -> bool the replayer's binding of a first-seen external or constant,
-    and B its handle -> weak reference of the externals bound so far in the call.
+    B its handle -> weak reference of the externals bound so far in the call, and S the call's flat
+    list of dynamic scalars, where the step stores the values it sees.
     """
     w = _Writer()
     if profiler is not None:
         w.namespace.update(CLOCK=CLOCK, STOP=profiler.stop)
     source = []
+    offset = 0
     for op in record.ops:
+        scalar_offset, offset = offset, offset + len(op.scalars)
         if not fast[op.index] or callables[op.index] is None:
             continue
         row = profile_rows[op.index] if profile_rows is not None else None
-        body = _step_source(w, record, op, callables[op.index], row)
-        source.append(f"def step{op.index}(args, kwargs, E, BIND, B):\n" + "\n".join(f"    {line}" for line in body))
+        body = _step_source(w, record, op, callables[op.index], row, scalar_offset)
+        source.append(f"def step{op.index}(args, kwargs, E, BIND, B, S):\n" + "\n".join(f"    {line}" for line in body))
     exec(compile("\n\n".join(source) + "\n", f"<tracejit replay steps {record.function_name}>", "exec"), w.namespace)
     return [w.namespace.get(f"step{op.index}") for op in record.ops]

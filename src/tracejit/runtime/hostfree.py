@@ -63,12 +63,14 @@ class LrBinding:
     sign: float
 
 
-def find_lr_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: dict) -> list[LrBinding]:
+def find_lr_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: dict,
+                     scalars: list) -> list[LrBinding]:
     """Scalar slots of optimizer ops that carry a param group's learning rate.
 
     Only slots whose meaning is the learning rate are bound: the `lr` argument of the fused
     optimizer ops, and the `alpha`/`value` of an update written into a parameter (SGD's
-    `param.add_(d_p, alpha=-lr)`), when the recorded value equals +-lr of the parameter's group.
+    `param.add_(d_p, alpha=-lr)`), when the value the call just made (`scalars`, the flat list of
+    the call's dynamic scalars) equals +-lr of the parameter's group, which is the lr it used.
     """
     groups: dict[int, tuple[str, int, float]] = {}
     for name, value in kwargs.items():
@@ -90,7 +92,8 @@ def find_lr_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: d
         name, index, lr = owner
         writes_param = any(h in objects and id(objects[h]) in groups for h in op.mutated)
         fused = op.op._schema.name.split("::")[-1].startswith("_fused_")
-        for k, (slot_name, value) in enumerate(zip(scalar_slot_names(op.op, op.statics), op.scalars)):
+        observed = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
+        for k, (slot_name, value) in enumerate(zip(scalar_slot_names(op.op, op.statics), observed)):
             wanted = slot_name == "lr" if fused else (writes_param and slot_name in ("alpha", "value"))
             if wanted and isinstance(value, float) and value in (lr, -lr) and lr != 0.0:
                 bindings.append(LrBinding(offsets[op.index] + k, name, index, 1.0 if value == lr else -1.0))
@@ -199,11 +202,13 @@ class HostFreeRunner:
         self.env_template: list = []
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
-             grad_state: tuple | None) -> None:
-        """Specialize the call to the inputs' signature and the objects a host-run call just used."""
+             grad_state: tuple | None, scalars: list | None = None) -> None:
+        """Specialize the call to the inputs' signature and the objects and scalar values a host-run
+        call just used (`scalars`: its dynamic scalars; None: the record's own)."""
+        scalars = list(self.initial_scalars if scalars is None else scalars)
         self._compute_hoisted(objects)
         src = _Source(self.function)
-        src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=self.initial_scalars,
+        src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=scalars,
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
                              GRAD_STATE=gradient_state, SAME=same_object_key)
         lines = self._signature_checks(args, kwargs, grad_state, src)
@@ -220,7 +225,7 @@ class HostFreeRunner:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
-        lr_bindings = find_lr_bindings(self.record, objects, kwargs)
+        lr_bindings = find_lr_bindings(self.record, objects, kwargs, scalars)
         for binding in lr_bindings:
             sign = "-" if binding.sign < 0 else ""
             guards.append(f"s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups[{binding.group}]['lr']")

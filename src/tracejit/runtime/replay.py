@@ -71,7 +71,8 @@ class Replayer:
             if position < self._length and func is self._ops[position].op:
                 step = self._steps[position]
                 if step is not None:
-                    result = step(args, kwargs, self._table, self._bind_first_seen, self.bound_externals)
+                    result = step(args, kwargs, self._table, self._bind_first_seen, self.bound_externals,
+                                  self.scalars)
                     if result is not MISS:
                         self.position = position + 1
                         return result
@@ -222,7 +223,7 @@ class Replayer:
         # the rest of the call runs eagerly on the tensors the host holds: make them all real
         self.program.complete(self.state, self.scalars)
         self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
-                                        self.capture_as_const, self.regions)
+                                        self.capture_as_const, self.regions, self.scalars)
 
     def abandon(self) -> None:
         """The function raised: run the fused members it was handed, so tensors it kept are real and
