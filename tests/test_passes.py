@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from graph_builder import GraphBuilder
+
 from tracejit.ir import Op, verify
 from tracejit.ir.printer import format_graph
 from tracejit.passes import run_pipeline

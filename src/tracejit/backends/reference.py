@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from ..ir.graph import Graph, Node
-from ..record.calls import rebuild_call
 from ..record.callables import resolve_callable
+from ..record.calls import rebuild_call
 
 
 class MemberStep:

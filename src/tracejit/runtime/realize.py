@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import SymbolicTraceError
-from ..record.placeholders import Placeholder
 from ..record.calls import rebuild_call
+from ..record.placeholders import Placeholder
 from ..record.record import Flag, OpRecord, Record, TensorMeta
 
 _copy = torch.ops.aten.copy_.default

@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import LoadError
 from .limits import MAX_NAME_LENGTH, MAX_NDIM, MAX_NUMEL
 
+
 def describe(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
