@@ -26,7 +26,7 @@ from .record.symbolic import SymbolicRecorder
 from .runtime.fused import compile_fused_nodes
 from .runtime.fusion import resolve_fusion
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
-from .runtime.profile import CLOCK, Profiler, write_chrome_trace
+from .runtime.profile import CLOCK, ProfileAccess, Profiler
 from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.realize import Realizer
 from .runtime.replay import Replayer
@@ -54,7 +54,7 @@ class TraceEntry:
         return self.record.created_state and not self.record.rerecorded and self.replays == 0
 
 
-class trace:
+class trace(ProfileAccess):
     """Record a function's aten ops on its first call and replay them on later calls.
 
     Usable as ``@trace`` or ``@trace(**options)``. Positional arguments must be tensors (the
@@ -301,19 +301,9 @@ class trace:
         """The current record of every input signature, oldest first."""
         return [entry.record for entry in self._entries()]
 
-    def get_profile(self) -> dict:
-        """Per-node timings of the compiled program as a JSON-compatible dict (profiling=True)."""
-        return self._require_profiler().report()
-
-    def export_chrome_trace(self, path: str) -> None:
-        """Write the recent node timings as a Chrome trace (opens in Perfetto and chrome://tracing)."""
-        write_chrome_trace(self._require_profiler(), path)
-
-    def _require_profiler(self) -> Profiler:
-        if self._profiler is None:
-            raise RuntimeError(f"{self.__name__}() was traced without profiling; pass profiling=True to "
-                               f"tracejit.trace to collect a profile")
-        return self._profiler
+    def _no_profile_message(self) -> str:
+        return (f"{self.__name__}() was traced without profiling; pass profiling=True to tracejit.trace to collect "
+                f"a profile")
 
     @property
     def history(self) -> list:

@@ -141,3 +141,26 @@ def format_table(report: dict[str, Any], limit: int = 15) -> str:
 def write_chrome_trace(profiler: Profiler, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
         json.dump(profiler.chrome_trace(), f)
+
+
+class ProfileAccess:
+    """`get_profile()` and `export_chrome_trace()` for an object that holds `_profiler` (None when
+    it was made without profiling; `_no_profile_message()` then says how to turn it on)."""
+
+    _profiler: Profiler | None
+
+    def get_profile(self) -> dict:
+        """Per-node timings of the compiled program as a JSON-compatible dict (profiling=True)."""
+        return self._require_profiler().report()
+
+    def export_chrome_trace(self, path: str) -> None:
+        """Write the recent node timings as a Chrome trace (opens in Perfetto and chrome://tracing)."""
+        write_chrome_trace(self._require_profiler(), path)
+
+    def _require_profiler(self) -> Profiler:
+        if self._profiler is None:
+            raise RuntimeError(self._no_profile_message())
+        return self._profiler
+
+    def _no_profile_message(self) -> str:
+        return "profiling is off; pass profiling=True to collect a profile"

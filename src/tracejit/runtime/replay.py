@@ -13,6 +13,7 @@ already run and is kept), once. Any later divergence raises `TraceMismatchError`
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -229,10 +230,9 @@ class Replayer:
         """The function raised: run the fused members it was handed, so tensors it kept are real and
         in-place updates it asked for happened (the exception itself propagates unchanged)."""
         if self.recorder is None:
-            try:
+            # a kept value that cannot be computed raises a mismatch: the user's exception is the news
+            with contextlib.suppress(TraceMismatchError):
                 self.program.complete(self.state, self.scalars)
-            except TraceMismatchError:
-                pass  # a kept value that cannot be computed: the user's exception is the news
 
     def finish(self, result: Any) -> Record | None:
         """Check the end of the call; return a new record if the call re-recorded."""

@@ -18,12 +18,12 @@ from ..passes import pipeline, run_pipeline
 from ..record.record import TensorMeta
 from ..runtime.fused import compile_fused_nodes
 from ..runtime.fusion import resolve_fusion
-from ..runtime.profile import CLOCK, Profiler, write_chrome_trace
+from ..runtime.profile import CLOCK, ProfileAccess, Profiler
 from ..runtime.program import HostFreeProgram
 from .portable import PortableGraph, TestCase, to_graph
 
 
-class LoadedGraph:
+class LoadedGraph(ProfileAccess):
     """A graph from a dump file. Call it with the inputs positionally or by name; it returns the
     outputs as a tuple, or as a dict by output name when the graph was dumped with output_names."""
 
@@ -145,16 +145,6 @@ class LoadedGraph:
         ins = ", ".join(f"{name}: {meta}" for name, meta, _ in self._inputs)
         return f"<tracejit.LoadedGraph {self.name}({ins}), {len(self.portable.ops)} ops>"
 
-    def get_profile(self) -> dict:
-        """Per-node timings as a JSON-compatible dict (load with profiling=True)."""
-        return self._require_profiler().report()
-
-    def export_chrome_trace(self, path: str) -> None:
-        write_chrome_trace(self._require_profiler(), path)
-
-    def _require_profiler(self) -> Profiler:
-        if self._profiler is None:
-            raise RuntimeError(f"{self.name} was loaded without profiling; pass profiling=True to tracejit.load "
-                               f"to collect a profile")
-        return self._profiler
+    def _no_profile_message(self) -> str:
+        return f"{self.name} was loaded without profiling; pass profiling=True to tracejit.load to collect a profile"
 
