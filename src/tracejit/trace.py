@@ -30,6 +30,7 @@ from .runtime.profile import CLOCK, ProfileAccess, Profiler
 from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.realize import Realizer
 from .runtime.replay import Replayer
+from .runtime.stats import TraceStats
 from .signature import describe_signature, gradient_snapshot, gradient_state, signature
 
 
@@ -101,14 +102,17 @@ class trace(ProfileAccess):
         self._profiler = Profiler(self.__name__) if profiling else None
         self._fusion = resolve_fusion(backend)
         self._fast_call: Callable | None = None
+        self.stats = TraceStats()  # what the calls did; see runtime/stats.py
 
     # -- calling --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.stats.calls += 1
         fast = self._fast_call
         if fast is not None and not is_tracing():  # the last host-free trace used, checking its signature
             result = fast(args, kwargs)
             if result is not MISS:
+                self.stats.host_free_calls += 1
                 return result
         if self._profiler is None:
             return self._call(args, kwargs)
@@ -134,8 +138,10 @@ class trace(ProfileAccess):
                 if not (every and entry.host_free_calls % every == 0):
                     result = entry.host_free.call(args, kwargs)
                     if result is not MISS:
+                        self.stats.host_free_calls += 1
                         self._install_fast_call(entry)
                         return result
+                    self.stats.host_free_misses += 1
                     # the world changed under the trace: run the function, which rebinds
         return self._replay(entry, args, kwargs)
 
@@ -202,6 +208,7 @@ class trace(ProfileAccess):
         self._traces.setdefault(key, []).append(entry)
         self._traces[key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
         self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs)
+        self.stats.records += 1
         return result
 
     def _new_recorder(self, kwargs: dict) -> Recorder:
@@ -232,8 +239,10 @@ class trace(ProfileAccess):
             entries = self._traces[entry.key]
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs)
+            self.stats.rerecords += 1
         else:
             entry.replays += 1
+            self.stats.checked_replays += 1
             self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars)
         return result
 

@@ -1,0 +1,25 @@
+"""What the calls of a traced function did: counters a test or a curious user can read.
+
+`trace.stats` tells a JIT that replays from one that silently runs the function eagerly: after
+a few calls of a stable function, `records` stays at 1 and the replays (or host-free calls) grow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TraceStats:
+    calls: int = 0  # every call of the traced function
+    records: int = 0  # calls that recorded a new trace (a first call, a new input signature)
+    rerecords: int = 0  # checked replays of a provisional trace that diverged and recorded it afresh
+    checked_replays: int = 0  # calls that ran the function against a trace and matched it
+    api_replays: int = 0  # of the checked replays, those run at the torch API level (no aten dispatch)
+    host_free_calls: int = 0  # calls served by the compiled program without running the function
+    host_free_misses: int = 0  # without_host calls whose guards failed: the function ran instead
+
+    @property
+    def replays(self) -> int:
+        """Calls served from a recorded trace, checked or host-free."""
+        return self.checked_replays + self.host_free_calls
