@@ -13,12 +13,11 @@ SPECIAL_VALUES = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.9, -4.2, 20.0, -20.0, 88.0,
 
 
 def fused_nodes(traced) -> list:
-    """FUSED nodes of every compiled graph of the trace (checked and host-free)."""
+    """FUSED nodes of the program each trace runs now (see TraceEntry.serving_program)."""
     found = []
     for entry in traced._entries():
-        graphs = [entry.program.graph] + ([entry.host_free.program.graph] if entry.host_free else [])
-        for graph in graphs:
-            found += [n for n in graph.nodes if n.op is Op.FUSED]
+        graph = entry.serving_program.graph
+        found += [n for n in graph.nodes if n.op is Op.FUSED]
     return found
 
 

@@ -35,9 +35,7 @@ def interpreter():
 def programs(traced) -> list:
     found = []
     for entry in traced._entries():
-        found.append(entry.program)
-        if entry.host_free is not None:
-            found.append(entry.host_free.program)
+        found.append(entry.serving_program)
     return found
 
 

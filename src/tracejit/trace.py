@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
+import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,12 +20,14 @@ from .ir.graph import Graph
 from .ir.to_fx import to_fx
 from .options import TraceOptions
 from .passes import PipelineResult, pipeline, run_pipeline
+from .record.api import ApiTracer
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.symbolic import SymbolicRecorder
+from .runtime.api_replay import ApiProgram, call_context_key, run_checked
 from .runtime.fused import compile_fused_nodes
 from .runtime.fusion import resolve_fusion
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
@@ -48,6 +53,16 @@ class TraceEntry:
     host_free_calls: int = 0
     history: list = field(default_factory=list)  # (pass, graph, seconds) of the host-free pipeline
     handles: HandleMap | None = None  # the handle map of the last call that ran the function (weak)
+    api: ApiProgram | None = None  # checked replay at the torch API level (runtime/api_replay.py)
+    api_refused: str | None = None  # why this trace replays at the aten level only
+    api_fallbacks: int = 0  # API-level calls that had to run at the aten level instead
+    api_last_fallback: str | None = None
+
+    @property
+    def serving_program(self) -> CheckedProgram | HostFreeProgram:
+        """The program that computes this trace's calls now: the host-free one once it exists
+        (without_host, or checked replay at the API level), else the aten-level checked program."""
+        return self.host_free.program if self.host_free is not None else self.program
 
     @property
     def provisional(self) -> bool:
@@ -103,6 +118,10 @@ class trace(ProfileAccess):
         self._fusion = resolve_fusion(backend)
         self._fast_call: Callable | None = None
         self.stats = TraceStats()  # what the calls did; see runtime/stats.py
+        # Checked replay at the torch API level (docs/design.md); TRACEJIT_REPLAY=aten keeps every
+        # checked call at the aten level. Profiling times aten-level nodes, so it keeps them too.
+        self._api_level = (not without_host and not profiling
+                           and os.environ.get("TRACEJIT_REPLAY", "api").lower() != "aten")
 
     # -- calling --------------------------------------------------------------------------------
 
@@ -143,6 +162,25 @@ class trace(ProfileAccess):
                         return result
                     self.stats.host_free_misses += 1
                     # the world changed under the trace: run the function, which rebinds
+        if entry.api is not None:
+            return self._replay_api(entry, args, kwargs)
+        return self._replay(entry, args, kwargs)
+
+    def _replay_api(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
+        """A checked call at the torch API level; one that diverges runs at the aten level instead."""
+        inputs = [*args, *(v for _, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))]
+        result, fallback = run_checked(entry.api, self, args, kwargs, inputs)
+        if fallback is None:
+            entry.replays += 1
+            self.stats.checked_replays += 1
+            self.stats.api_replays += 1
+            return result
+        entry.api_fallbacks += 1
+        entry.api_last_fallback = fallback
+        self.stats.api_fallbacks += 1
+        if entry.api_fallbacks >= 3 and entry.api_fallbacks * 4 > entry.replays:
+            entry.api_refused = f"{entry.api_fallbacks} calls diverged at the API level (last: {fallback})"
+        entry.api = None  # the aten-level call rebuilds it from what it sees
         return self._replay(entry, args, kwargs)
 
     def _lookup(self, key: tuple, kwargs: dict) -> TraceEntry | None:
@@ -227,9 +265,15 @@ class trace(ProfileAccess):
             external_names=ExternalNames(self._function, kwargs),
             capture_as_const=self.options.capture_as_const,
         )
+        tracer = self._api_tracer(entry, replayer, args, kwargs)
+        context = call_context_key()
         try:
             with traced_call(CallContext(self, replayer, self.options.capture_as_const)):
-                result = self._function(*args, **kwargs)
+                if tracer is None:
+                    result = self._function(*args, **kwargs)
+                else:
+                    with tracer:
+                        result = self._function(*args, **kwargs)
         except BaseException:
             replayer.abandon()  # what the function did before raising happens, as in an eager call
             raise
@@ -244,7 +288,39 @@ class trace(ProfileAccess):
             entry.replays += 1
             self.stats.checked_replays += 1
             self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars)
+            if tracer is not None:
+                self._prepare_api(entry, tracer.finish(result), replayer, args, kwargs, context)
         return result
+
+    def _api_tracer(self, entry: TraceEntry, replayer: Replayer, args: tuple, kwargs: dict) -> ApiTracer | None:
+        if not self._api_level or entry.api_refused is not None or replayer.may_rerecord:
+            return None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            entry.api_refused = "torch.distributed is initialized (collectives run inside backward)"
+            return None
+        return ApiTracer(replayer, entry.record, args, kwargs)
+
+    def _prepare_api(self, entry: TraceEntry, trace, replayer: Replayer, args: tuple, kwargs: dict,
+                     context: tuple) -> None:
+        """After an aten-level replay that noted its torch-level calls: build the API-level check."""
+        if trace.refused is None:
+            trace.refuse(_kept_values(entry.record, replayer.handles.live(), trace, kwargs))
+        if trace.refused is not None:
+            entry.api_refused = trace.refused
+            return
+        try:
+            if entry.host_free is None:
+                entry.host_free = self._host_free_runner(entry)
+            entry.host_free.bind(replayer.handles.live(), args, kwargs, replayer.names, entry.grad_state,
+                                 replayer.scalars)
+        except HostDependencyError as error:
+            entry.api_refused = f"the compiled program cannot run without the function: {error}"
+            entry.host_free = None
+            return
+        except GuardFailure:
+            return  # an external is gone already: try again on the next aten-level call
+        trace.output_objects = None
+        entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context)
 
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
                            kwargs: dict, scalars: list | None = None) -> None:
@@ -254,15 +330,7 @@ class trace(ProfileAccess):
             return
         try:
             if entry.host_free is None:
-                started = CLOCK()
-                graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
-                result = self._optimize(graph)
-                entry.history = result.history
-                kernels = self._kernels(result.graph, result.history, "without_host")
-                program = HostFreeProgram(result.graph, self._profiler, kernels)
-                entry.host_free = HostFreeRunner(entry.record, program, self._function)
-                if self._profiler is not None:
-                    self._profiler.compiled(CLOCK() - started)
+                entry.host_free = self._host_free_runner(entry)
             entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state, scalars)
             self._install_fast_call(entry)
         except HostDependencyError as error:
@@ -270,6 +338,19 @@ class trace(ProfileAccess):
         except GuardFailure:
             entry.host_free.call = None  # some external is gone: the next call runs the function
             self._fast_call = None
+
+    def _host_free_runner(self, entry: TraceEntry) -> HostFreeRunner:
+        """Compile the trace's host-free program (raises HostDependencyError if it has none)."""
+        started = CLOCK()
+        graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
+        result = self._optimize(graph)
+        entry.history = result.history
+        kernels = self._kernels(result.graph, result.history, "without_host")
+        program = HostFreeProgram(result.graph, self._profiler, kernels)
+        runner = HostFreeRunner(entry.record, program, self._function)
+        if self._profiler is not None:
+            self._profiler.compiled(CLOCK() - started)
+        return runner
 
     def _install_fast_call(self, entry: TraceEntry) -> None:
         """Let the next call try this trace's generated call before anything else. Profiling and
@@ -377,6 +458,49 @@ class trace(ProfileAccess):
         if index < len(self._arg_names):
             return self._arg_names[index]
         return f"arg{index}"
+
+
+def _kept_values(record: Record, live: dict, trace, kwargs: dict) -> str | None:
+    """Why the API level cannot stand in for the call if it keeps computed values beyond the call
+    other than its outputs and gradients (which the host-free program writes back), else None."""
+    result = trace.output_objects
+    outputs = {id(t) for t in _tensors_of(result)}
+    containers = {id(c) for c in _containers_of(result)} | {id(live)}
+    for tensor in _tensors_of(result):  # an output stored elsewhere too keeps its identity there
+        for holder in gc.get_referrers(tensor):
+            if id(holder) not in containers and not isinstance(holder, types.FrameType):
+                return "the function keeps an output tensor beyond the call besides returning it"
+    grads = {id(p.grad) for module in kwargs.values() if isinstance(module, torch.nn.Module)
+             for p in module.parameters() if p.grad is not None}
+    for handle, tensor in live.items():
+        info = record.tensors[handle]
+        if info.kind is Kind.INTERNAL and id(tensor) not in outputs and id(tensor) not in grads:
+            return (f"the function keeps t{handle} (made at {_producer_source(record, handle)}) beyond the call; "
+                    f"the API level hands out placeholders for such values")
+    return None
+
+
+def _containers_of(value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        return [value, *(c for v in value for c in _containers_of(v))]
+    if isinstance(value, dict):
+        return [value, *(c for v in value.values() for c in _containers_of(v))]
+    return []
+
+
+def _tensors_of(value: Any) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_of(v)]
+    return []
+
+
+def _producer_source(record: Record, handle: int) -> str:
+    producer = record.tensors[handle].producer
+    return str(record.ops[producer].source) if producer is not None else "?"
 
 
 def _record_itself(record: Record) -> Record:

@@ -184,6 +184,18 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
         _local.context = outer
 
 
+@contextlib.contextmanager
+def api_checked_call(context: CallContext) -> Iterator[CallContext]:
+    """Run a block as a traced call checked at the torch API level: the thread's call context only,
+    no dispatch mode and no hooks (the checker, a TorchFunctionMode, sees every torch call)."""
+    outer = check_not_nested(context.function_name)
+    _local.context = context
+    try:
+        yield context
+    finally:
+        _local.context = outer
+
+
 def check_not_nested(function_name: str) -> CallContext | None:
     """Refuse a traced call inside another one (outside an excluded block); return the context."""
     outer = current_context()

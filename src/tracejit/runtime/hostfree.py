@@ -226,15 +226,19 @@ class HostFreeRunner:
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
         lr_bindings = find_lr_bindings(self.record, objects, kwargs, scalars)
+        self.bound_scalars = scalars  # a checked call at the API level starts from these (`S`)
         for binding in lr_bindings:
             sign = "-" if binding.sign < 0 else ""
-            guards.append(f"s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups[{binding.group}]['lr']")
-        # the program only reads the scalars: without learning rates to bind, the recorded list serves
-        lines += ["s = list(SCALARS)" if lr_bindings else "s = SCALARS", "try:", *(f"    {line}" for line in guards),
+            guards.append(f"if S is None: s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups"
+                          f"[{binding.group}]['lr']")
+        # The program only reads the scalars: without learning rates to bind, the recorded list
+        # serves. A checked call at the API level passes the numbers the function just used (S).
+        own = "list(SCALARS)" if lr_bindings else "SCALARS"
+        lines += [f"s = {own} if S is None else S", "try:", *(f"    {line}" for line in guards),
                   "except (KeyError, AttributeError, IndexError, TypeError):",
                   "    return MISS  # a module, optimizer or global no longer has what it had"]
         lines += self._program_lines(objects, src)
-        self.sources["call"], self.call = src.function("call", "args, kw", lines)
+        self.sources["call"], self.call = src.function("call", "args, kw, S=None", lines)
 
     def _program_lines(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
         """The program's straight-line body inlined after the guards (they bound its inputs to the

@@ -1,0 +1,283 @@
+"""The torch-level calls of a host-run call: what checked replay at the API level matches.
+
+While a checked replay runs at the aten level (every op dispatched, matched and computed), an
+`ApiTracer` (a `TorchFunctionMode`) notes each torch-level call the function makes: `F.linear`,
+`loss.backward()`, `torch._fused_adam_`, a `p.grad` read. For each it keeps the function, its
+arguments with every tensor replaced by a reference (an input, an external object, or the handle
+of a value the trace computes), what it returned, and the span of aten ops it dispatched.
+
+Later calls can then run the function under `runtime/api_replay.py`'s checker, which matches the
+calls by position and answers them without computing anything; the host-free program computes.
+That is sound only for programs whose Python side the checker can stand in for, so the tracer
+also decides whether the trace is *replayable at the API level* and says why not when it is not:
+Python code running inside `backward()` (hooks, custom autograd functions, checkpointing), calls
+that change state the checker does not model, tensors it cannot follow, the RNG reseeded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .record import Kind, Record
+from .source import SourceLocation, user_location
+
+# Values an answer may hold as recorded (anything else is run for real, or refused).
+PLAIN_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+               torch.memory_format, slice, type(Ellipsis))
+
+# Calls that change state outside the tensors the program computes: replaying them virtually would
+# lose the change, running them for real would change it before the check is done.
+STATE_CHANGES = frozenset({
+    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "share_memory_",
+    "_fix_weakref", "__setstate__", "set_", "resize_", "__set_name__",
+})
+# Calls without tensor effects that must happen when the function runs (grad mode, profiler ranges).
+RUN_FOR_REAL = frozenset({"_set_grad_enabled", "_record_function_enter_new", "_record_function_exit",
+                          "_record_function_enter", "is_grad_enabled"})
+BACKWARD = frozenset({"Tensor.backward", "backward", "grad", "_engine_run_backward"})
+
+
+class RefKind:
+    INPUT = "input"  # the i-th tensor input of the call (positional, then keyword by name)
+    EXTERNAL = "external"  # an object from outside the call, held weakly
+    VALUE = "value"  # a value the trace computes (handle)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    kind: str
+    key: Any  # input index, external slot, or handle
+
+
+class CallKind:
+    COMPUTE = "compute"  # dispatched aten ops: answered from references, the program computes
+    VIRTUAL = "virtual"  # no aten ops: answered as recorded (metadata, .grad reads and writes)
+    REAL = "real"  # no aten ops, no state: run for real (grad mode, profiler ranges, grouping helpers)
+
+
+@dataclass
+class ApiCall:
+    index: int
+    func: Any
+    name: str
+    kind: str
+    span: tuple[int, int]  # aten positions [start, end)
+    args: Any  # args with tensors as TensorRef
+    kwargs: dict
+    result: Any  # result with tensors as TensorRef (COMPUTE, VIRTUAL)
+    source: SourceLocation
+
+
+@dataclass
+class ApiTrace:
+    """The torch-level calls of one host-run call, and whether the API level can replay them."""
+
+    calls: list[ApiCall] = field(default_factory=list)
+    externals: list[weakref.ref] = field(default_factory=list)  # slot -> object
+    refused: str | None = None  # why the API level cannot replay this trace
+    output: Any = None  # the call's result with tensors as TensorRef
+    output_objects: Any = None  # the call's result itself, until the API program is built
+
+    def refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = reason
+
+
+def function_name(func: Any) -> str:
+    """A readable name: `linear`, `Tensor.add_`, `TensorBase.grad.__get__`."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":
+        return f"{owner.__objclass__.__name__}.{owner.__name__}.{func.__name__}"
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return qualname.replace("_VariableFunctionsClass.", "").replace("_TensorBase.", "Tensor.")
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TRACEJIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+# torch's own Python that runs user code or is user-visible state inside backward
+_TORCH_HOOK_FILES = ("utils/hooks.py", "utils/checkpoint.py", "autograd/function.py", "nn/parallel/", "random.py",
+                     "distributed/")
+
+
+def _foreign_frame(filename: str) -> bool:
+    """True for Python code that the checker would skip: the user's, or torch's hook machinery."""
+    if filename.startswith(_TRACEJIT_DIR) or filename.startswith(_STDLIB_DIR):
+        return False
+    if filename.startswith(_TORCH_DIR):
+        return filename[len(_TORCH_DIR):].startswith(_TORCH_HOOK_FILES)
+    return not filename.startswith("<")  # generated code (tracejit's steps, dataclass methods)
+
+
+class ApiTracer(TorchFunctionMode):
+    """Notes the torch-level calls of a checked replay (see module docstring)."""
+
+    def __init__(self, replayer: Any, record: Record, args: tuple, kwargs: dict):
+        super().__init__()
+        self.replayer = replayer
+        self.record = record
+        self.trace = ApiTrace()
+        self.known: dict[int, tuple[TensorRef, weakref.ref]] = {}
+        inputs = [*args, *(v for _, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))]
+        for index, tensor in enumerate(inputs):
+            self.known.setdefault(id(tensor), (TensorRef(RefKind.INPUT, index), weakref.ref(tensor)))
+        self._profiling = False
+
+    # -- the mode -------------------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.trace.refused is not None:
+            return func(*args, **kwargs)
+        name = function_name(func)
+        start = self._position()
+        backward = _short(name) in BACKWARD or name == "Tensor.backward"
+        if backward:
+            result = self._watch_backward(func, args, kwargs)
+        else:
+            result = func(*args, **kwargs)
+        try:
+            self._note(func, name, args, kwargs, result, start, self._position())
+        except _Unfollowable as reason:
+            self.trace.refuse(f"{name} at {user_location()}: {reason}")
+        return result
+
+    def _position(self) -> int:
+        if self.replayer.recorder is not None:
+            self.trace.refuse("the call re-recorded")
+            return len(self.replayer.recorder.ops)
+        return self.replayer.position
+
+    def _watch_backward(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a backward pass watching for Python code the checker would not run (hooks)."""
+        previous = sys.getprofile()
+        seen: list[str] = []
+
+        def profile(frame, event, arg):
+            if event == "call" and not seen and _foreign_frame(frame.f_code.co_filename):
+                seen.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+
+        sys.setprofile(profile)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            sys.setprofile(previous)
+            if seen:
+                self.trace.refuse(f"Python code runs inside backward(): {seen[0]}")
+
+    def finish(self, result: Any) -> ApiTrace:
+        self.trace.output_objects = result  # for the kept-values check right after the call
+        try:
+            self.trace.output = self._template(result)
+        except _Unfollowable as reason:
+            self.trace.refuse(f"the function returns {reason}")
+        if not self.trace.calls:
+            self.trace.refuse("the function makes no torch call")
+        return self.trace
+
+    # -- references -----------------------------------------------------------------------------
+
+    def _ref(self, tensor: torch.Tensor) -> TensorRef:
+        """A reference to `tensor` that sticks to the object: Python's view of identity is what the
+        checker compares."""
+        known = self.known.get(id(tensor))
+        if known is not None and known[1]() is tensor:
+            return known[0]
+        handle = self.replayer.handles.get(tensor)
+        if handle is not None and self.record.tensors[handle].kind is Kind.INTERNAL:
+            return self._remember(tensor, TensorRef(RefKind.VALUE, handle))
+        self.trace.externals.append(weakref.ref(tensor))
+        return self._remember(tensor, TensorRef(RefKind.EXTERNAL, len(self.trace.externals) - 1))
+
+    def _remember(self, tensor: torch.Tensor, ref: TensorRef) -> TensorRef:
+        self.known[id(tensor)] = (ref, weakref.ref(tensor))
+        return ref
+
+    def _template(self, value: Any) -> Any:
+        """`value` with tensors replaced by references; raises _Unfollowable for what cannot be kept."""
+        if isinstance(value, torch.Tensor):
+            return self._ref(value)
+        if isinstance(value, PLAIN_TYPES):
+            return value
+        if isinstance(value, torch.Size):
+            return value
+        if isinstance(value, (list, tuple)):
+            items = [self._template(v) for v in value]
+            if type(value) in (list, tuple):
+                return type(value)(items)
+            if isinstance(value, tuple) and hasattr(type(value), "n_fields"):  # torch.return_types
+                return _StructSeq(type(value), tuple(items))
+            raise _Unfollowable(f"a {type(value).__name__}")
+        if type(value) is dict and all(isinstance(k, str) for k in value):
+            return {k: self._template(v) for k, v in value.items()}
+        if isinstance(value, torch.autograd.graph.Node):
+            return RecordedNode(value.name())
+        raise _Unfollowable(f"a {type(value).__name__}")
+
+    # -- classification -------------------------------------------------------------------------
+
+    def _note(self, func: Any, name: str, args: tuple, kwargs: dict, result: Any, start: int, end: int) -> None:
+        short = _short(name)
+        if short in STATE_CHANGES or (short == "__set__" and ".grad." not in name):
+            raise _Unfollowable("it changes state the API-level replay does not model")
+        index = len(self.trace.calls)
+        source = user_location()
+        if short in RUN_FOR_REAL:
+            kind = CallKind.REAL
+        elif end > start:
+            kind = CallKind.COMPUTE
+        else:
+            kind = CallKind.VIRTUAL
+        if kind is CallKind.COMPUTE or kind is CallKind.VIRTUAL:
+            try:
+                template_args = self._template(args)
+                template_kwargs = {k: self._template(v) for k, v in kwargs.items()}
+                template_result = self._template(result)
+            except _Unfollowable:
+                if kind is CallKind.COMPUTE:
+                    raise
+                # helpers such as torch._group_tensors_by_device_and_dtype: pure, run for real
+                kind, template_args, template_kwargs, template_result = CallKind.REAL, None, None, None
+        else:
+            template_args = template_kwargs = template_result = None
+        self.trace.calls.append(ApiCall(index, func, name, kind, (start, end), template_args, template_kwargs,
+                                        template_result, source))
+
+
+class _Unfollowable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _StructSeq:
+    """A torch.return_types result (values, indices), rebuilt as its type on replay."""
+
+    type: type
+    items: tuple
+
+
+@dataclass(frozen=True)
+class RecordedNode:
+    """Stands for the `grad_fn` a replayed value had when recorded (the replay builds no graph)."""
+
+    recorded_name: str
+
+    def name(self) -> str:
+        return self.recorded_name
+
+    def __repr__(self) -> str:
+        return f"<{self.recorded_name} (recorded)>"
+
+
+StructSeq = _StructSeq

@@ -1,0 +1,391 @@
+"""Checked replay at the torch API level: the function runs and is checked, the program computes.
+
+Once a trace has replayed at the aten level (record/api.py noting its torch-level calls), a call
+runs the function under an `ApiChecker`, a `TorchFunctionMode` that matches each torch-level call
+by position (same function, tensors wired to the same objects and values, Python numbers equal)
+and answers it without computing: a value the trace computes is answered with a *placeholder*
+(a tensor of the recorded layout over a shared scratch buffer, never read), an input or external
+with the object itself, a metadata query or a `.grad` read with what it returned when recorded;
+a `.grad` write is not performed. Nothing is dispatched to aten and no autograd graph is built.
+
+Only when the whole function has run and matched does the host-free program (runtime/hostfree.py)
+run, with its own guards: so a call that diverges has changed no tensor, and falls back to the
+aten-level replay, which either follows the new path (a changed Python number, a re-record) or
+raises its precise `TraceMismatchError`. The price of that fallback is that the function's own
+Python side effects happen twice in such a call.
+
+The learning rates the host-free program binds from `param_groups` are checked against the
+numbers the optimizer passes; every other number must equal the recorded one.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..record.api import (
+    RUN_FOR_REAL,
+    ApiCall,
+    ApiTrace,
+    CallKind,
+    RecordedNode,
+    RefKind,
+    StructSeq,
+    TensorRef,
+    function_name,
+)
+from ..record.modes import CallContext, api_checked_call
+from ..record.record import Record
+from .hostfree import MISS, HostFreeRunner
+from .program import scalar_layout
+
+FAIL = object()  # what a generated step returns when the call differs from the recorded one
+_PRIMITIVE_CHECKS = {bool: "is", type(None): "is"}
+
+
+class ApiDiverged(BaseException):  # noqa: N818 - control flow, not an error the user sees
+    """Raised through the user's function when a call differs: unwinds it without computing.
+    A BaseException, so that `except Exception` in the function does not swallow it."""
+
+
+def call_context_key() -> tuple:
+    """The global state that decides which ops a torch call dispatches, checked per call."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled())
+
+
+class ApiProgram:
+    """The generated checks and answers of one trace's torch-level calls, and its placeholders."""
+
+    def __init__(self, trace: ApiTrace, record: Record, runner: HostFreeRunner, output: Any, context: tuple):
+        self.record = record
+        self.runner = runner
+        self.context = context
+        self.external_refs = list(trace.externals)
+        # captured constants must not change (the aten level names the one that did)
+        self.constants = [(weakref.ref(t), record.constant_versions[h]) for h, t in record.constants.items()
+                          if h in record.constant_versions]
+        self.calls = trace.calls
+        self.funcs = [call.func for call in trace.calls]
+        self.placeholders = _placeholders(record, trace, output)
+        self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}}
+        self.locals = 0
+        self.scalars = list(runner.bound_scalars)
+        self.scalar_offsets, _ = scalar_layout(record)
+        self.sources: list[str] = []
+        self.steps = [self._step(call) for call in trace.calls]
+        self.check_output = self._function("check_output", "value, A, E, P", _match("value", output, self) +
+                                           ["return True"])
+
+    # -- code generation ------------------------------------------------------------------------
+
+    def constant(self, value: Any, prefix: str = "c") -> str:
+        name = f"{prefix}{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def local(self) -> str:
+        self.locals += 1
+        return f"v{self.locals}"
+
+    def _function(self, name: str, params: str, body: list[str]) -> Any:
+        source = f"def {name}({params}):\n" + "".join(f"    {line}\n" for line in body)
+        self.sources.append(source)
+        exec(compile(source, f"<tracejit api {name}>", "exec"), self.namespace)
+        return self.namespace[name]
+
+    def _step(self, call: ApiCall) -> Any:
+        name = f"call{call.index}"
+        params = "args, kwargs, A, E, P, S"
+        if call.kind is CallKind.REAL:
+            return self._function(name, params, [f"return {self.constant(call.func, 'f')}(*args, **kwargs)"])
+        body = [f"if len(args) != {len(call.args)}: return FAIL"]
+        if call.kwargs:
+            body.append(f"if kwargs.keys() != {self.constant(set(call.kwargs), 'k')}: return FAIL")
+        else:
+            body.append("if kwargs: return FAIL")
+        numbers = _Numbers(self._direct_slots(call))
+        for i, template in enumerate(call.args):
+            body += _match(f"args[{i}]", template, self, numbers)
+        for key, template in call.kwargs.items():
+            body += _match(f"kwargs[{key!r}]", template, self, numbers)
+        body.append(f"return {_answer(call.result, self)}")
+        return self._function(name, params, body)
+
+    def _direct_slots(self, call: ApiCall) -> list | None:
+        """The scalar slot of each Python number of `call`, when the call binds one aten op directly
+        (`x.add_(y, alpha=a)` is aten.add_ with a dynamic scalar `alpha`) and its numbers are that
+        op's dynamic scalars, in order; else None (the numbers must not change)."""
+        start, end = call.span
+        if call.kind is not CallKind.COMPUTE or end - start != 1:
+            return None
+        op = self.record.ops[start]
+        if _direct_name(call.name) != op.op._schema.name.split("::")[-1]:
+            return None
+        numbers = _numbers((call.args, call.kwargs), [])
+        offset = self.scalar_offsets[start]
+        seen = self.scalars[offset:offset + len(op.scalars)]  # what this op got in the traced call
+        if [type(n) for n in numbers] != [type(v) for v in seen] or numbers != seen:
+            return None
+        return [offset + i for i in range(len(numbers))]
+
+    # -- per call -------------------------------------------------------------------------------
+
+    def constants_changed(self) -> bool:
+        for ref, version in self.constants:
+            tensor = ref()
+            if tensor is None or tensor._version != version:
+                return True
+        return False
+
+    def externals(self) -> list | None:
+        objects = [ref() for ref in self.external_refs]
+        return None if any(o is None for o in objects) else objects
+
+    def kept_placeholder(self) -> int | None:
+        """The handle of a placeholder something outside the checker still holds (the function kept
+        a value the recorded call did not), or None."""
+        placeholders = self.placeholders
+        for handle in placeholders:
+            if sys.getrefcount(placeholders[handle]) > 2:  # the dict and getrefcount's argument
+                return handle
+        return None
+
+
+class _Numbers:
+    """The Python numbers of one call, in argument order: those that reach a dynamic scalar of the
+    one aten op the call binds directly are passed on to the program (`S[slot] = value`); every
+    other number must equal the recorded one."""
+
+    def __init__(self, slots: list | None):
+        self.slots = slots  # per number, in order: its scalar slot or None
+        self.count = 0
+
+    def line(self, expr: str, value: Any) -> str | None:
+        index, self.count = self.count, self.count + 1
+        slot = self.slots[index] if self.slots is not None and index < len(self.slots) else None
+        if slot is None:
+            return None
+        return f"if type({expr}) is not {type(value).__name__}: return FAIL\nS[{slot}] = {expr}"
+
+
+def _ref_expr(ref: TensorRef) -> str:
+    return {RefKind.INPUT: "A", RefKind.EXTERNAL: "E", RefKind.VALUE: "P"}[ref.kind] + f"[{ref.key}]"
+
+
+def _match(expr: str, template: Any, program: ApiProgram, numbers: _Numbers | None = None) -> list[str]:
+    """Lines that return FAIL unless `expr` matches the recorded `template`."""
+    if isinstance(template, TensorRef):
+        return [f"if {expr} is not {_ref_expr(template)}: return FAIL"]
+    if template is None or type(template) is bool:
+        return [f"if {expr} is not {template}: return FAIL"]
+    if type(template) in (list, tuple) or isinstance(template, torch.Size):
+        plain = numbers is None or numbers.slots is None or isinstance(template, torch.Size)
+        if plain and all(not isinstance(t, (TensorRef, list, tuple)) for t in template):
+            if all(type(t) in (int, bool, str, type(None)) for t in template):
+                return [f"if {expr} != {program.constant(tuple(template), 't')} and {expr} != "
+                        f"{program.constant(list(template), 'l')}: return FAIL"]
+        local = program.local()
+        lines = [f"{local} = {expr}", f"if type({local}) not in (list, tuple) or len({local}) != {len(template)}: "
+                                      f"return FAIL"]
+        for i, item in enumerate(template):
+            lines += _match(f"{local}[{i}]", item, program, numbers)
+        return lines
+    if type(template) is dict:
+        local = program.local()
+        lines = [f"{local} = {expr}",
+                 f"if type({local}) is not dict or {local}.keys() != {program.constant(set(template), 'k')}: return FAIL"]
+        for key, item in template.items():
+            lines += _match(f"{local}[{key!r}]", item, program, numbers)
+        return lines
+    if type(template) in (int, float) and numbers is not None:
+        line = numbers.line(expr, template)
+        if line is not None:
+            return line.split("\n")
+    if type(template) is float:
+        if template != template:  # nan
+            return [f"if type({expr}) is not float or {expr} == {expr}: return FAIL"]
+        return [f"if type({expr}) is not float or {expr} != {template!r}: return FAIL"]
+    if type(template) in (int, str, complex):
+        return [f"if type({expr}) is not {type(template).__name__} or {expr} != {template!r}: return FAIL"]
+    if isinstance(template, (torch.dtype, torch.layout, torch.memory_format)):
+        return [f"if {expr} is not {program.constant(template, 'd')}: return FAIL"]
+    # devices, slices, Ellipsis and the like compare by value
+    return [f"if {expr} != {program.constant(template, 'x')}: return FAIL"]
+
+
+def _answer(template: Any, program: ApiProgram) -> str:
+    if isinstance(template, TensorRef):
+        return _ref_expr(template)
+    if isinstance(template, StructSeq):
+        items = "".join(f"{_answer(t, program)}, " for t in template.items)
+        return f"{program.constant(template.type, 'T')}(({items}))"
+    if type(template) is list:
+        return "[" + ", ".join(_answer(t, program) for t in template) + "]"
+    if type(template) is tuple:
+        return "(" + "".join(f"{_answer(t, program)}, " for t in template) + ")"
+    if template is None or type(template) in (bool, int):
+        return repr(template)
+    return program.constant(template, "r")
+
+
+# dunder methods and the aten ops they bind
+_DUNDERS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub",
+            "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
+            "__itruediv__": "div_", "__pow__": "pow", "__ipow__": "pow_"}
+
+
+def _direct_name(name: str) -> str:
+    short = name.rsplit(".", 1)[-1]
+    return _DUNDERS.get(short, short)
+
+
+def _numbers(template: Any, found: list) -> list:
+    """The int and float leaves of a call's arguments, in the order _match visits them."""
+    if type(template) in (int, float):
+        found.append(template)
+    elif type(template) in (list, tuple):
+        for item in template:
+            _numbers(item, found)
+    elif type(template) is dict:
+        for item in template.values():
+            _numbers(item, found)
+    return found
+
+
+def _value_refs(template: Any, found: set) -> set:
+    if isinstance(template, TensorRef):
+        if template.kind is RefKind.VALUE:
+            found.add(template.key)
+    elif isinstance(template, (list, tuple)):
+        for item in template:
+            _value_refs(item, found)
+    elif isinstance(template, StructSeq):
+        _value_refs(template.items, found)
+    elif isinstance(template, dict):
+        _value_refs(list(template.values()), found)
+    return found
+
+
+def _placeholders(record: Record, trace: ApiTrace, output: Any) -> dict[int, torch.Tensor]:
+    """One placeholder per value the function sees: its recorded layout over one scratch buffer per
+    device and dtype, as large as the largest of them (they are never read or written)."""
+    handles: set = set()
+    for call in trace.calls:
+        if call.kind is not CallKind.REAL:
+            _value_refs((call.args, call.kwargs, call.result), handles)
+    _value_refs(output, handles)
+    spans: dict[tuple, int] = {}
+    for handle in handles:
+        meta = record.tensors[handle].meta
+        span = 1 + sum((size - 1) * stride for size, stride in zip(meta.shape, meta.stride) if size > 0)
+        key = (meta.device, meta.dtype)
+        spans[key] = max(spans.get(key, 0), span if all(meta.shape) else 0)
+    scratch = {key: torch.empty(max(span, 1), dtype=key[1], device=key[0]) for key, span in spans.items()}
+    placeholders = {}
+    for handle in sorted(handles):
+        meta = record.tensors[handle].meta
+        placeholders[handle] = scratch[(meta.device, meta.dtype)].as_strided(meta.shape, meta.stride)
+    return placeholders
+
+
+class ApiChecker(TorchFunctionMode):
+    """Matches and answers the torch-level calls of one call (see module docstring)."""
+
+    def __init__(self, program: ApiProgram, inputs: list, externals: list):
+        super().__init__()
+        self.steps = program.steps
+        self.funcs = program.funcs
+        self.count = len(program.steps)
+        self.program = program
+        self.inputs = inputs
+        self.externals = externals
+        self.placeholders = program.placeholders
+        self.scalars = list(program.scalars)  # the numbers this call passes to the program
+        self.position = 0
+        self.diverged: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        position = self.position
+        if self.diverged is not None and _short(_name(func)) in RUN_FOR_REAL:
+            return func(*args, **(kwargs or {}))  # unwinding: `finally` blocks restore grad mode
+        if position < self.count and self.diverged is None:
+            recorded = self.funcs[position]
+            if func is recorded or func == recorded:
+                answer = self.steps[position](args, kwargs or {}, self.inputs, self.externals, self.placeholders,
+                                              self.scalars)
+                if answer is not FAIL:
+                    self.position = position + 1
+                    return answer
+                self.diverge(f"call #{position} {self.program.calls[position].name} has other arguments than "
+                             f"recorded at {self.program.calls[position].source}")
+            self.diverge(f"call #{position} is {_name(func)}, recorded {self.program.calls[position].name} at "
+                         f"{self.program.calls[position].source}")
+        self.diverge(f"an extra call {_name(func)} after the {self.count} recorded ones")
+
+    def diverge(self, why: str) -> None:
+        if self.diverged is None:
+            self.diverged = why
+        raise ApiDiverged(self.diverged)
+
+    # the handler protocol of a traced call (modes.Handler): none of these happen in a matching call
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.diverge(f"aten op {func} dispatched outside a recorded torch call")
+
+    def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
+        self.diverge(f"a host read {what} the record does not have")
+
+    def on_excluded_block(self) -> None:
+        self.diverge("an exclude_from_trace() block the record does not have")
+
+
+def _name(func: Any) -> str:
+    return function_name(func)
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inputs: list) -> tuple[Any, str | None]:
+    """Run `function` under the checker, then the host-free program. Returns (result, None), or
+    (None, why) when the call must run at the aten level instead (nothing was computed)."""
+    if call_context_key() != program.context:
+        return None, "the torch context (grad mode, autocast, default dtype, determinism) changed"
+    externals = program.externals()
+    if program.constants and program.constants_changed():
+        return None, "a captured constant changed"
+    if externals is None:
+        return None, "an object the trace uses was freed"
+    checker = ApiChecker(program, inputs, externals)
+    try:
+        with api_checked_call(CallContext(trace, checker, trace.options.capture_as_const)):
+            with checker:
+                result = trace._function(*args, **kwargs)
+    except ApiDiverged:
+        return None, checker.diverged
+    except Exception as error:  # noqa: BLE001 - the aten level reruns the call and raises it for real
+        return None, f"the function raised {type(error).__name__}"
+    if checker.diverged is not None:
+        return None, checker.diverged  # the function swallowed ApiDiverged
+    if checker.position != checker.count:
+        call = program.calls[checker.position]
+        return None, f"the call ended before call #{checker.position} {call.name} at {call.source}"
+    if not program.check_output(result, inputs, externals, program.placeholders):
+        return None, "the function returned other values than recorded"
+    del result
+    kept = program.kept_placeholder()
+    if kept is not None:
+        return None, f"the function kept t{kept}, which the recorded call did not keep"
+    output = program.runner.call(args, kwargs, checker.scalars)
+    if output is MISS:
+        return None, "a guard of the compiled program failed"
+    return output, None
+
+
+__all__ = ["ApiChecker", "ApiDiverged", "ApiProgram", "RecordedNode", "call_context_key", "run_checked"]
