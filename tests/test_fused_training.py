@@ -171,7 +171,28 @@ def test_rematerialized_activations_fuse_with_their_backward():
     assert "rematerialize" in [name for name, _, _ in traced.history] and fused_nodes(traced)
 
 
-def test_keeping_a_value_the_kernel_overwrote_is_a_mismatch_not_a_wrong_number():
+def test_keeping_a_value_the_kernel_overwrote_is_computed_at_the_api_level():
+    kept = []
+
+    def step(x, *, w):
+        a = w * 2  # computed inside the kernel from w, which the kernel then updates in place
+        w.add_(x)
+        if len(kept) == 3:
+            kept.append(a)  # a reference the recorded call never kept
+        return w + 1
+
+    traced = tracejit.trace(step, backend="c")
+    w = torch.zeros(8)
+    for _ in range(3):
+        traced(torch.ones(8), w=w)
+        kept.append(None)
+    traced(torch.ones(8), w=w)  # the API level runs this call op by op, filling the kept value
+    assert torch.equal(kept[3], torch.full((8,), 6.0)) and torch.equal(w, torch.full((8,), 4.0))
+    assert traced.stats.api_replays == 2
+
+
+def test_keeping_a_value_the_kernel_overwrote_is_a_mismatch_not_a_wrong_number(monkeypatch):
+    monkeypatch.setenv("TRACEJIT_REPLAY", "aten")  # the aten level cannot recompute it
     kept = []
 
     def step(x, *, w):

@@ -225,12 +225,12 @@ def test_learning_rate_schedule_runs_one_compiled_program():
     model_a, model_b = make_model("mlp"), make_model("mlp")
     opt_a, opt_b = optimizer("sgd_momentum", model_a.parameters()), optimizer("sgd_momentum", model_b.parameters())
     traced = trace(train_step)
-    for step in range(4):
+    for step in range(5):
         for opt in (opt_a, opt_b):
             opt.param_groups[0]["lr"] = 0.05 / (step + 1)
         x, y = batch("mlp", step)
         assert close_state(train_step(x, y, model=model_a, opt=opt_a), traced(x, y, model=model_b, opt=opt_b))
-        if step == 1:
+        if step == 2:  # from the third call on, the host-free program computes checked calls
             launchers = ts.triton_launchers(traced)
     assert ts.triton_launchers(traced) == launchers and len(traced._entries()) == 1
     for a, b in zip(model_a.parameters(), model_b.parameters()):

@@ -303,8 +303,9 @@ class trace(ProfileAccess):
     def _prepare_api(self, entry: TraceEntry, trace, replayer: Replayer, args: tuple, kwargs: dict,
                      context: tuple) -> None:
         """After an aten-level replay that noted its torch-level calls: build the API-level check."""
+        replayer.state = None  # what the aten-level program held for the call: not the function's
         if trace.refused is None:
-            trace.refuse(_kept_values(entry.record, replayer.handles.live(), trace, kwargs))
+            trace.refuse(_kept_values(entry.record, replayer.handles.live(), trace, kwargs, [trace]))
         if trace.refused is not None:
             entry.api_refused = trace.refused
             return
@@ -320,7 +321,8 @@ class trace(ProfileAccess):
         except GuardFailure:
             return  # an external is gone already: try again on the next aten-level call
         trace.output_objects = None
-        entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context)
+        externals = {h: t for h, t in replayer.handles.live().items() if entry.record.tensors[h].kind is Kind.EXTERNAL}
+        entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context, externals)
 
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
                            kwargs: dict, scalars: list | None = None) -> None:
@@ -460,16 +462,22 @@ class trace(ProfileAccess):
         return f"arg{index}"
 
 
-def _kept_values(record: Record, live: dict, trace, kwargs: dict) -> str | None:
+def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) -> str | None:
     """Why the API level cannot stand in for the call if it keeps computed values beyond the call
     other than its outputs and gradients (which the host-free program writes back), else None."""
     result = trace.output_objects
-    outputs = {id(t) for t in _tensors_of(result)}
-    containers = {id(c) for c in _containers_of(result)} | {id(live)}
-    for tensor in _tensors_of(result):  # an output stored elsewhere too keeps its identity there
+    internal = {id(t) for h, t in live.items() if record.tensors[h].kind is Kind.INTERNAL}
+    returned = [t for t in _tensors_of(result) if id(t) in internal]
+    outputs = {id(t) for t in returned} | {id(t._base) for t in returned if t._base is not None}
+    containers = {id(c) for c in _containers_of(result)} | {id(live), id(returned)} | {id(o) for o in ours}
+    for tensor in returned:
+        if tensor._base is not None:  # the host-free program's outputs may share its reused memory
+            return "the function returns a view of a value the trace computes"
+    for tensor in returned:  # an output stored elsewhere too keeps its identity there
         for holder in gc.get_referrers(tensor):
             if id(holder) not in containers and not isinstance(holder, types.FrameType):
-                return "the function keeps an output tensor beyond the call besides returning it"
+                return (f"the function keeps an output tensor beyond the call besides returning it "
+                        f"(in a {type(holder).__name__})")
     grads = {id(p.grad) for module in kwargs.values() if isinstance(module, torch.nn.Module)
              for p in module.parameters() if p.grad is not None}
     for handle, tensor in live.items():

@@ -38,10 +38,15 @@ from ..record.api import (
     TensorRef,
     function_name,
 )
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import TraceMismatchError
+from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, api_checked_call
 from ..record.record import Record
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
+from .realize import _store_outputs
 
 FAIL = object()  # what a generated step returns when the call differs from the recorded one
 _PRIMITIVE_CHECKS = {bool: "is", type(None): "is"}
@@ -62,8 +67,10 @@ def call_context_key() -> tuple:
 class ApiProgram:
     """The generated checks and answers of one trace's torch-level calls, and its placeholders."""
 
-    def __init__(self, trace: ApiTrace, record: Record, runner: HostFreeRunner, output: Any, context: tuple):
+    def __init__(self, trace: ApiTrace, record: Record, runner: HostFreeRunner, output: Any, context: tuple,
+                 externals: dict[int, torch.Tensor]):
         self.record = record
+        self.external_objects = {h: weakref.ref(t) for h, t in externals.items()}  # by handle, for run_op_by_op
         self.runner = runner
         self.context = context
         self.external_refs = list(trace.externals)
@@ -111,28 +118,39 @@ class ApiProgram:
             body.append("if kwargs: return FAIL")
         numbers = _Numbers(self._direct_slots(call))
         for i, template in enumerate(call.args):
+            numbers.key = ("arg", i)
             body += _match(f"args[{i}]", template, self, numbers)
         for key, template in call.kwargs.items():
+            numbers.key = ("kw", key)
             body += _match(f"kwargs[{key!r}]", template, self, numbers)
         body.append(f"return {_answer(call.result, self)}")
         return self._function(name, params, body)
 
-    def _direct_slots(self, call: ApiCall) -> list | None:
-        """The scalar slot of each Python number of `call`, when the call binds one aten op directly
-        (`x.add_(y, alpha=a)` is aten.add_ with a dynamic scalar `alpha`) and its numbers are that
-        op's dynamic scalars, in order; else None (the numbers must not change)."""
+    def _direct_slots(self, call: ApiCall) -> dict:
+        """Where the Python numbers of `call` go when it binds one aten op directly
+        (`x.add_(y, alpha=a)` is aten.add_ with the dynamic scalar `alpha`): each top-level number
+        argument whose schema name is that of one dynamic scalar slot holding the same value in
+        the traced call. Anything else is matched exactly."""
         start, end = call.span
         if call.kind is not CallKind.COMPUTE or end - start != 1:
-            return None
+            return {}
         op = self.record.ops[start]
-        if _direct_name(call.name) != op.op._schema.name.split("::")[-1]:
-            return None
-        numbers = _numbers((call.args, call.kwargs), [])
+        if not isinstance(op.op, torch._ops.OpOverload) or _direct_name(call.name) != op.op._schema.name.split("::")[-1]:
+            return {}
+        names = scalar_slot_names(op.op, op.statics)
         offset = self.scalar_offsets[start]
-        seen = self.scalars[offset:offset + len(op.scalars)]  # what this op got in the traced call
-        if [type(n) for n in numbers] != [type(v) for v in seen] or numbers != seen:
-            return None
-        return [offset + i for i in range(len(numbers))]
+        seen = self.scalars[offset:offset + len(names)]  # what the op got in the traced call
+        schema = [a.name for a in op.op._schema.arguments]
+        slots = {}
+        arguments = [(("arg", i), schema[i] if i < len(schema) else None, v) for i, v in enumerate(call.args)]
+        arguments += [(("kw", k), k, v) for k, v in call.kwargs.items()]
+        for key, name, value in arguments:
+            if type(value) not in (int, float) or names.count(name) != 1:
+                continue
+            index = names.index(name)
+            if type(seen[index]) is type(value) and seen[index] == value:
+                slots[key] = offset + index
+        return slots
 
     # -- per call -------------------------------------------------------------------------------
 
@@ -147,28 +165,33 @@ class ApiProgram:
         objects = [ref() for ref in self.external_refs]
         return None if any(o is None for o in objects) else objects
 
-    def kept_placeholder(self) -> int | None:
-        """The handle of a placeholder something outside the checker still holds (the function kept
-        a value the recorded call did not), or None."""
+    def kept_placeholders(self) -> dict[int, torch.Tensor]:
+        """Placeholders something outside the checker still holds (the function kept a value the
+        traced call did not), by handle. Each is handed over to its holder: it gets storage of its
+        own and the program a new placeholder for later calls."""
         placeholders = self.placeholders
+        kept = {}
         for handle in placeholders:
             if sys.getrefcount(placeholders[handle]) > 2:  # the dict and getrefcount's argument
-                return handle
-        return None
+                kept[handle] = placeholders[handle]
+        for handle, tensor in kept.items():
+            meta = self.record.tensors[handle].meta
+            placeholders[handle] = tensor.detach()  # same layout over the scratch buffer
+            tensor.set_(torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device))
+        return kept
 
 
 class _Numbers:
-    """The Python numbers of one call, in argument order: those that reach a dynamic scalar of the
-    one aten op the call binds directly are passed on to the program (`S[slot] = value`); every
-    other number must equal the recorded one."""
+    """The Python numbers of one call: a top-level argument that reaches a dynamic scalar of the one
+    aten op the call binds directly is passed on to the program (`S[slot] = value`); every other
+    number must equal the recorded one."""
 
-    def __init__(self, slots: list | None):
-        self.slots = slots  # per number, in order: its scalar slot or None
-        self.count = 0
+    def __init__(self, slots: dict):
+        self.slots = slots  # ("arg", index) or ("kw", name) -> scalar slot
+        self.key: tuple | None = None  # the top-level argument being matched
 
     def line(self, expr: str, value: Any) -> str | None:
-        index, self.count = self.count, self.count + 1
-        slot = self.slots[index] if self.slots is not None and index < len(self.slots) else None
+        slot = self.slots.get(self.key) if self.key is not None else None
         if slot is None:
             return None
         return f"if type({expr}) is not {type(value).__name__}: return FAIL\nS[{slot}] = {expr}"
@@ -185,8 +208,7 @@ def _match(expr: str, template: Any, program: ApiProgram, numbers: _Numbers | No
     if template is None or type(template) is bool:
         return [f"if {expr} is not {template}: return FAIL"]
     if type(template) in (list, tuple) or isinstance(template, torch.Size):
-        plain = numbers is None or numbers.slots is None or isinstance(template, torch.Size)
-        if plain and all(not isinstance(t, (TensorRef, list, tuple)) for t in template):
+        if all(not isinstance(t, (TensorRef, list, tuple)) for t in template):
             if all(type(t) in (int, bool, str, type(None)) for t in template):
                 return [f"if {expr} != {program.constant(tuple(template), 't')} and {expr} != "
                         f"{program.constant(list(template), 'l')}: return FAIL"]
@@ -194,14 +216,14 @@ def _match(expr: str, template: Any, program: ApiProgram, numbers: _Numbers | No
         lines = [f"{local} = {expr}", f"if type({local}) not in (list, tuple) or len({local}) != {len(template)}: "
                                       f"return FAIL"]
         for i, item in enumerate(template):
-            lines += _match(f"{local}[{i}]", item, program, numbers)
+            lines += _match(f"{local}[{i}]", item, program)  # nested numbers are matched exactly
         return lines
     if type(template) is dict:
         local = program.local()
         lines = [f"{local} = {expr}",
                  f"if type({local}) is not dict or {local}.keys() != {program.constant(set(template), 'k')}: return FAIL"]
         for key, item in template.items():
-            lines += _match(f"{local}[{key!r}]", item, program, numbers)
+            lines += _match(f"{local}[{key!r}]", item, program)
         return lines
     if type(template) in (int, float) and numbers is not None:
         line = numbers.line(expr, template)
@@ -243,19 +265,6 @@ _DUNDERS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": 
 def _direct_name(name: str) -> str:
     short = name.rsplit(".", 1)[-1]
     return _DUNDERS.get(short, short)
-
-
-def _numbers(template: Any, found: list) -> list:
-    """The int and float leaves of a call's arguments, in the order _match visits them."""
-    if type(template) in (int, float):
-        found.append(template)
-    elif type(template) in (list, tuple):
-        for item in template:
-            _numbers(item, found)
-    elif type(template) is dict:
-        for item in template.values():
-            _numbers(item, found)
-    return found
 
 
 def _value_refs(template: Any, found: set) -> set:
@@ -379,13 +388,65 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if not program.check_output(result, inputs, externals, program.placeholders):
         return None, "the function returned other values than recorded"
     del result
-    kept = program.kept_placeholder()
-    if kept is not None:
-        return None, f"the function kept t{kept}, which the recorded call did not keep"
+    kept = program.kept_placeholders()
+    if kept:
+        # The function kept values the traced call did not (a list it appends to on some calls):
+        # the host-free program may not even compute them. This call runs the record op by op.
+        output = run_op_by_op(program, args, kwargs, checker.scalars, kept)
+        if output is MISS:
+            raise TraceMismatchError(
+                f"{trace.__name__}() kept {', '.join(f't{h}' for h in kept)} beyond the call, which the "
+                f"traced call did not, and an object the trace uses is gone: the call cannot be completed")
+        return output, None
     output = program.runner.call(args, kwargs, checker.scalars)
     if output is MISS:
         return None, "a guard of the compiled program failed"
     return output, None
+
+
+def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
+                 kept: dict[int, torch.Tensor]) -> Any:
+    """Run the record op by op with this call's numbers, leaving each kept value in the tensor the
+    function holds; write escaped values back as the host-free program does. MISS if an object
+    the trace uses is gone."""
+    record = program.record
+    env: list = [None] * len(record.tensors)
+    for handle, tensor in zip(record.arg_handles, args):
+        env[handle] = tensor
+    for name, handle in record.kwarg_handles.items():
+        env[handle] = kwargs[name]
+    for handle, ref in program.external_objects.items():
+        env[handle] = ref()
+        if env[handle] is None:
+            return MISS
+    for handle, tensor in record.constants.items():
+        env[handle] = tensor
+    offsets = program.scalar_offsets
+    with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction():
+        for op in record.ops:
+            values = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
+            call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
+            _store_outputs(op, op.op(*call_args, **call_kwargs), env)
+            for handle in op.outputs:
+                if handle in kept and record.tensors[handle].producer == op.index:
+                    kept[handle].copy_(env[handle])
+                    env[handle] = kept[handle]
+        for handle, ref in getattr(program.runner, "escaped_objects", {}).items():
+            holder = ref()
+            if holder is not None and holder is not env[handle]:
+                holder.copy_(env[handle])
+    return _output_value(record.output, env)
+
+
+def _output_value(spec: Any, env: list) -> Any:
+    if spec.kind == "tensor":
+        return env[spec.handle]
+    if spec.kind == "none":
+        return None
+    children = [_output_value(child, env) for child in spec.children]
+    if spec.kind == "dict":
+        return dict(zip(spec.keys, children))
+    return tuple(children) if spec.kind == "tuple" else children
 
 
 __all__ = ["ApiChecker", "ApiDiverged", "ApiProgram", "RecordedNode", "call_context_key", "run_checked"]

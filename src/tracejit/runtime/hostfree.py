@@ -323,10 +323,12 @@ class HostFreeRunner:
     def _epilogue(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
         """Write escaped values into the objects Python holds; return fresh outputs."""
         body = []
+        self.escaped_objects = {}  # handle -> the object Python holds (weakly): also for runtime/api_replay.py
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
             if obj is not None and not self.record.tensors[handle].flags & Flag.RETURNED:
                 ref = src.constant(weakref.ref(obj), "r")
+                self.escaped_objects[handle] = src.namespace[ref]
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body.append(f"return {_output_expr(self.record.output)}")
         return body

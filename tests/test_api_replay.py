@@ -1,0 +1,236 @@
+"""Checked replay at the torch API level: the function runs and is matched call by call, the
+host-free program computes. Every test asserts through `stats` that the API level really served
+the calls (or, where it must not, that it did not)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import assert_same_state, batch, make_model, train_side_by_side, train_step, twin
+
+import tracejit
+from tracejit.errors import TraceMismatchError
+
+API_OPTIMIZERS = ["sgd", "sgd_momentum", "adam_fused", "adamw_fused"]
+
+
+def served_by_api(traced) -> None:
+    """Every call ran at the API level but the record, a re-record of lazy state and the one
+    aten-level replay after them that notes the torch calls; none fell back."""
+    stats = traced.stats
+    assert stats.records == 1
+    expected = stats.calls - stats.records - stats.rerecords - 1
+    assert expected > 0 and stats.api_replays == expected, (
+        stats, [e.api_refused or e.api_last_fallback for e in traced._entries()])
+    assert stats.api_fallbacks == 0
+
+
+@pytest.mark.parametrize("opt_name", API_OPTIMIZERS)
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_training_matches_eager_bitwise(kind, opt_name):
+    # the aten backend computes op by op as eager does: every step is bitwise eager's
+    (model_a, opt_a), (model_b, opt_b), traced = train_side_by_side(kind, opt_name, steps=6, backend="aten")
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    served_by_api(traced)
+
+
+def test_fused_kernels_compute_api_level_calls():
+    (model_a, opt_a), (model_b, opt_b), traced = train_side_by_side("mlp", "sgd_momentum", steps=6, backend="c")
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=False)
+    served_by_api(traced)
+    entry = traced._entries()[0]
+    assert any(node.op.name == "FUSED" for node in entry.serving_program.graph.nodes)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused"])
+def test_a_learning_rate_schedule_is_followed_without_leaving_the_api_level(opt_name):
+    (model_a, opt_a), (model_b, opt_b), traced = train_side_by_side("mlp", opt_name, steps=7, scheduler_gamma=0.5,
+                                                                    backend="aten")
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    served_by_api(traced)
+
+
+def test_a_changing_python_number_is_passed_to_the_program():
+    class Warmup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.fc(x) * min(1.0, self.calls / 4)
+
+    def forward(x, *, model):
+        return model(x)
+
+    eager_model = Warmup()
+    traced_model = Warmup()
+    traced_model.load_state_dict(eager_model.state_dict())
+    traced = tracejit.trace(forward, backend="aten")
+    for i in range(6):
+        x = torch.randn(2, 3)
+        assert torch.equal(traced(x, model=traced_model), forward(x, model=eager_model))
+    assert traced_model.calls == 6  # the function ran once per call: no fallback ran it twice
+    served_by_api(traced)
+
+
+def test_outputs_of_earlier_calls_keep_their_values():
+    traced = tracejit.trace(lambda x: (x * 2.0, (x + 1.0).exp()))
+    xs = [torch.randn(3, 2) for _ in range(5)]
+    kept = [traced(x) for x in xs]
+    for x, (a, b) in zip(xs, kept):
+        assert torch.equal(a, x * 2.0) and torch.equal(b, (x + 1.0).exp())
+    served_by_api(traced)
+
+
+def test_returned_views_of_computed_values_keep_their_values():
+    traced = tracejit.trace(lambda x: (x * 2.0).t())
+    xs = [torch.randn(3, 2) for _ in range(5)]
+    kept = [traced(x) for x in xs]
+    for x, got in zip(xs, kept):
+        assert torch.equal(got, (x * 2.0).t())
+    # the host-free program may reuse the memory under such a view: the aten level serves it
+    assert traced.stats.api_replays == 0 and traced.stats.checked_replays == 4
+
+
+def test_returned_input_is_the_object_itself():
+    traced = tracejit.trace(lambda x, y: (x, x + y))
+    for _ in range(4):
+        x, y = torch.randn(3), torch.randn(3)
+        a, b = traced(x, y)
+        assert a is x and torch.equal(b, x + y)
+    served_by_api(traced)
+
+
+def test_a_divergence_falls_back_to_the_aten_level_and_raises_there():
+    flag = {"neg": False}
+
+    @tracejit.trace
+    def f(x):
+        y = x * 2
+        return -y if flag["neg"] else y
+
+    for _ in range(4):
+        f(torch.randn(3))
+    served_by_api(f)
+    flag["neg"] = True
+    with pytest.raises(TraceMismatchError):
+        f(torch.randn(3))
+    assert f.stats.api_fallbacks == 1
+
+
+def test_a_mismatch_at_the_api_level_changes_no_state():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mode = {"extra": False}
+
+    @tracejit.trace
+    def step(x, *, model, opt):
+        loss = model(x).sum()
+        if mode["extra"]:
+            loss = loss * 3  # not in the trace
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(4):
+        step(torch.randn(8, 4), model=model, opt=opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    mode["extra"] = True
+    with pytest.raises(TraceMismatchError):
+        step(torch.randn(8, 4), model=model, opt=opt)
+    # the aten level raised at the first differing op, before the update: parameters are untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_backward_hooks_keep_the_aten_level():
+    model, opt = twin(make_model("mlp"), "sgd")[0]
+    seen = []
+    model.net[0].weight.register_hook(lambda g: seen.append(1))
+    traced = tracejit.trace(train_step)
+    for i in range(4):
+        traced(*batch("mlp", i), model=model, opt=opt)
+    assert len(seen) == 4  # the hook ran on every call
+    assert traced.stats.api_replays == 0
+    assert "Python code runs inside backward()" in traced._entries()[0].api_refused
+
+
+def test_values_kept_beyond_the_call_keep_the_aten_level():
+    kept = []
+
+    @tracejit.trace
+    def f(x):
+        h = x.exp()
+        kept.append(h)
+        return h.sum()
+
+    for i in range(4):
+        x = torch.randn(3) + i
+        f(x)
+        assert torch.equal(kept[-1], x.exp())
+    assert f.stats.api_replays == 0
+    assert "keeps" in f._entries()[0].api_refused
+
+
+def test_a_new_autocast_context_runs_at_the_aten_level():
+    @tracejit.trace
+    def f(x, w):
+        return x @ w
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    for _ in range(3):
+        assert f(x, w).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # the aten level sees the other ops and raises: never a silent float32
+        try:
+            out = f(x, w)
+        except TraceMismatchError:
+            out = None
+        assert out is None or out.dtype == torch.bfloat16
+    assert f.stats.api_fallbacks >= 1
+
+
+def test_replay_env_switch_keeps_the_aten_level(monkeypatch):
+    monkeypatch.setenv("TRACEJIT_REPLAY", "aten")
+    traced = tracejit.trace(lambda x: x * 2)
+    for _ in range(4):
+        traced(torch.randn(3))
+    assert traced.stats.checked_replays == 3 and traced.stats.api_replays == 0
+
+
+def test_inference_with_no_grad_and_eval_mode():
+    model = make_model("cnn").eval()
+    traced = tracejit.trace(lambda x, *, model: model(x), backend="aten")
+    for i in range(5):
+        x, _ = batch("cnn", i)
+        with torch.no_grad():
+            assert torch.equal(traced(x, model=model), model(x))
+    served_by_api(traced)
+
+
+def test_loss_returned_with_grad_is_detached_and_correct():
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "sgd")
+    traced = tracejit.trace(train_step, backend="aten")
+    for i in range(4):
+        x, y = batch("mlp", i)
+        want = train_step(x, y, model=model_a, opt=opt_a)
+        got = traced(x, y, model=model_b, opt=opt_b)
+        assert torch.equal(got, want)
+    served_by_api(traced)
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+
+
+def test_python_side_effects_happen_once_per_call():
+    log = []
+
+    @tracejit.trace
+    def f(x):
+        log.append("called")
+        return F.relu(x) + 1
+
+    for _ in range(5):
+        f(torch.randn(4))
+    assert log == ["called"] * 5
+    served_by_api(f)
