@@ -11,7 +11,7 @@ from models import assert_same_state, batch, make_model, train_side_by_side, tra
 import tracejit
 from tracejit.errors import TraceMismatchError
 
-API_OPTIMIZERS = ["sgd", "sgd_momentum", "adam_fused", "adamw_fused"]
+API_OPTIMIZERS = ["sgd", "sgd_momentum", "adam", "adam_foreach", "adam_fused", "adamw_fused"]
 
 
 def served_by_api(traced) -> None:
@@ -42,7 +42,7 @@ def test_fused_kernels_compute_api_level_calls():
     assert any(node.op.name == "FUSED" for node in entry.serving_program.graph.nodes)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam", "adam_foreach", "adam_fused"])
 def test_a_learning_rate_schedule_is_followed_without_leaving_the_api_level(opt_name):
     (model_a, opt_a), (model_b, opt_b), traced = train_side_by_side("mlp", opt_name, steps=7, scheduler_gamma=0.5,
                                                                     backend="aten")
@@ -220,6 +220,37 @@ def test_loss_returned_with_grad_is_detached_and_correct():
         assert torch.equal(got, want)
     served_by_api(traced)
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+
+
+def test_host_reads_are_computed_when_read():
+    # Adam's default CPU implementation reads each step count with .item(): the value must be
+    # this call's, and the numbers derived from it must reach the program
+    seen = []
+
+    @tracejit.trace(backend="aten")
+    def f(x, *, state):
+        state.add_(1)
+        n = state.item()
+        seen.append(n)
+        return x * (1.0 / n)
+
+    state = torch.zeros(())
+    x = torch.randn(4)
+    for i in range(1, 6):
+        assert torch.equal(f(x, state=state), x * (1.0 / i))
+    assert seen == [1.0, 2.0, 3.0, 4.0, 5.0] and state.item() == 5.0
+    served_by_api(f)
+
+
+def test_a_host_read_of_a_random_value_keeps_the_aten_level():
+    @tracejit.trace
+    def f(x):
+        y = F.dropout(x, 0.5)
+        return y * y.sum().item()
+
+    for _ in range(4):
+        f(torch.ones(8))
+    assert f.stats.api_replays == 0 and "random" in f._entries()[0].api_refused
 
 
 def test_python_side_effects_happen_once_per_call():

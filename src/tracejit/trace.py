@@ -27,7 +27,7 @@ from .record.names import ExternalNames
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.symbolic import SymbolicRecorder
-from .runtime.api_replay import ApiProgram, call_context_key, run_checked
+from .runtime.api_replay import ApiProgram, NotReplayable, call_context_key, run_checked
 from .runtime.fused import compile_fused_nodes
 from .runtime.fusion import resolve_fusion
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
@@ -311,7 +311,7 @@ class trace(ProfileAccess):
             return
         try:
             if entry.host_free is None:
-                entry.host_free = self._host_free_runner(entry)
+                entry.host_free = self._host_free_runner(entry, checked=True)
             entry.host_free.bind(replayer.handles.live(), args, kwargs, replayer.names, entry.grad_state,
                                  replayer.scalars)
         except HostDependencyError as error:
@@ -322,7 +322,10 @@ class trace(ProfileAccess):
             return  # an external is gone already: try again on the next aten-level call
         trace.output_objects = None
         externals = {h: t for h, t in replayer.handles.live().items() if entry.record.tensors[h].kind is Kind.EXTERNAL}
-        entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context, externals)
+        try:
+            entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context, externals)
+        except NotReplayable as reason:
+            entry.api_refused = str(reason)
 
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
                            kwargs: dict, scalars: list | None = None) -> None:
@@ -341,7 +344,7 @@ class trace(ProfileAccess):
             entry.host_free.call = None  # some external is gone: the next call runs the function
             self._fast_call = None
 
-    def _host_free_runner(self, entry: TraceEntry) -> HostFreeRunner:
+    def _host_free_runner(self, entry: TraceEntry, checked: bool = False) -> HostFreeRunner:
         """Compile the trace's host-free program (raises HostDependencyError if it has none)."""
         started = CLOCK()
         graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
@@ -349,7 +352,7 @@ class trace(ProfileAccess):
         entry.history = result.history
         kernels = self._kernels(result.graph, result.history, "without_host")
         program = HostFreeProgram(result.graph, self._profiler, kernels)
-        runner = HostFreeRunner(entry.record, program, self._function)
+        runner = HostFreeRunner(entry.record, program, self._function, checked)
         if self._profiler is not None:
             self._profiler.compiled(CLOCK() - started)
         return runner

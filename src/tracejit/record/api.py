@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
 from .record import Kind, Record
 from .source import SourceLocation, user_location
 
@@ -41,6 +42,7 @@ STATE_CHANGES = frozenset({
 # Calls without tensor effects that must happen when the function runs (grad mode, profiler ranges).
 RUN_FOR_REAL = frozenset({"_set_grad_enabled", "_record_function_enter_new", "_record_function_exit",
                           "_record_function_enter", "is_grad_enabled"})
+HOST_READS = frozenset(HOST_READ_METHODS)
 BACKWARD = frozenset({"Tensor.backward", "backward", "grad", "_engine_run_backward"})
 
 
@@ -48,6 +50,7 @@ class RefKind:
     INPUT = "input"  # the i-th tensor input of the call (positional, then keyword by name)
     EXTERNAL = "external"  # an object from outside the call, held weakly
     VALUE = "value"  # a value the trace computes (handle)
+    LITERAL = "literal"  # a tensor made from Python data each call (torch.tensor(1.0)): equal values
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class TensorRef:
 
 class CallKind:
     COMPUTE = "compute"  # dispatched aten ops: answered from references, the program computes
+    HOST_READ = "host_read"  # item(), bool(), tolist()...: the value is computed when read (a slice)
     VIRTUAL = "virtual"  # no aten ops: answered as recorded (metadata, .grad reads and writes)
     REAL = "real"  # no aten ops, no state: run for real (grad mode, profiler ranges, grouping helpers)
 
@@ -73,6 +77,7 @@ class ApiCall:
     kwargs: dict
     result: Any  # result with tensors as TensorRef (COMPUTE, VIRTUAL)
     source: SourceLocation
+    read: tuple[int, int] | None = None  # HOST_READ: (ops before the read, handle read)
 
 
 @dataclass
@@ -140,6 +145,7 @@ class ApiTracer(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.trace.refused is not None:
             return func(*args, **kwargs)
+        func = _HOOKED.get(func, func)  # the host-read hooks of record/modes.py stand for torch's methods
         name = function_name(func)
         start = self._position()
         backward = _short(name) in BACKWARD or name == "Tensor.backward"
@@ -197,6 +203,8 @@ class ApiTracer(TorchFunctionMode):
         handle = self.replayer.handles.get(tensor)
         if handle is not None and self.record.tensors[handle].kind is Kind.INTERNAL:
             return self._remember(tensor, TensorRef(RefKind.VALUE, handle))
+        if handle is not None and self.record.tensors[handle].literal:
+            return self._remember(tensor, TensorRef(RefKind.LITERAL, handle))
         self.trace.externals.append(weakref.ref(tensor))
         return self._remember(tensor, TensorRef(RefKind.EXTERNAL, len(self.trace.externals) - 1))
 
@@ -233,6 +241,14 @@ class ApiTracer(TorchFunctionMode):
             raise _Unfollowable("it changes state the API-level replay does not model")
         index = len(self.trace.calls)
         source = user_location()
+        if short in HOST_READS and args and isinstance(args[0], torch.Tensor):
+            handle = self.replayer.handles.get(args[0])
+            if handle is None:
+                raise _Unfollowable("reads a tensor the trace does not know")
+            self.trace.calls.append(ApiCall(index, func, name, CallKind.HOST_READ, (start, end),
+                                            self._template(args), self._template(kwargs), None, source,
+                                            read=(start, handle)))
+            return
         if short in RUN_FOR_REAL:
             kind = CallKind.REAL
         elif end > start:
@@ -253,6 +269,11 @@ class ApiTracer(TorchFunctionMode):
             template_args = template_kwargs = template_result = None
         self.trace.calls.append(ApiCall(index, func, name, kind, (start, end), template_args, template_kwargs,
                                         template_result, source))
+
+
+# hook -> the torch.Tensor method it wraps, as the checker sees it called (no hooks installed then)
+_HOOKED = {hook: _HOST_READ_HOOKS.originals.get(name) or getattr(torch._C.TensorBase, name)
+           for name, hook in _HOST_READ_HOOKS.hooks.items()}
 
 
 class _Unfollowable(Exception):

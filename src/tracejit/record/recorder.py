@@ -96,6 +96,14 @@ class Recorder:
         recorder.excluded_blocks = [b for b in record.excluded_blocks if b.position <= position]
         recorder.constants = {h: t for h, t in record.constants.items() if h < first_dropped}
         recorder.constant_versions = {h: v for h, v in record.constant_versions.items() if h < first_dropped}
+        # A literal (torch.tensor(1.0)) is made anew by every call: the matched prefix bound this
+        # call's object to its handle, and the program must use that one. The first call's may be
+        # anything by now (Adam's first step tensors are literals that it then increments).
+        bound = handles.live()
+        for handle in recorder.constants:
+            if record.tensors[handle].literal and handle in bound:
+                recorder.constants[handle] = bound[handle]
+                recorder.constant_versions[handle] = bound[handle]._version
         recorder.arg_handles = record.arg_handles
         recorder.kwarg_handles = dict(record.kwarg_handles)
         recorder.rerecorded = True

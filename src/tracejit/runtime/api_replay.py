@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import TraceMismatchError
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, api_checked_call
-from ..record.record import Record
+from ..record.record import Kind, Record
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
 from .realize import _store_outputs
@@ -80,11 +80,13 @@ class ApiProgram:
         self.calls = trace.calls
         self.funcs = [call.func for call in trace.calls]
         self.placeholders = _placeholders(record, trace, output)
-        self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}}
+        self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": _same_literal}
         self.locals = 0
         self.scalars = list(runner.bound_scalars)
         self.scalar_offsets, _ = scalar_layout(record)
         self.sources: list[str] = []
+        self.checking_args: tuple | None = None  # the call being checked, for host reads
+        self.checking_kwargs: dict | None = None
         self.steps = [self._step(call) for call in trace.calls]
         self.check_output = self._function("check_output", "value, A, E, P", _match("value", output, self) +
                                            ["return True"])
@@ -111,6 +113,12 @@ class ApiProgram:
         params = "args, kwargs, A, E, P, S"
         if call.kind is CallKind.REAL:
             return self._function(name, params, [f"return {self.constant(call.func, 'f')}(*args, **kwargs)"])
+        if call.kind is CallKind.HOST_READ:
+            reader = self.constant(_Reader(self, call), "read")
+            body = [f"if len(args) != {len(call.args)}: return FAIL"]
+            for i, template in enumerate(call.args):
+                body += _match(f"args[{i}]", template, self)
+            return self._function(name, params, [*body, f"return {reader}(args, kwargs, S)"])
         body = [f"if len(args) != {len(call.args)}: return FAIL"]
         if call.kwargs:
             body.append(f"if kwargs.keys() != {self.constant(set(call.kwargs), 'k')}: return FAIL")
@@ -145,11 +153,17 @@ class ApiProgram:
         arguments = [(("arg", i), schema[i] if i < len(schema) else None, v) for i, v in enumerate(call.args)]
         arguments += [(("kw", k), k, v) for k, v in call.kwargs.items()]
         for key, name, value in arguments:
-            if type(value) not in (int, float) or names.count(name) != 1:
+            indexes = [i for i, n in enumerate(names) if n == name]
+            if type(value) in (int, float) and len(indexes) == 1:
+                items = [(key, value)]
+            elif type(value) in (list, tuple) and value and len(indexes) == len(value) and all(
+                    type(v) in (int, float) for v in value):
+                items = [((*key, j), v) for j, v in enumerate(value)]  # a ScalarList: one slot each
+            else:
                 continue
-            index = names.index(name)
-            if type(seen[index]) is type(value) and seen[index] == value:
-                slots[key] = offset + index
+            for (item_key, item), index in zip(items, indexes):
+                if type(seen[index]) is type(item) and seen[index] == item:
+                    slots[item_key] = offset + index
         return slots
 
     # -- per call -------------------------------------------------------------------------------
@@ -181,6 +195,85 @@ class ApiProgram:
         return kept
 
 
+class _Reader:
+    """Answers a host read (`step.item()`, `bool(flag)`): the value is computed when it is read, by
+    the slice of the record that leads to it, with this call's numbers so far; inputs the slice
+    writes in place are copied first, so the program that runs after the call finds them untouched."""
+
+    def __init__(self, program: ApiProgram, call: ApiCall):
+        record = program.record
+        position, handle = call.read
+        self.func = call.func
+        self.handle = handle
+        self.ops = _read_slice(record, position, handle)
+        random = next((record.ops[i] for i in self.ops if torch.Tag.nondeterministic_seeded in record.ops[i].op.tags), None)
+        if random is not None:
+            raise _NotReplayable(f"the host reads t{handle} at {call.source}, which depends on the random op "
+                                 f"{random.name} at {random.source}")
+        self.leaves = sorted({h for i in self.ops for h in record.ops[i].inputs if record.tensors[h].kind is not Kind.INTERNAL}
+                             | ({handle} if record.tensors[handle].kind is not Kind.INTERNAL else set()))
+        self.copied = {h for i in self.ops for h in record.ops[i].mutated} & set(self.leaves)
+        self.program = program
+        self.offsets = program.scalar_offsets
+
+    def __call__(self, args: tuple, kwargs: dict, scalars: list) -> Any:
+        record = self.program.record
+        env = _bind_leaves(self.program, self.program.checking_args, self.program.checking_kwargs, self.leaves)
+        if env is None:
+            raise ApiDiverged("an object the trace uses is gone")
+        for handle in self.copied:
+            env[handle] = env[handle].clone()
+        with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction():
+            for index in self.ops:
+                op = record.ops[index]
+                values = scalars[self.offsets[index]:self.offsets[index] + len(op.scalars)]
+                call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
+                _store_outputs(op, op.op(*call_args, **call_kwargs), env)
+        return self.func(env[self.handle], *args[1:], **kwargs)
+
+
+def _read_slice(record: Record, position: int, handle: int) -> list[int]:
+    """The ops before `position` that the value of `handle` there depends on, in order: every op
+    that writes the storage of a needed value, and then what it reads."""
+    def root(h: int) -> int:
+        while record.tensors[h].base is not None:
+            h = record.tensors[h].base
+        return h
+
+    needed = {root(handle)}
+    ops = []
+    for op in reversed(record.ops[:position]):
+        writes = {root(h) for h in (*op.outputs, *op.mutated) if h is not None}
+        if writes & needed:
+            ops.append(op.index)
+            needed |= {root(h) for h in op.inputs}
+    return ops[::-1]
+
+
+def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any) -> dict | None:
+    """handle -> tensor for the inputs, externals and constants among `handles`; None if an
+    external is gone."""
+    record = program.record
+    env = {}
+    inputs = {h: a for h, a in zip(record.arg_handles, args)}
+    inputs.update((h, kwargs[name]) for name, h in record.kwarg_handles.items())
+    for handle in handles:
+        if handle in inputs:
+            env[handle] = inputs[handle]
+        elif handle in record.constants:
+            env[handle] = record.constants[handle]
+        else:
+            ref = program.external_objects.get(handle)
+            env[handle] = ref() if ref is not None else None
+            if env[handle] is None:
+                return None
+    return env
+
+
+class _NotReplayable(Exception):
+    """The API level cannot replay this trace (the message says why)."""
+
+
 class _Numbers:
     """The Python numbers of one call: a top-level argument that reaches a dynamic scalar of the one
     aten op the call binds directly is passed on to the program (`S[slot] = value`); every other
@@ -197,6 +290,13 @@ class _Numbers:
         return f"if type({expr}) is not {type(value).__name__}: return FAIL\nS[{slot}] = {expr}"
 
 
+def _same_literal(tensor: Any, recorded: torch.Tensor) -> bool:
+    """A tensor made from Python data in this call holds what the recorded one held (the program
+    has the recorded value built in)."""
+    return (isinstance(tensor, torch.Tensor) and tensor.dtype == recorded.dtype and tensor.shape == recorded.shape
+            and tensor.device == recorded.device and bool(torch.equal(tensor, recorded)))
+
+
 def _ref_expr(ref: TensorRef) -> str:
     return {RefKind.INPUT: "A", RefKind.EXTERNAL: "E", RefKind.VALUE: "P"}[ref.kind] + f"[{ref.key}]"
 
@@ -204,10 +304,27 @@ def _ref_expr(ref: TensorRef) -> str:
 def _match(expr: str, template: Any, program: ApiProgram, numbers: _Numbers | None = None) -> list[str]:
     """Lines that return FAIL unless `expr` matches the recorded `template`."""
     if isinstance(template, TensorRef):
+        if template.kind is RefKind.LITERAL:
+            literal = program.constant(program.record.constants[template.key], "lit")
+            return [f"if not SAME_LITERAL({expr}, {literal}): return FAIL"]
         return [f"if {expr} is not {_ref_expr(template)}: return FAIL"]
     if template is None or type(template) is bool:
         return [f"if {expr} is not {template}: return FAIL"]
     if type(template) in (list, tuple) or isinstance(template, torch.Size):
+        mapped = numbers is not None and numbers.key is not None and any(
+            (*numbers.key, j) in numbers.slots for j in range(len(template)))
+        if mapped:
+            local = program.local()
+            lines = [f"{local} = {expr}",
+                     f"if type({local}) not in (list, tuple) or len({local}) != {len(template)}: return FAIL"]
+            for j, item in enumerate(template):
+                slot = numbers.slots.get((*numbers.key, j))
+                if slot is None:
+                    lines += _match(f"{local}[{j}]", item, program)
+                else:
+                    lines += [f"if type({local}[{j}]) is not {type(item).__name__}: return FAIL",
+                              f"S[{slot}] = {local}[{j}]"]
+            return lines
         if all(not isinstance(t, (TensorRef, list, tuple)) for t in template):
             if all(type(t) in (int, bool, str, type(None)) for t in template):
                 return [f"if {expr} != {program.constant(tuple(template), 't')} and {expr} != "
@@ -243,6 +360,8 @@ def _match(expr: str, template: Any, program: ApiProgram, numbers: _Numbers | No
 
 def _answer(template: Any, program: ApiProgram) -> str:
     if isinstance(template, TensorRef):
+        if template.kind is RefKind.LITERAL:
+            return program.constant(program.record.constants[template.key], "lit")
         return _ref_expr(template)
     if isinstance(template, StructSeq):
         items = "".join(f"{_answer(t, program)}, " for t in template.items)
@@ -372,6 +491,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if externals is None:
         return None, "an object the trace uses was freed"
     checker = ApiChecker(program, inputs, externals)
+    program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
     try:
         with api_checked_call(CallContext(trace, checker, trace.options.capture_as_const)):
             with checker:
@@ -380,6 +500,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         return None, checker.diverged
     except Exception as error:  # noqa: BLE001 - the aten level reruns the call and raises it for real
         return None, f"the function raised {type(error).__name__}"
+    finally:
+        program.checking_args = program.checking_kwargs = None
     if checker.diverged is not None:
         return None, checker.diverged  # the function swallowed ApiDiverged
     if checker.position != checker.count:
@@ -410,16 +532,12 @@ def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
     function holds; write escaped values back as the host-free program does. MISS if an object
     the trace uses is gone."""
     record = program.record
+    leaves = [info.handle for info in record.tensors if info.kind is not Kind.INTERNAL]
+    bound = _bind_leaves(program, args, kwargs, leaves)
+    if bound is None:
+        return MISS
     env: list = [None] * len(record.tensors)
-    for handle, tensor in zip(record.arg_handles, args):
-        env[handle] = tensor
-    for name, handle in record.kwarg_handles.items():
-        env[handle] = kwargs[name]
-    for handle, ref in program.external_objects.items():
-        env[handle] = ref()
-        if env[handle] is None:
-            return MISS
-    for handle, tensor in record.constants.items():
+    for handle, tensor in bound.items():
         env[handle] = tensor
     offsets = program.scalar_offsets
     with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction():
@@ -449,4 +567,6 @@ def _output_value(spec: Any, env: list) -> Any:
     return tuple(children) if spec.kind == "tuple" else children
 
 
-__all__ = ["ApiChecker", "ApiDiverged", "ApiProgram", "RecordedNode", "call_context_key", "run_checked"]
+NotReplayable = _NotReplayable
+
+__all__ = ["ApiChecker", "ApiDiverged", "ApiProgram", "NotReplayable", "RecordedNode", "call_context_key", "run_checked"]

@@ -14,7 +14,7 @@ and rebinds.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -191,8 +191,10 @@ class HostFreeRunner:
     `call(args, kw)` checks the signature and the guards, binds, runs the program and returns
     the outputs, or returns MISS and lets the caller take the slow path."""
 
-    def __init__(self, record: Record, program: HostFreeProgram, function: Any):
-        refuse_host_dependencies(record)
+    def __init__(self, record: Record, program: HostFreeProgram, function: Any, checked: bool = False):
+        # A checked call at the API level runs the function: its host reads are computed when they
+        # happen (runtime/api_replay.py) and the numbers they lead to reach the program as `S`.
+        refuse_host_dependencies(replace(record, host_reads=[]) if checked else record)
         self.record = record
         self.program = program
         self.function = function
