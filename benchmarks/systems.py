@@ -7,6 +7,7 @@ HostDependencyError, or a backend that is not implemented yet), is reported as n
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,14 +70,21 @@ def _jit_trace(workload: Workload, case: Case) -> Call:
     return lambda: frozen(*case.args)
 
 
-def _tracejit(**options: Any) -> Callable[[Workload, Case], Call]:
+def _tracejit(replay: str = "api", **options: Any) -> Callable[[Workload, Case], Call]:
     def prepare(workload: Workload, case: Case) -> Call:
         if options.get("backend") == "triton" and not torch.cuda.is_available():
             raise NotApplicable("backend='triton' fuses CUDA tensors; no GPU here")
+        previous = os.environ.get("TRACEJIT_REPLAY")
+        os.environ["TRACEJIT_REPLAY"] = replay  # read when the trace is made
         try:
             traced = tracejit.trace(case.function, **options)
         except NotImplementedError as error:
             raise NotApplicable(f"NotImplementedError: {str(error).splitlines()[0]}") from error
+        finally:
+            if previous is None:
+                del os.environ["TRACEJIT_REPLAY"]
+            else:
+                os.environ["TRACEJIT_REPLAY"] = previous
         return lambda: traced(*case.args, **case.kwargs)
     return prepare
 
@@ -93,6 +101,7 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
     System("jit-trace", "jit.trace+freeze+optimize_for_inference", False, _jit_trace),
     # backend "auto" fuses once a fused-kernel backend exists, so only backend=aten is held to bitwise
     System("tj-checked", "tracejit checked replay", False, _tracejit()),
+    System("tj-checked-aten", "tracejit checked replay at the aten level", False, _tracejit(replay="aten")),
     System("tj-host-free", "tracejit without_host", False, _tracejit(without_host=True)),
     System("tj-aten", "tracejit without_host, backend=aten", True, _tracejit(without_host=True, backend="aten")),
     System("tj-c", "tracejit without_host, backend=c", False, _tracejit(without_host=True, backend="c")),

@@ -87,6 +87,7 @@ class ApiProgram:
         self.sources: list[str] = []
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
+        self.read_slices: dict = {}  # slice -> values, within one call
         self.steps = [self._step(call) for call in trace.calls]
         self.check_output = self._function("check_output", "value, A, E, P", _match("value", output, self) +
                                            ["return True"])
@@ -215,8 +216,19 @@ class _Reader:
         self.copied = {h for i in self.ops for h in record.ops[i].mutated} & set(self.leaves)
         self.program = program
         self.offsets = program.scalar_offsets
+        self.key = (tuple(self.ops), tuple(self.leaves))
 
     def __call__(self, args: tuple, kwargs: dict, scalars: list) -> Any:
+        program = self.program
+        # Reads that need the same slice in one call share its run (foreach Adam reads every
+        # step count after one _foreach_add_): the numbers it used cannot have changed since.
+        env = program.read_slices.get(self.key)
+        if env is None:
+            env = self._run(scalars)
+            program.read_slices[self.key] = env
+        return self.func(env[self.handle], *args[1:], **kwargs)
+
+    def _run(self, scalars: list) -> dict:
         record = self.program.record
         env = _bind_leaves(self.program, self.program.checking_args, self.program.checking_kwargs, self.leaves)
         if env is None:
@@ -229,7 +241,7 @@ class _Reader:
                 values = scalars[self.offsets[index]:self.offsets[index] + len(op.scalars)]
                 call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
                 _store_outputs(op, op.op(*call_args, **call_kwargs), env)
-        return self.func(env[self.handle], *args[1:], **kwargs)
+        return env
 
 
 def _read_slice(record: Record, position: int, handle: int) -> list[int]:
@@ -492,6 +504,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         return None, "an object the trace uses was freed"
     checker = ApiChecker(program, inputs, externals)
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
+    program.read_slices = {}
     try:
         with api_checked_call(CallContext(trace, checker, trace.options.capture_as_const)):
             with checker:
@@ -502,6 +515,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         return None, f"the function raised {type(error).__name__}"
     finally:
         program.checking_args = program.checking_kwargs = None
+        program.read_slices = {}
     if checker.diverged is not None:
         return None, checker.diverged  # the function swallowed ApiDiverged
     if checker.position != checker.count:
