@@ -62,6 +62,3 @@ class TraceOptions:
             if not isinstance(self.sublinear_memory_config, SublinearMemoryConfig):
                 raise TypeError(f"tracejit.trace: sublinear_memory_config must be a tracejit.SublinearMemoryConfig, "
                                 f"got {type(self.sublinear_memory_config).__name__}")
-            if not self.without_host:
-                raise ValueError("tracejit.trace: sublinear_memory_config needs without_host=True: in checked replay "
-                                 "autograd keeps the activations the Python function computes")

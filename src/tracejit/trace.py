@@ -13,13 +13,10 @@ from typing import Any
 
 import torch
 
-from .debug import dump_compilation, fusion_fuel
 from .errors import HostDependencyError, TraceCacheFullError, TraceMismatchError
 from .ir import build_graph
-from .ir.graph import Graph
 from .ir.to_fx import to_fx
 from .options import TraceOptions
-from .passes import PipelineResult, pipeline, run_pipeline
 from .record.api import ApiTracer
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
@@ -28,7 +25,7 @@ from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.symbolic import SymbolicRecorder
 from .runtime.api_replay import ApiProgram, NotReplayable, call_context_key, run_checked
-from .runtime.fused import compile_fused_nodes
+from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.fusion import resolve_fusion
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
 from .runtime.profile import CLOCK, ProfileAccess, Profiler
@@ -116,6 +113,7 @@ class trace(ProfileAccess):
         functools.update_wrapper(self, function)
         self._profiler = Profiler(self.__name__) if profiling else None
         self._fusion = resolve_fusion(backend)
+        self._compile_options = CompileOptions(opt_level, self._fusion, sublinear_memory_config)
         self._fast_call: Callable | None = None
         self.stats = TraceStats()  # what the calls did; see runtime/stats.py
         # Checked replay at the torch API level (docs/design.md); TRACEJIT_REPLAY=aten keeps every
@@ -348,10 +346,7 @@ class trace(ProfileAccess):
         """Compile the trace's host-free program (raises HostDependencyError if it has none)."""
         started = CLOCK()
         graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
-        result = self._optimize(graph)
-        entry.history = result.history
-        kernels = self._kernels(result.graph, result.history, "without_host")
-        program = HostFreeProgram(result.graph, self._profiler, kernels)
+        program, entry.history = compile_host_free(graph, self._compile_options, self.__name__, self._profiler)
         runner = HostFreeRunner(entry.record, program, self._function, checked)
         if self._profiler is not None:
             self._profiler.compiled(CLOCK() - started)
@@ -368,26 +363,13 @@ class trace(ProfileAccess):
         graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)
         history = [("record", graph, 0.0)]
         if self._fusion is not None:  # the only pass that changes a host-visible graph
-            result = self._optimize(graph)
+            result = optimize(graph, self._compile_options)
             graph, history = result.graph, result.history
-        program = CheckedProgram(record, graph, self._profiler, self._kernels(graph, history, "checked"))
+        kernels = compile_kernels(graph, self._compile_options, self.__name__, "checked", history)
+        program = CheckedProgram(record, graph, self._profiler, kernels)
         if self._profiler is not None:
             self._profiler.compiled(CLOCK() - started)
         return program
-
-    def _optimize(self, graph: Graph) -> PipelineResult:
-        can_fuse = self._fusion.can_fuse if self._fusion is not None else None
-        sublinear = self.options.sublinear_memory_config
-        fuel = fusion_fuel()
-        if sublinear is None:
-            return run_pipeline(graph, self.options.opt_level, passes=pipeline(can_fuse, fusion_fuel=fuel))
-        passes = pipeline(can_fuse, sublinear.checkpoint_every, int(sublinear.lb_memory_mb * 2**20), fuel)
-        return run_pipeline(graph, self.options.opt_level, passes=passes)
-
-    def _kernels(self, graph: Graph, history: list, program: str) -> dict:
-        kernels = compile_fused_nodes(graph, self._fusion.compile if self._fusion is not None else None)
-        dump_compilation(self.__name__, program, history, kernels)  # only with TRACEJIT_DUMP_DIR set
-        return kernels
 
     # -- introspection --------------------------------------------------------------------------
 

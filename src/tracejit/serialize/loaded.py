@@ -14,12 +14,10 @@ import torch
 
 from ..ir.graph import Graph
 from ..ir.printer import format_graph
-from ..passes import pipeline, run_pipeline
 from ..record.record import TensorMeta
-from ..runtime.fused import compile_fused_nodes
+from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.fusion import resolve_fusion
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
-from ..runtime.program import HostFreeProgram
 from .portable import PortableGraph, TestCase, to_graph
 
 
@@ -31,12 +29,10 @@ class LoadedGraph(ProfileAccess):
                  opt_level: int = 2):
         self.portable = portable
         self.name = portable.name
-        fusion = resolve_fusion(backend)
-        passes = pipeline(fusion.can_fuse if fusion is not None else None)
-        self.graph: Graph = run_pipeline(to_graph(portable), opt_level, passes=passes).graph
         self._profiler = Profiler(portable.name) if profiling else None
-        kernels = compile_fused_nodes(self.graph, fusion.compile if fusion is not None else None)
-        self.program = HostFreeProgram(self.graph, self._profiler, kernels)
+        options = CompileOptions(opt_level, resolve_fusion(backend))
+        self.program, _ = compile_host_free(to_graph(portable), options, portable.name, self._profiler)
+        self.graph: Graph = self.program.graph
         self._template = self._environment_template()
         self._scalars = [s for op in portable.ops for s in op.scalars]
         values = portable.values
