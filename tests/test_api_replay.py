@@ -150,8 +150,11 @@ def test_backward_hooks_keep_the_aten_level():
     seen = []
     model.net[0].weight.register_hook(lambda g: seen.append(1))
     traced = tracejit.trace(train_step)
-    for i in range(4):
-        traced(*batch("mlp", i), model=model, opt=opt)
+    with pytest.warns(tracejit.ReplayLevelWarning, match="Python code runs inside backward") as warned:
+        for i in range(4):
+            traced(*batch("mlp", i), model=model, opt=opt)
+    assert len([w for w in warned if issubclass(w.category, tracejit.ReplayLevelWarning)]) == 1
+    assert warned[0].filename == __file__  # it points at the call in user code
     assert len(seen) == 4  # the hook ran on every call
     assert traced.stats.api_replays == 0
     assert "Python code runs inside backward()" in traced._entries()[0].api_refused

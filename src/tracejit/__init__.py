@@ -4,14 +4,21 @@ Record a step function's aten ops once, then replay them: checked against the Py
 every call, or compiled and run without it.
 """
 
-from .errors import HostDependencyError, LoadError, SymbolicTraceError, TraceCacheFullError, TraceMismatchError
+from .errors import (
+    HostDependencyError,
+    LoadError,
+    ReplayLevelWarning,
+    SymbolicTraceError,
+    TraceCacheFullError,
+    TraceMismatchError,
+)
 from .options import SublinearMemoryConfig
 from .record.modes import exclude_from_trace, is_tracing
 from .serialize import load
 from .trace import trace
 
 __all__ = [
-    "HostDependencyError", "LoadError", "SublinearMemoryConfig", "SymbolicTraceError", "TraceCacheFullError",
+    "HostDependencyError", "LoadError", "ReplayLevelWarning", "SublinearMemoryConfig", "SymbolicTraceError", "TraceCacheFullError",
     "TraceMismatchError", "exclude_from_trace", "is_tracing", "load", "trace",
 ]
 __version__ = "0.1.0"

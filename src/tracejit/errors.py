@@ -19,3 +19,8 @@ class SymbolicTraceError(RuntimeError):
 
 class LoadError(ValueError):
     """A file given to `tracejit.load` is not a valid, safe tracejit graph (see docs/format.md)."""
+
+
+class ReplayLevelWarning(UserWarning):
+    """A trace's checked calls stay at the aten level (slower): the torch API level cannot stand in
+    for them, for the reason the message gives (see docs/guide.md, "How checked calls run")."""

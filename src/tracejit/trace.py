@@ -7,13 +7,14 @@ import gc
 import inspect
 import os
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import HostDependencyError, TraceCacheFullError, TraceMismatchError
+from .errors import HostDependencyError, ReplayLevelWarning, TraceCacheFullError, TraceMismatchError
 from .ir import build_graph
 from .ir.to_fx import to_fx
 from .options import TraceOptions
@@ -23,6 +24,7 @@ from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames
 from .record.record import Kind, Record
 from .record.recorder import Recorder
+from .record.source import user_location
 from .record.symbolic import SymbolicRecorder
 from .runtime.api_replay import ApiProgram, NotReplayable, call_context_key, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
@@ -177,7 +179,7 @@ class trace(ProfileAccess):
         entry.api_last_fallback = fallback
         self.stats.api_fallbacks += 1
         if entry.api_fallbacks >= 3 and entry.api_fallbacks * 4 > entry.replays:
-            entry.api_refused = f"{entry.api_fallbacks} calls diverged at the API level (last: {fallback})"
+            self._refuse_api(entry, f"{entry.api_fallbacks} calls diverged at the API level (last: {fallback})")
         entry.api = None  # the aten-level call rebuilds it from what it sees
         return self._replay(entry, args, kwargs)
 
@@ -290,11 +292,19 @@ class trace(ProfileAccess):
                 self._prepare_api(entry, tracer.finish(result), replayer, args, kwargs, context)
         return result
 
+    def _refuse_api(self, entry: TraceEntry, reason: str) -> None:
+        """Keep this trace's checked calls at the aten level, saying why once."""
+        entry.api_refused = reason
+        where = user_location()
+        warnings.warn_explicit(
+            f"tracejit: checked calls of {self.__name__}() stay at the aten level (slower): {reason}",
+            ReplayLevelWarning, where.filename or "<unknown>", where.line or 0)
+
     def _api_tracer(self, entry: TraceEntry, replayer: Replayer, args: tuple, kwargs: dict) -> ApiTracer | None:
         if not self._api_level or entry.api_refused is not None or replayer.may_rerecord:
             return None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            entry.api_refused = "torch.distributed is initialized (collectives run inside backward)"
+            self._refuse_api(entry, "torch.distributed is initialized (collectives run inside backward)")
             return None
         return ApiTracer(replayer, entry.record, args, kwargs)
 
@@ -305,7 +315,7 @@ class trace(ProfileAccess):
         if trace.refused is None:
             trace.refuse(_kept_values(entry.record, replayer.handles.live(), trace, kwargs, [trace]))
         if trace.refused is not None:
-            entry.api_refused = trace.refused
+            self._refuse_api(entry, trace.refused)
             return
         try:
             if entry.host_free is None:
@@ -313,7 +323,7 @@ class trace(ProfileAccess):
             entry.host_free.bind(replayer.handles.live(), args, kwargs, replayer.names, entry.grad_state,
                                  replayer.scalars)
         except HostDependencyError as error:
-            entry.api_refused = f"the compiled program cannot run without the function: {error}"
+            self._refuse_api(entry, f"the compiled program cannot run without the function: {error}")
             entry.host_free = None
             return
         except GuardFailure:
@@ -323,7 +333,7 @@ class trace(ProfileAccess):
         try:
             entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context, externals)
         except NotReplayable as reason:
-            entry.api_refused = str(reason)
+            self._refuse_api(entry, str(reason))
 
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
                            kwargs: dict, scalars: list | None = None) -> None:
