@@ -34,6 +34,7 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
         return graph
     lifetimes = _storage_lifetimes(graph)
     outliving = observable_roots(graph)  # storage the caller or Python state can still see
+    outliving |= _aliased_without_saying(graph)
     candidates = []
     for index, node in enumerate(graph.nodes):
         if node.op is not Op.CALL or node.attr("out_kind") != "tensor" or out_overload(node.target) is None:
@@ -66,6 +67,21 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
         nodes.append(node)
     arena = max((end for _, end, _, _ in placed), default=0)
     return graph.with_nodes(nodes, "plan_memory", arena_bytes=_align(arena))
+
+
+# Ops whose outputs share their input's memory although their schema does not say so: the
+# lifetime of that memory is not the input value's (GRU and LSTM cells split their gates so and
+# keep the pieces for backward), so its buffer is left to the allocator.
+UNDECLARED_ALIASES = frozenset({"unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk", "_unsafe_view"})
+
+
+def _aliased_without_saying(graph: Graph) -> set[int]:
+    roots = set()
+    for node in graph.nodes:
+        if node.op is Op.CALL and getattr(node.target, "_schema", None) is not None:
+            if node.target._schema.name.split("::")[-1] in UNDECLARED_ALIASES:
+                roots.update(graph.values[v].root for v in node.inputs)
+    return roots
 
 
 def _align(n: int) -> int:
