@@ -45,6 +45,7 @@ from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, api_checked_call
 from ..record.record import Kind, Record
 from .hostfree import MISS, HostFreeRunner
+from .codegen import with_recorded_grad_mode
 from .program import scalar_layout
 from .realize import _store_outputs
 
@@ -558,7 +559,7 @@ def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
         for op in record.ops:
             values = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
             call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
-            _store_outputs(op, op.op(*call_args, **call_kwargs), env)
+            _store_outputs(op, with_recorded_grad_mode(op.op, op.op)(*call_args, **call_kwargs), env)
             for handle in op.outputs:
                 if handle in kept and record.tensors[handle].producer == op.index:
                     kept[handle].copy_(env[handle])

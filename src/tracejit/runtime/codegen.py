@@ -27,7 +27,28 @@ _INLINE_TYPES = (int, bool, str, type(None))
 
 def callable_for(node: Node) -> Callable:
     metas = node.attr("input_metas") or ()
-    return resolve_callable(node.target, node.attr("statics", ()), tuple(metas), node.attr("scalars", ()))
+    function = resolve_callable(node.target, node.attr("statics", ()), tuple(metas), node.attr("scalars", ()))
+    return with_recorded_grad_mode(node.target, function)
+
+
+# Kernels whose outputs depend on grad mode itself: the oneDNN LSTM layer returns its workspace
+# (which its backward reads) only when gradients are enabled.
+GRAD_MODE_KERNELS = frozenset({"mkldnn_rnn_layer"})
+
+
+def with_recorded_grad_mode(op: Callable, function: Callable) -> Callable:
+    """`function`, run with gradients enabled but below autograd (no graph is built) when `op` is a
+    kernel that behaves differently without gradients; the program itself runs without them."""
+    name = getattr(getattr(op, "_schema", None), "name", "").split("::")[-1]
+    if name not in GRAD_MODE_KERNELS:
+        return function
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.enable_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            return function(*args, **kwargs)
+
+    run.__name__ = getattr(function, "__name__", name)
+    return run
 
 
 def out_callable(node: Node, out: TensorMeta) -> Callable:
