@@ -70,7 +70,8 @@ def test_a_changing_python_number_is_passed_to_the_program():
     traced = tracejit.trace(forward, backend="aten")
     for i in range(6):
         x = torch.randn(2, 3)
-        assert torch.equal(traced(x, model=traced_model), forward(x, model=eager_model))
+        with torch.no_grad():  # outputs that require grad keep the aten level (tested below)
+            assert torch.equal(traced(x, model=traced_model), forward(x, model=eager_model))
     assert traced_model.calls == 6  # the function ran once per call: no fallback ran it twice
     served_by_api(traced)
 
@@ -195,6 +196,21 @@ def test_a_new_autocast_context_runs_at_the_aten_level():
     assert f.stats.api_fallbacks >= 1
 
 
+def test_outputs_that_require_grad_keep_the_aten_level():
+    # a traced forward, backward outside: the gradients need the graph the aten level builds
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "sgd")
+    forward = tracejit.trace(lambda x, *, model: model(x))
+    with pytest.warns(tracejit.ReplayLevelWarning, match="requires grad"):
+        for i in range(4):
+            x, y = batch("mlp", i)
+            for model, opt, run in ((model_a, opt_a, lambda x, model: model(x)), (model_b, opt_b, forward)):
+                F.cross_entropy(run(x, model=model), y).backward()
+                opt.step()
+                opt.zero_grad()
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    assert forward.stats.checked_replays == 3 and forward.stats.api_replays == 0
+
+
 def test_replay_env_switch_keeps_the_aten_level(monkeypatch):
     monkeypatch.setenv("TRACEJIT_REPLAY", "aten")
     traced = tracejit.trace(lambda x: x * 2)
@@ -213,7 +229,7 @@ def test_inference_with_no_grad_and_eval_mode():
     served_by_api(traced)
 
 
-def test_loss_returned_with_grad_is_detached_and_correct():
+def test_loss_returned_by_a_full_step_is_correct():
     (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "sgd")
     traced = tracejit.trace(train_step, backend="aten")
     for i in range(4):

@@ -465,6 +465,10 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
     returned = [t for t in _tensors_of(result) if id(t) in internal]
     outputs = {id(t) for t in returned} | {id(t._base) for t in returned if t._base is not None}
     containers = {id(c) for c in _containers_of(result)} | {id(live), id(returned)} | {id(o) for o in ours}
+    for tensor in _tensors_of(result) if not trace.ran_backward else ():
+        if tensor.requires_grad and id(tensor) in internal:
+            return ("the function returns a tensor that requires grad (a backward pass outside the call "
+                    "needs the autograd graph that only the aten level builds)")
     for tensor in returned:
         if tensor._base is not None:  # the host-free program's outputs may share its reused memory
             return "the function returns a view of a value the trace computes"

@@ -89,6 +89,7 @@ class ApiTrace:
     refused: str | None = None  # why the API level cannot replay this trace
     output: Any = None  # the call's result with tensors as TensorRef
     output_objects: Any = None  # the call's result itself, until the API program is built
+    ran_backward: bool = False  # a backward pass ran inside the call (it consumed the outputs' graph)
 
     def refuse(self, reason: str) -> None:
         if self.refused is None:
@@ -150,6 +151,7 @@ class ApiTracer(TorchFunctionMode):
         start = self._position()
         backward = _short(name) in BACKWARD or name == "Tensor.backward"
         if backward:
+            self.trace.ran_backward = True
             result = self._watch_backward(func, args, kwargs)
         else:
             result = func(*args, **kwargs)
