@@ -469,9 +469,6 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
         if tensor.requires_grad and id(tensor) in internal:
             return ("the function returns a tensor that requires grad (a backward pass outside the call "
                     "needs the autograd graph that only the aten level builds)")
-    for tensor in returned:
-        if tensor._base is not None:  # the host-free program's outputs may share its reused memory
-            return "the function returns a view of a value the trace computes"
     for tensor in returned:  # an output stored elsewhere too keeps its identity there
         for holder in gc.get_referrers(tensor):
             if id(holder) not in containers and not isinstance(holder, types.FrameType):

@@ -326,9 +326,14 @@ class HostFreeRunner:
         """Write escaped values into the objects Python holds; return fresh outputs."""
         body = []
         self.escaped_objects = {}  # handle -> the object Python holds (weakly): also for runtime/api_replay.py
+        # The base of a returned view is alive only through that view, which belongs to the caller
+        # of an earlier call: writing into it would change what that call returned.
+        tensors = self.record.tensors
+        returned_bases = {tensors[h].base for h in range(len(tensors))
+                          if tensors[h].flags & Flag.RETURNED and tensors[h].base is not None}
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
-            if obj is not None and not self.record.tensors[handle].flags & Flag.RETURNED:
+            if obj is not None and not tensors[handle].flags & Flag.RETURNED and handle not in returned_bases:
                 ref = src.constant(weakref.ref(obj), "r")
                 self.escaped_objects[handle] = src.namespace[ref]
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
