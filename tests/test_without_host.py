@@ -257,3 +257,18 @@ def test_without_host_lr_of_a_group_changed_before_the_re_record():
 
     step = step_of(mse)
     side_by_side(tracejit.trace(step, without_host=True), step, {"model": model, "opt": opt}, seeded(5, 4), 5, between)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "sgd_momentum", "adam_fused"])
+def test_learning_rate_warm_up_from_zero_is_followed(opt_name):
+    # issue 11.6: a learning rate of 0 on the call that binds it used to stay 0 for good
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), opt_name)
+    warm_up = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: s / 4) for o in (opt_a, opt_b)]
+    traced = tracejit.trace(train_step, without_host=True, backend="aten")
+    for i in range(6):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
+        for scheduler in warm_up:
+            scheduler.step()
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    assert traced.stats.host_free_calls >= 4

@@ -13,6 +13,7 @@ and rebinds.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,6 +56,9 @@ def refuse_host_dependencies(record: Record) -> None:
         )
 
 
+_LR_ADDS = frozenset({"add_", "_foreach_add_"})  # SGD's param.add_(update, alpha=-lr)
+
+
 @dataclass(frozen=True)
 class LrBinding:
     slot: int  # index in the flat scalar list
@@ -95,8 +99,18 @@ def find_lr_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: d
         observed = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
         for k, (slot_name, value) in enumerate(zip(scalar_slot_names(op.op, op.statics), observed)):
             wanted = slot_name == "lr" if fused else (writes_param and slot_name in ("alpha", "value"))
-            if wanted and isinstance(value, float) and value in (lr, -lr) and lr != 0.0:
-                bindings.append(LrBinding(offsets[op.index] + k, name, index, 1.0 if value == lr else -1.0))
+            if not (wanted and isinstance(value, float) and value in (lr, -lr)):
+                continue
+            if lr == 0.0:
+                # A warm-up from 0: the sign is the zero's own (SGD passes alpha=-lr, so -0.0). The
+                # fused ops' `lr` slot is unambiguous; an SGD-style `alpha` only when it is the update
+                # of the parameter by -lr itself (the add_ of SGD), not a derived step size.
+                if not (fused or (slot_name == "alpha" and op.op._schema.name.split("::")[-1] in _LR_ADDS)):
+                    continue
+                sign = math.copysign(1.0, value)
+            else:
+                sign = 1.0 if value == lr else -1.0
+            bindings.append(LrBinding(offsets[op.index] + k, name, index, sign))
     return bindings
 
 
