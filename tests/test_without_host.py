@@ -272,3 +272,18 @@ def test_learning_rate_warm_up_from_zero_is_followed(opt_name):
             scheduler.step()
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
     assert traced.stats.host_free_calls >= 4
+
+
+def test_a_call_under_another_autocast_context_is_never_silently_float32():
+    # issue 11.8: the caller's context was not guarded: the program ran its float32 ops
+    lin = nn.Linear(4, 4)
+    traced = tracejit.trace(lambda x, *, lin: lin(x), without_host=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert traced(x, lin=lin).dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(tracejit.TraceMismatchError):  # the checked call sees the other ops
+                traced(x, lin=lin)
+        assert traced.stats.host_free_misses == 1
+        assert traced(x, lin=lin).dtype == torch.float32  # back in the recorded context

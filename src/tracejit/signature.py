@@ -26,6 +26,15 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     )
 
 
+def call_context_key() -> tuple:
+    """The global state that decides which ops a torch call dispatches (grad and inference mode,
+    autocast state and dtype, default dtype, deterministic algorithms): a call made under another
+    one may dispatch other ops than the trace holds."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled())
+
+
 def _repeated_inputs(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     """For each tensor input (positional, then keyword by name), the first input that is the same object."""
     first: dict[int, int] = {}

@@ -26,7 +26,7 @@ from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.source import user_location
 from .record.symbolic import SymbolicRecorder
-from .runtime.api_replay import ApiProgram, NotReplayable, call_context_key, run_checked
+from .runtime.api_replay import ApiProgram, NotReplayable, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.fusion import resolve_fusion
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
@@ -35,7 +35,7 @@ from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.realize import Realizer
 from .runtime.replay import Replayer
 from .runtime.stats import TraceStats
-from .signature import describe_signature, gradient_snapshot, gradient_state, signature
+from .signature import call_context_key, describe_signature, gradient_snapshot, gradient_state, signature
 
 
 @dataclass

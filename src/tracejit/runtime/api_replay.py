@@ -45,6 +45,7 @@ from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, api_checked_call
 from ..record.record import Kind, Record
 from .hostfree import MISS, HostFreeRunner
+from ..signature import call_context_key
 from .codegen import with_recorded_grad_mode
 from .program import scalar_layout
 from .realize import _store_outputs
@@ -56,13 +57,6 @@ _PRIMITIVE_CHECKS = {bool: "is", type(None): "is"}
 class ApiDiverged(BaseException):  # noqa: N818 - control flow, not an error the user sees
     """Raised through the user's function when a call differs: unwinds it without computing.
     A BaseException, so that `except Exception` in the function does not swallow it."""
-
-
-def call_context_key() -> tuple:
-    """The global state that decides which ops a torch call dispatches, checked per call."""
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
-            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
-            torch.are_deterministic_algorithms_enabled())
 
 
 class ApiProgram:

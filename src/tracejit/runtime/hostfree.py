@@ -25,7 +25,7 @@ from ..record.calls import scalar_slot_names
 from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.regions import in_optimizer_step
-from ..signature import gradient_state
+from ..signature import call_context_key, gradient_state
 from .program import HostFreeProgram, scalar_layout
 
 _PRIMITIVES = (bool, int, float, str, type(None))
@@ -226,8 +226,12 @@ class HostFreeRunner:
         src = _Source(self.function)
         src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=scalars,
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
+                             CONTEXT=call_context_key,
                              GRAD_STATE=gradient_state, SAME=same_object_key)
         lines = self._signature_checks(args, kwargs, grad_state, src)
+        # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
+        lines.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
+                           "grad mode, autocast, default dtype or determinism changed"))
         guards = []  # inside a try: a module or optimizer that lost an attribute is a MISS
         for name, value in kwargs.items():
             if isinstance(value, torch.nn.Module):  # a freed submodule is None, without .training
