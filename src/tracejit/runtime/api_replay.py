@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
+from ..errors import TraceMismatchError
 from ..record.api import (
     RUN_FOR_REAL,
     ApiCall,
@@ -38,15 +40,12 @@ from ..record.api import (
     TensorRef,
     function_name,
 )
-from torch.utils._python_dispatch import _disable_current_modes
-
-from ..errors import TraceMismatchError
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, api_checked_call
 from ..record.record import Kind, Record
-from .hostfree import MISS, HostFreeRunner
 from ..signature import call_context_key
 from .codegen import with_recorded_grad_mode
+from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
 from .realize import _store_outputs
 
