@@ -287,3 +287,26 @@ def test_a_call_under_another_autocast_context_is_never_silently_float32():
                 traced(x, lin=lin)
         assert traced.stats.host_free_misses == 1
         assert traced(x, lin=lin).dtype == torch.float32  # back in the recorded context
+
+
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+def test_a_view_taken_before_an_update_and_read_after_it(without_host):
+    # issue 11.9: the view's node was removed as dead code (only its version after the update is
+    # read), leaving the generated program without it
+    def step(x, *, model, opt):
+        row = model.weight[0]
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return row * 1.0
+
+    torch.manual_seed(0)
+    model_a = nn.Linear(4, 3)
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = torch.optim.SGD(model_a.parameters(), lr=0.1), torch.optim.SGD(model_b.parameters(), lr=0.1)
+    traced = tracejit.trace(step, without_host=without_host, backend="aten")
+    for _ in range(5):
+        x = torch.randn(2, 4)
+        assert torch.equal(traced(x, model=model_b, opt=opt_b), step(x, model=model_a, opt=opt_a))
+    assert traced.stats.host_free_calls + traced.stats.api_replays >= 3

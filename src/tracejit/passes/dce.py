@@ -32,6 +32,14 @@ def eliminate_dead_code(graph: Graph) -> Graph:
             keep = has_side_effect(graph, node, observable) or any(v in live for v in produces)
         if keep:
             kept.append(node)
-            live.update(node.inputs)
+            for vid in node.inputs:
+                live.add(vid)
+                # A later version of a view (`row = w[0]`, read after `w.add_(...)`) has no node of
+                # its own: its content comes from the node that made the view and from every write
+                # to its storage since, so all versions of it and of its root stay live.
+                value = graph.values[vid]
+                if value.version:
+                    live.update(versions.get(value.handle, ()))
+                    live.update(versions.get(value.root, ()))
     kept.reverse()
     return graph.with_nodes(kept, "eliminate_dead_code")
