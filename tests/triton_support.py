@@ -234,12 +234,18 @@ def exact(entry: OpEntry) -> bool:
 
 
 def mismatch(got: torch.Tensor, want: torch.Tensor, exact_match: bool, keep: torch.Tensor | None = None,
-             scale: float = 1.0) -> str | None:
+             scale: float = 1.0, reference: torch.Tensor | None = None) -> str | None:
     """Why `got` does not match eager's `want`, or None. Exact means equal values, NaN where eager has
     NaN and the sign of every zero; otherwise NaN and infinities must agree and the rest be within
     TOLERANCE of the result type."""
     if got.dtype != want.dtype or got.shape != want.shape:
         return f"got {got.dtype}{tuple(got.shape)}, eager {want.dtype}{tuple(want.shape)}"
+    if reference is not None and want.dtype.is_floating_point and not exact_match:
+        # A second opinion per element (eager's vectorized functions differ between CPUs: AVX-512
+        # gives gelu(inf) = nan, AVX2 inf): an element that matches the float64 computation passes.
+        agrees = _matches(got, reference.to(want.dtype), scale)
+        got, want = got[~agrees if keep is None else (~agrees & keep)], want[~agrees if keep is None else (~agrees & keep)]
+        keep = None
     if keep is not None:
         got, want = got[keep], want[keep]
     if not want.dtype.is_floating_point:
@@ -259,6 +265,13 @@ def mismatch(got: torch.Tensor, want: torch.Tensor, exact_match: bool, keep: tor
     if bad.any():
         return f"{int(bad.sum())} differ, e.g. {g[bad][:3].tolist()} vs eager {w[bad][:3].tolist()}"
     return None
+
+
+def _matches(got: torch.Tensor, want: torch.Tensor, scale: float) -> torch.Tensor:
+    g, w = got.double(), want.double()
+    rtol, atol = (scale * t for t in TOLERANCE[want.dtype])
+    close = torch.isfinite(w) & ((g == w) | ((g - w).abs() <= atol + rtol * w.abs()))
+    return (g.isnan() & w.isnan()) | (g.isinf() & (g == w)) | close
 
 
 def _lowering_ops(entry: OpEntry) -> set[str]:
