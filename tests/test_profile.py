@@ -40,7 +40,8 @@ def test_profile_rows_cover_the_program_and_name_lines(without_host, tmp_path):
     adam = [r for r in rows if r["node"] == "aten._fused_adam_.default"]
     assert adam and "in train_step" in adam[0]["sources"][0]
     assert sum(r["share"] for r in rows) == pytest.approx(1.0)
-    assert "aten.addmm.default" in format_table(report)
+    # the table shows every row given room (which rows make the top 15 depends on machine load)
+    assert "aten.addmm.default" in format_table(report, limit=len(rows))
 
     path = tmp_path / "trace.json"
     profiled.export_chrome_trace(str(path))
