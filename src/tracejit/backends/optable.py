@@ -65,8 +65,21 @@ def _unary(name: str, promotion: Promotion = Promotion.INT_TO_FLOAT, dtypes: str
 for _name in ("exp", "log", "log1p", "expm1", "tanh", "sigmoid", "erf", "sqrt", "rsqrt", "reciprocal"):
     _unary(_name, example=(lambda x, y, z, fn=getattr(torch, _name): fn(z)) if _name in (
         "log", "sqrt", "rsqrt", "log1p") else None)
-for _name in ("neg", "abs", "floor", "ceil", "trunc", "round", "sign"):
+for _name in ("neg", "abs", "floor", "ceil", "trunc", "sign"):
     _unary(_name, Promotion.DEFAULT, "number")
+
+
+@_op("round", Promotion.DEFAULT, "number", example=lambda x, y, z: torch.round(x))
+def _round(c: Compute, x, decimals=0):
+    if decimals == 0:
+        return c.round(x)
+    if not c.dtype.is_floating_point:
+        raise Unsupported("round(decimals=...) of integers")
+    # eager's rule: round(x * 10^d) / 10^d, with 10^-d for negative d (the same roundings)
+    scale = 10.0 ** abs(decimals)
+    if decimals > 0:
+        return c.div(c.round(c.mul(x, scale)), scale)
+    return c.mul(c.round(c.div(x, scale)), scale)
 
 
 @_op("log2", Promotion.INT_TO_FLOAT, example=lambda x, y, z: torch.log2(z))
@@ -105,8 +118,9 @@ def _mul(c: Compute, x, other):
     return c.mul(x, other)
 
 
-@_op("div", example=lambda x, y, z: x / z)
+@_op("div", Promotion.INT_TO_FLOAT, "number", example=lambda x, y, z: x / z)
 def _div(c: Compute, x, other, rounding_mode=None):
+    # true division: integer operands compute in the default float type, as eager's does
     if rounding_mode is not None:
         raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
     return c.div(x, other)

@@ -62,8 +62,24 @@ def _literal(value, dtype: torch.dtype) -> str:
     return f"{float(value).hex()}{suffix}"
 
 
-def _expression(expr: Expr, names: list[str], load, scalar) -> str:
+def _cast(value: str, source: torch.dtype | None, target: torch.dtype) -> str:
+    """`value` converted as eager converts on x86: to bool by `!= 0`; from floating point to an
+    integer type through int32 (int64 for int64) with out-of-range values and NaN giving the minimum
+    (what cvttss2si returns), then truncated to the target's bits. A plain C cast of such values is
+    undefined behaviour and, vectorized, gave trunc-like results (issue 11)."""
+    t = C_TYPES[target]
+    if target == torch.bool:
+        return f"(({value}) != 0)"
+    if source is not None and source.is_floating_point and not target.is_floating_point:
+        if target == torch.int64:
+            return f"((({value}) >= -0x1p63 && ({value}) < 0x1p63) ? (int64_t)({value}) : INT64_MIN)"
+        return f"(({t})((({value}) >= -0x1p31 && ({value}) < 0x1p31) ? (int32_t)({value}) : INT32_MIN))"
+    return f"(({t})({value}))"
+
+
+def _expression(expr: Expr, names: list[str], load, scalar, types: list | None = None) -> str:
     op, a = expr.op, [names[i] for i in expr.args]
+    source = types[expr.args[0]] if types is not None and expr.args else None
     t = C_TYPES[expr.dtype]
     floating = expr.dtype.is_floating_point
     f = "f" if expr.dtype == torch.float32 else ""
@@ -74,7 +90,7 @@ def _expression(expr: Expr, names: list[str], load, scalar) -> str:
     if op == "const":
         return _literal(expr.value, expr.dtype)
     if op == "cast":
-        return f"(({t})({a[0]}))"
+        return _cast(a[0], source, expr.dtype)
     if op in _INFIX:
         return f"({a[0]} {_INFIX[op]} {a[1]})"
     if op == "neg":
@@ -88,8 +104,10 @@ def _expression(expr: Expr, names: list[str], load, scalar) -> str:
     if op == "where":
         return f"({a[0]} ? {a[1]} : {a[2]})"
     if op in ("maximum", "minimum"):
-        pick = "<" if op == "maximum" else ">"
-        chosen = f"({a[0]} {pick} {a[1]} ? {a[1]} : {a[0]})"
+        # equal operands (+0.0 and -0.0) give the second, as eager's vectorized loops do (its
+        # scalar tail gives the first: eager disagrees with itself there)
+        pick = ">" if op == "maximum" else "<"
+        chosen = f"({a[0]} {pick} {a[1]} ? {a[0]} : {a[1]})"
         return f"({a[0]} != {a[0]} ? {a[0]} : ({a[1]} != {a[1]} ? {a[1]} : {chosen}))" if floating else chosen
     if op == "sign":
         return f"(({t})(({a[0]} > 0) - ({a[0]} < 0)))"
@@ -110,12 +128,13 @@ def _expression(expr: Expr, names: list[str], load, scalar) -> str:
 def _body(spec: KernelSpec, load, scalar, store) -> list[str]:
     """Statements computing one element: each needed expression once, then the stores."""
     needed = live_exprs(spec)
+    types = [e.dtype for e in spec.exprs]
     names: list[str] = []
     lines = []
     for index, expr in enumerate(spec.exprs):
         names.append(f"v{index}")
         if index in needed:
-            lines.append(f"{C_TYPES[expr.dtype]} v{index} = {_expression(expr, names, load, scalar)};")
+            lines.append(f"{C_TYPES[expr.dtype]} v{index} = {_expression(expr, names, load, scalar, types)};")
     for k, (ref, dtype) in enumerate(spec.store_exprs):
         lines.append(store(k, f"(({C_TYPES[dtype]})v{ref})"))
     return lines

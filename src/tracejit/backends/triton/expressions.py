@@ -72,6 +72,14 @@ def convert(value: str, source: torch.dtype, target: torch.dtype) -> str:
     if target in HALF_TYPES:
         wide = value if source == torch.float32 else f"{value}.to(tl.float32)"
         return f"f32_to_{_HALF_NAMES[target]}({wide})"
+    if source.is_floating_point and not target.is_floating_point:
+        # as eager on x86 (see the C backend's _cast): through int32 (int64 for int64), out-of-range
+        # values and NaN giving the minimum, then truncated to the target's bits; GPUs saturate
+        # instead, and an out-of-range conversion is not defined in C++ either
+        wide, bits = ("tl.int64", 63) if target == torch.int64 else ("tl.int32", 31)
+        inside = f"(({value} >= -{float(2 ** bits)!r}) & ({value} < {float(2 ** bits)!r}))"
+        whole = f"tl.where({inside}, {value}, -{float(2 ** bits)!r}).to({wide})"
+        return whole if TL_TYPES[target] == wide else f"{whole}.to({TL_TYPES[target]})"
     return f"{value}.to({TL_TYPES[target]})"
 
 
@@ -106,8 +114,12 @@ def expression(expr: Expr, a: list[str], source_types: list[torch.dtype]) -> str
     if op in simple:
         return simple[op]
     if op in ("maximum", "minimum"):
-        nan = ", propagate_nan=tl.PropagateNan.ALL" if floating else ""
-        return f"tl.{op}({a[0]}, {a[1]}{nan})"
+        # NaN wins; equal operands (+0.0, -0.0) give the second, as eager's vectorized loops do
+        pick = ">" if op == "maximum" else "<"
+        chosen = f"tl.where({a[0]} {pick} {a[1]}, {a[0]}, {a[1]})"
+        if not floating:
+            return chosen
+        return f"tl.where({a[0]} != {a[0]}, {a[0]}, tl.where({a[1]} != {a[1]}, {a[1]}, {chosen}))"
     if op in ("floor", "ceil", "trunc", "round"):
         if not floating:
             return a[0]

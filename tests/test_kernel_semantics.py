@@ -1,0 +1,96 @@
+"""Type rules of fused kernels where they once differed from eager silently (issue 11): integer
+true division, conversions of out-of-range and special floats to integers, `round(decimals=)`,
+and which signed zero `maximum`/`minimum` pick. Each runs through the generated C kernel and the
+Triton kernel (in Triton's interpreter), over several calls, against eager on this machine; the
+Triton kernels are also built for sm_80 and sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton_support as ts
+from fused_support import fused_nodes
+
+import tracejit
+
+SPECIAL = [-2.7, 300.0, float("nan"), float("inf"), -float("inf"), 3e9, -3e9, 70000.5, -129.5, 0.4, -0.0, 2.5e19]
+
+
+def division_of_an_image(img):
+    return (img.to(torch.int16) - 128) / 128
+
+
+def integer_division_by_zero(x, y):
+    return (x + 1) / (y * 2)
+
+
+def round_trip(dtype):
+    def f(x):
+        return (x * 1.0).to(dtype).to(torch.float32) + 0.5
+    return f
+
+
+def round_trip_in_where(x):
+    return torch.where(x > 0, (x * 2.0).to(torch.uint8), (x - 1.0).to(torch.uint8)).to(torch.float32) * 1.0
+
+
+def rounded(x):
+    return torch.round(x * 1.0, decimals=1) + torch.round(x * 1.0, decimals=-1)
+
+
+def extremes(a, b):
+    return torch.maximum(a * 1.0, b * 1.0), torch.minimum(a * 1.0, b * 1.0)
+
+
+CASES = {
+    "int_true_division": (division_of_an_image, lambda: (torch.tensor([0, 64, 128, 200, 255] * 13, dtype=torch.uint8),)),
+    "int_division_by_zero": (integer_division_by_zero,
+                             lambda: (torch.tensor([1, 2, -3, 0] * 16, dtype=torch.int32),
+                                      torch.tensor([0, 1, 0, 0] * 16, dtype=torch.int32))),
+    **{f"to_{str(d).split('.')[1]}": (round_trip(d), lambda: (torch.tensor(SPECIAL * 6),))
+       for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)},
+    "to_uint8_in_where": (round_trip_in_where, lambda: (torch.tensor(SPECIAL * 6),)),
+    "round_decimals": (rounded, lambda: (torch.tensor([1.26, 2.34, -0.05, 15.0, 25.0, -35.5, 1234.5678] * 9),)),
+    # 64 elements: eager's vectorized loops (its scalar tail picks the other zero)
+    "signed_zeros": (extremes, lambda: (torch.tensor([0.0, -0.0, -0.0, 0.0, 1.0, float("nan")] * 16)[:64],
+                                        torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), 1.0] * 16)[:64])),
+}
+
+
+def _same(got, want) -> bool:
+    """Equal values, NaN in the same places, zeros of the same sign."""
+    if isinstance(got, tuple):
+        return all(_same(g, w) for g, w in zip(got, want))
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want)
+    nan = got.isnan()
+    return (torch.equal(nan, want.isnan()) and torch.equal(got[~nan], want[~nan])
+            and torch.equal(got[~nan].signbit(), want[~nan].signbit()))
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_kernel_matches_eager_exactly(case, backend):
+    function, make_inputs = CASES[case]
+    with ts.interpreter() if backend == "triton" else _nothing():
+        traced = tracejit.trace(function, backend=backend)
+        for _ in range(3):
+            inputs = make_inputs()
+            assert _same(traced(*inputs), function(*inputs)), case
+        assert fused_nodes(traced), "the chain did not run as a fused kernel"
+        if backend == "triton":
+            kernels = [k for _, k in ts.fused_kernels(traced) if hasattr(k, "kernel")]
+            assert kernels, "no Triton kernel ran"
+            for kernel in kernels:
+                for arch in ts.ARCHITECTURES:
+                    ts.aot_compile(kernel.kernel, arch)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
