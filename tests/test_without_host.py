@@ -310,3 +310,30 @@ def test_a_view_taken_before_an_update_and_read_after_it(without_host):
         x = torch.randn(2, 4)
         assert torch.equal(traced(x, model=model_b, opt=opt_b), step(x, model=model_a, opt=opt_a))
     assert traced.stats.host_free_calls + traced.stats.api_replays >= 3
+
+
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+def test_captured_weights_given_new_memory_are_a_mismatch_not_stale(without_host):
+    # issue 11.12: `module.weight.data = new` kept the object and its version: stale weights, silently
+    lin = nn.Linear(3, 2).eval()
+    traced = tracejit.trace(lambda x, *, lin: lin(x), without_host=without_host, capture_as_const=True)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(traced(x, lin=lin), lin(x))
+        lin.weight.data = torch.randn(2, 3)
+        with pytest.raises(tracejit.TraceMismatchError, match=r"lin.weight\) has other memory than when it was captured"):
+            traced(x, lin=lin)
+
+
+def test_a_forward_whose_backward_runs_outside_warns_once():
+    # issue 11.13: the gradients of calls after the first were lost silently
+    lin = nn.Linear(3, 2)
+    traced = tracejit.trace(lambda x, *, lin: lin(x), without_host=True)
+    with pytest.warns(tracejit.GradientWarning, match="require grad and runs no backward") as warned:
+        for _ in range(4):
+            out = traced(torch.randn(4, 3), lin=lin)
+    assert len([w for w in warned if w.category is tracejit.GradientWarning]) == 1
+    assert not out.requires_grad  # a backward from it fails loudly rather than dropping gradients
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()

@@ -5,6 +5,7 @@ every call, or compiled and run without it.
 """
 
 from .errors import (
+    GradientWarning,
     HostDependencyError,
     LoadError,
     ReplayLevelWarning,
@@ -18,7 +19,7 @@ from .serialize import load
 from .trace import trace
 
 __all__ = [
-    "HostDependencyError", "LoadError", "ReplayLevelWarning", "SublinearMemoryConfig", "SymbolicTraceError", "TraceCacheFullError",
+    "GradientWarning", "HostDependencyError", "LoadError", "ReplayLevelWarning", "SublinearMemoryConfig", "SymbolicTraceError", "TraceCacheFullError",
     "TraceMismatchError", "exclude_from_trace", "is_tracing", "load", "trace",
 ]
 __version__ = "0.1.0"

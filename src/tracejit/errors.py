@@ -24,3 +24,8 @@ class LoadError(ValueError):
 class ReplayLevelWarning(UserWarning):
     """A trace's checked calls stay at the aten level (slower): the torch API level cannot stand in
     for them, for the reason the message gives (see docs/guide.md, "How checked calls run")."""
+
+
+class GradientWarning(UserWarning):
+    """A traced call's outputs require grad, but the way it replays returns them without an
+    autograd graph (a backward pass after the call would not reach the parameters)."""

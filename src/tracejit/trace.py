@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import HostDependencyError, ReplayLevelWarning, TraceCacheFullError, TraceMismatchError
+from .errors import GradientWarning, HostDependencyError, ReplayLevelWarning, TraceCacheFullError, TraceMismatchError
 from .ir import build_graph
 from .ir.to_fx import to_fx
 from .options import TraceOptions
@@ -245,7 +245,7 @@ class trace(ProfileAccess):
             self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]
         self._traces.setdefault(key, []).append(entry)
         self._traces[key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
-        self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs)
+        self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs, result=result)
         self.stats.records += 1
         return result
 
@@ -282,12 +282,13 @@ class trace(ProfileAccess):
             replaced = TraceEntry(entry.key, new_record, self._compile(new_record), entry.grad_state)
             entries = self._traces[entry.key]
             entries[entries.index(entry)] = replaced
-            self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs)
+            self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result)
             self.stats.rerecords += 1
         else:
             entry.replays += 1
             self.stats.checked_replays += 1
-            self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars)
+            self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars,
+                                    result=result)
             if tracer is not None:
                 self._prepare_api(entry, tracer.finish(result), replayer, args, kwargs, context)
         return result
@@ -336,11 +337,19 @@ class trace(ProfileAccess):
             self._refuse_api(entry, str(reason))
 
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
-                           kwargs: dict, scalars: list | None = None) -> None:
+                           kwargs: dict, scalars: list | None = None, result: Any = None) -> None:
         """After a call that ran the function: (re)bind the program that runs without it."""
         entry.handles = handles  # to_fx() finds the external objects there
         if not self.options.without_host or entry.provisional:
             return
+        if entry.host_free is None and _returns_graph(entry.record, result):
+            where = user_location()
+            warnings.warn_explicit(
+                f"tracejit: {self.__name__}() returns tensors that require grad and runs no backward pass itself; "
+                f"with without_host=True later calls return them without an autograd graph, so a backward pass "
+                f"after the call does not reach the parameters. Trace the whole training step (forward, backward "
+                f"and optimizer step), call it under torch.no_grad() for inference, or trace without without_host.",
+                GradientWarning, where.filename or "<unknown>", where.line or 0)
         try:
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry)
@@ -482,6 +491,13 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
             return (f"the function keeps t{handle} (made at {_producer_source(record, handle)}) beyond the call; "
                     f"the API level hands out placeholders for such values")
     return None
+
+
+def _returns_graph(record: Record, result: Any) -> bool:
+    """The call returns tensors that require grad and runs no backward pass itself."""
+    if any(op.backward_of for op in record.ops):
+        return False
+    return any(t.requires_grad for t in _tensors_of(result))
 
 
 def _containers_of(value: Any) -> list:

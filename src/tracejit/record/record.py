@@ -148,6 +148,8 @@ class Record:
     # counter they had), and the Python-data literals seen while recording.
     constants: dict[int, torch.Tensor] = field(default_factory=dict)
     constant_versions: dict[int, int] = field(default_factory=dict)
+    # and the memory they had: `param.data = other` keeps the object and its version counter
+    constant_storage: dict[int, int] = field(default_factory=dict)
     arg_handles: tuple[int, ...] = ()
     kwarg_handles: dict[str, int] = field(default_factory=dict)
     # A record whose call left new tensors in Python state (lazy optimizer state, a first .grad)

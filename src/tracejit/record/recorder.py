@@ -57,6 +57,7 @@ class Recorder:
         self.excluded_blocks: list[ExcludedBlock] = []
         self.constants: dict[int, torch.Tensor] = {}
         self.constant_versions: dict[int, int] = {}
+        self.constant_storage: dict[int, int] = {}
         self.arg_handles: tuple[int, ...] = ()
         self.kwarg_handles: dict[str, int] = {}
         self.rerecorded = False
@@ -96,6 +97,7 @@ class Recorder:
         recorder.excluded_blocks = [b for b in record.excluded_blocks if b.position <= position]
         recorder.constants = {h: t for h, t in record.constants.items() if h < first_dropped}
         recorder.constant_versions = {h: v for h, v in record.constant_versions.items() if h < first_dropped}
+        recorder.constant_storage = {h: v for h, v in record.constant_storage.items() if h < first_dropped}
         # A literal (torch.tensor(1.0)) is made anew by every call: the matched prefix bound this
         # call's object to its handle, and the program must use that one. The first call's may be
         # anything by now (Adam's first step tensors are literals that it then increments).
@@ -104,6 +106,7 @@ class Recorder:
             if record.tensors[handle].literal and handle in bound:
                 recorder.constants[handle] = bound[handle]
                 recorder.constant_versions[handle] = bound[handle]._version
+                recorder.constant_storage.pop(handle, None)
         recorder.arg_handles = record.arg_handles
         recorder.kwarg_handles = dict(record.kwarg_handles)
         recorder.rerecorded = True
@@ -129,6 +132,8 @@ class Recorder:
             handle = self._new_handle(tensor, Kind.CONST, name, literal=literal)
             self.constants[handle] = tensor
             self.constant_versions[handle] = tensor._version
+            if not literal:
+                self.constant_storage[handle] = storage_address(tensor)
             return handle
         return self._new_handle(tensor, Kind.EXTERNAL, name)
 
@@ -285,6 +290,7 @@ class Recorder:
             excluded_blocks=self.excluded_blocks,
             constants=self.constants,
             constant_versions=self.constant_versions,
+            constant_storage=self.constant_storage,
             arg_handles=self.arg_handles,
             kwarg_handles=self.kwarg_handles,
             rerecorded=self.rerecorded,
@@ -374,3 +380,11 @@ def _first_handle_created_from(record: Record, position: int) -> int:
 def _copy_info(info: TensorInfo) -> TensorInfo:
     return TensorInfo(info.handle, info.kind, info.meta, info.name, info.producer, info.base,
                       info.flags & ~(Flag.ESCAPED | Flag.RETURNED), info.literal)
+
+
+def storage_address(tensor: torch.Tensor) -> int:
+    """Where a tensor's memory is (0 for tensors without real memory: fake, meta)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0

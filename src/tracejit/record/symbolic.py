@@ -256,6 +256,7 @@ class SymbolicRecorder(Recorder):
             output=OutputSpec("none"),
             constants=dict(self.constants),
             constant_versions=dict(self.constant_versions),
+            constant_storage=dict(self.constant_storage),
             arg_handles=self.arg_handles,
             kwarg_handles=dict(self.kwarg_handles),
         )

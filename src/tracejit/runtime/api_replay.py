@@ -69,8 +69,8 @@ class ApiProgram:
         self.context = context
         self.external_refs = list(trace.externals)
         # captured constants must not change (the aten level names the one that did)
-        self.constants = [(weakref.ref(t), record.constant_versions[h]) for h, t in record.constants.items()
-                          if h in record.constant_versions]
+        self.constants = [(weakref.ref(t), record.constant_versions[h], record.constant_storage.get(h, 0))
+                          for h, t in record.constants.items() if h in record.constant_versions]
         self.calls = trace.calls
         self.funcs = [call.func for call in trace.calls]
         self.placeholders = _placeholders(record, trace, output)
@@ -164,9 +164,9 @@ class ApiProgram:
     # -- per call -------------------------------------------------------------------------------
 
     def constants_changed(self) -> bool:
-        for ref, version in self.constants:
+        for ref, version, storage in self.constants:
             tensor = ref()
-            if tensor is None or tensor._version != version:
+            if tensor is None or tensor._version != version or (storage and tensor.untyped_storage().data_ptr() != storage):
                 return True
         return False
 

@@ -243,6 +243,13 @@ class HostFreeRunner:
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
+        for handle, storage in self.record.constant_storage.items():
+            # captured constants are folded into the program: one written or given other memory
+            # since (`param.data = other`) makes the call a checked one, which names it
+            constant = src.constant(self.record.constants[handle], "const")
+            guards.append(_fail(f"{constant}._version != {self.record.constant_versions[handle]} or "
+                                f"{constant}.untyped_storage().data_ptr() != {storage}",
+                                f"captured constant t{handle} changed"))
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
         lr_bindings = find_lr_bindings(self.record, objects, kwargs, scalars)

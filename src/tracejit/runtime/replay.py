@@ -24,7 +24,7 @@ from ..record.calls import HOST_VALUE_OPS, has_dynamic_output_shape, is_ignored_
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
-from ..record.recorder import Recorder
+from ..record.recorder import Recorder, storage_address
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
@@ -182,6 +182,8 @@ class Replayer:
         elif tensor._version != record.constant_versions[handle]:
             detail = (f"was modified in place since it was captured (version "
                       f"{record.constant_versions[handle]} -> {tensor._version})")
+        elif record.constant_storage.get(handle, 0) not in (0, storage_address(tensor)):
+            detail = "has other memory than when it was captured (`.data = ...` or `set_()`)"
         else:
             return None
         return lambda: mismatch.const_violated(record, position, handle, detail, user_location())
