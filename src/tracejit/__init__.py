@@ -19,7 +19,8 @@ from .serialize import load
 from .trace import trace
 
 __all__ = [
-    "GradientWarning", "HostDependencyError", "LoadError", "ReplayLevelWarning", "SublinearMemoryConfig", "SymbolicTraceError", "TraceCacheFullError",
-    "TraceMismatchError", "exclude_from_trace", "is_tracing", "load", "trace",
+    "GradientWarning", "HostDependencyError", "LoadError", "ReplayLevelWarning", "SublinearMemoryConfig",
+    "SymbolicTraceError", "TraceCacheFullError", "TraceMismatchError", "exclude_from_trace", "is_tracing", "load",
+    "trace",
 ]
 __version__ = "0.1.0"
