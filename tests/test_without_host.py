@@ -337,3 +337,34 @@ def test_a_forward_whose_backward_runs_outside_warns_once():
     assert not out.requires_grad  # a backward from it fails loudly rather than dropping gradients
     with pytest.raises(RuntimeError, match="does not require grad"):
         out.sum().backward()
+
+
+def _set_momentum(opt, step):
+    if step == 4:
+        opt.param_groups[0]["momentum"] = 0.5
+
+
+def _set_weight_decay(opt, step):
+    if step == 4:
+        opt.param_groups[0]["weight_decay"] = 0.1
+
+
+@pytest.mark.parametrize("opt_name, change", [("sgd_momentum", _set_momentum), ("adamw_fused", _set_weight_decay),
+                                              ("adam_fused", "one_cycle")])
+def test_changed_optimizer_settings_are_followed(opt_name, change):
+    # issue 11.7: only lr was rebound; momentum, betas (cycled by OneCycleLR), weight decay... froze
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), opt_name)
+    schedulers = []
+    if change == "one_cycle":
+        schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=20) for o in (opt_a, opt_b)]
+    traced = tracejit.trace(train_step, without_host=True, backend="aten")
+    for i in range(8):
+        x, y = batch("mlp", i)
+        for opt in (opt_a, opt_b):
+            if callable(change):
+                change(opt, i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
+        for scheduler in schedulers:
+            scheduler.step()
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    assert traced.stats.host_free_misses >= 1  # the changed setting made those calls checked ones

@@ -114,6 +114,36 @@ def find_lr_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: d
     return bindings
 
 
+def _optimizer_guards(kwargs: dict, lr_bindings: list[LrBinding], src: Any) -> list[str]:
+    """Every setting of every param group of the keyword optimizers (momentum, betas, eps,
+    weight_decay, maximize, nesterov, amsgrad, ...; lr where it is not bound) is what the program
+    was built with, and so are the groups and their parameters (add_param_group, a new params
+    list). A changed one makes the call a checked one, which records the new numbers."""
+    lines = []
+    bound = {(b.kwarg, b.group) for b in lr_bindings}
+    for name, optimizer in sorted(kwargs.items()):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        groups = f"kw[{name!r}].param_groups"
+        lines.append(_fail(f"len({groups}) != {len(optimizer.param_groups)}", f"{name} has other param groups"))
+        for index, group in enumerate(optimizer.param_groups):
+            ids = src.constant(tuple(id(p) for p in group["params"]), "ids")
+            lines.append(_fail(f"PARAM_IDS({groups}[{index}]['params']) != {ids}",
+                               f"param group {index} of {name} has other parameters"))
+            for key, value in sorted(group.items()):
+                if key == "params" or (key == "lr" and (name, index) in bound):
+                    continue
+                if isinstance(value, _PRIMITIVES) or (isinstance(value, tuple) and all(
+                        isinstance(v, _PRIMITIVES) for v in value)):
+                    lines.append(_fail(f"{groups}[{index}][{key!r}] != {src.constant(value, 'hp')}",
+                                       f"{key} of param group {index} of {name} changed"))
+    return lines
+
+
+def _param_ids(params: list) -> tuple:
+    return tuple(id(p) for p in params)
+
+
 class _Source:
     """Accumulates generated code and the constants it refers to by name."""
 
@@ -226,7 +256,7 @@ class HostFreeRunner:
         src = _Source(self.function)
         src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=scalars,
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
-                             CONTEXT=call_context_key,
+                             CONTEXT=call_context_key, PARAM_IDS=_param_ids,
                              GRAD_STATE=gradient_state, SAME=same_object_key)
         lines = self._signature_checks(args, kwargs, grad_state, src)
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
@@ -253,6 +283,9 @@ class HostFreeRunner:
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
         lr_bindings = find_lr_bindings(self.record, objects, kwargs, scalars)
+        settings = _optimizer_guards(kwargs, lr_bindings, src)
+        if settings:  # a checked call at the API level (S given) has compared every number already
+            guards += ["if S is None:", *(f"    {line}" for line in settings)]
         self.bound_scalars = scalars  # a checked call at the API level starts from these (`S`)
         for binding in lr_bindings:
             sign = "-" if binding.sign < 0 else ""
