@@ -368,3 +368,24 @@ def test_changed_optimizer_settings_are_followed(opt_name, change):
             scheduler.step()
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
     assert traced.stats.host_free_misses >= 1  # the changed setting made those calls checked ones
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32], ids=str)
+@pytest.mark.parametrize("backend", ["aten", "c"])
+@pytest.mark.parametrize("bounds", ["min", "max", "both", "method", "clamp_min_max"])
+def test_clamp_with_tensor_bounds(bounds, backend, dtype):
+    # issue 15.2: the program called clamp's number overload (clamp.out) for clamp.Tensor
+    functions = {
+        "min": lambda a, b: torch.clamp(a, min=b) * 1,
+        "max": lambda a, b: torch.clamp(a, max=b) * 1,
+        "both": lambda a, b: torch.clamp(a, min=b, max=b + 1) * 1,
+        "method": lambda a, b: a.clamp(max=b) * 1,
+        "clamp_min_max": lambda a, b: torch.clamp_min(a, b) + torch.clamp_max(a, b),
+    }
+    function = functions[bounds]
+    traced = tracejit.trace(function, without_host=True, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        a, b = (torch.randn(64, generator=g) * 5).to(dtype), (torch.randn(64, generator=g) * 5).to(dtype)
+        assert torch.equal(traced(a, b), function(a, b))
+    assert traced.stats.host_free_calls == 3

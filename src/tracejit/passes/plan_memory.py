@@ -124,10 +124,16 @@ def out_overload(op) -> torch._ops.OpOverload | None:
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
     packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
-    overload = getattr(packet, "out", None) if packet is not None else None
-    if overload is None:
+    if packet is None:
         return None
-    names = [a.name for a in overload._schema.arguments]
-    if names[-1:] != ["out"] or [a.name for a in op._schema.arguments] != names[:-1]:
-        return None
-    return overload
+    # clamp.Tensor's is clamp.Tensor_out; clamp.out takes numbers where clamp.Tensor takes tensors
+    candidates = ["out"] if op._overloadname == "default" else [f"{op._overloadname}_out", "out"]
+    wanted = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for name in candidates:
+        overload = getattr(packet, name, None)
+        if overload is None:
+            continue
+        arguments = [(a.name, str(a.type)) for a in overload._schema.arguments]
+        if [n for n, _ in arguments[-1:]] == ["out"] and arguments[:-1] == wanted:
+            return overload
+    return None
