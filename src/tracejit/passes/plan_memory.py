@@ -120,20 +120,24 @@ def _storage_lifetimes(graph: Graph) -> dict[int, tuple[int, int]]:
 
 @functools.cache
 def out_overload(op) -> torch._ops.OpOverload | None:
-    """The `.out` overload of a functional aten op, if it has one taking a single `out` tensor."""
+    """The `out=` overload of a functional aten op: the one taking the same arguments (names, types,
+    keyword-only or not) plus a single `out` tensor. Matching names alone is not enough:
+    `clamp.Tensor(self, Tensor? min, Tensor? max)` has the names of `clamp.out(self, Scalar? min,
+    Scalar? max, *, out)`, whose `out` variant is `clamp.Tensor_out` (issue 15)."""
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
     packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
     if packet is None:
         return None
-    # clamp.Tensor's is clamp.Tensor_out; clamp.out takes numbers where clamp.Tensor takes tensors
-    candidates = ["out"] if op._overloadname == "default" else [f"{op._overloadname}_out", "out"]
-    wanted = [(a.name, str(a.type)) for a in op._schema.arguments]
-    for name in candidates:
-        overload = getattr(packet, name, None)
-        if overload is None:
-            continue
-        arguments = [(a.name, str(a.type)) for a in overload._schema.arguments]
-        if [n for n, _ in arguments[-1:]] == ["out"] and arguments[:-1] == wanted:
+    wanted = _signature(op._schema.arguments)
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        arguments = overload._schema.arguments
+        if (arguments and arguments[-1].name == "out" and arguments[-1].is_out
+                and _signature(arguments[:-1]) == wanted):
             return overload
     return None
+
+
+def _signature(arguments) -> list[tuple[str, str, bool]]:
+    return [(a.name, str(a.type), a.kwarg_only) for a in arguments]
