@@ -348,3 +348,16 @@ def test_mismatch_inside_backward_keeps_its_type(trace):
     mode["bad"] = True
     with pytest.raises(TraceMismatchError, match="aten.cos.default instead of aten.sin.default"):
         f(x)
+
+
+def test_a_changed_layout_shows_the_strides():
+    # issue 11.16: recorded and received metadata printed alike when only the strides differed
+    holder = {"w": torch.randn(6, 6)}
+    traced = tracejit.trace(lambda x: x @ holder["w"])
+    x = torch.randn(2, 6)
+    for _ in range(3):
+        traced(x)
+    holder["w"] = torch.randn(6, 6).t()
+    with pytest.raises(TraceMismatchError, match=r"recorded cpu float32\[6, 6\] with strides \(6, 1\)\)") as error:
+        traced(x)
+    assert "got:      cpu float32[6, 6] with strides (1, 6)" in str(error.value)

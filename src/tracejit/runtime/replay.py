@@ -163,8 +163,12 @@ class Replayer:
         if info.kind is Kind.CONST and not info.literal:
             return self._check_constant(tensor, handle, position)
         if not info.literal and TensorMeta.of(tensor) != info.meta:
-            return self._input_error(position, slot, handle, _describe(tensor),
-                                     f"changed shape, stride, dtype or device (recorded {info.meta})")
+            now, recorded = _describe(tensor), str(info.meta)
+            if now == recorded:  # only the layout differs: say so, or the two look the same
+                now = f"{now} with strides {tuple(tensor.stride())}"
+                recorded = f"{recorded} with strides {info.meta.stride}"
+            return self._input_error(position, slot, handle, now,
+                                     f"changed shape, stride, dtype or device (recorded {recorded})")
         return None
 
     def _bind_first_seen(self, tensor: torch.Tensor, handle: int) -> bool:
