@@ -4,6 +4,7 @@ grouping, placeholders in checked replay, on-demand reads, and training parity."
 import pytest
 import torch
 from models import assert_same_state, train_side_by_side
+from side_by_side import mse, seeded, side_by_side, step_of
 
 import tracejit
 from tracejit.ir import Op
@@ -141,3 +142,50 @@ def test_a_fused_group_is_one_profile_row_in_checked_replay():
         traced(x, y)
     (row,) = traced.get_profile()["rows"]
     assert row["node"].startswith("fused") and row["calls"] == 3 and len(row["ops"]) == 8
+
+
+class ScaledTanh(torch.nn.Module):
+    """A parameter used elementwise: its gradient is the output of a fused backward group."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(3, 4))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+def recurrent_model(cell):
+    torch.manual_seed(0)
+    return cell(4, 8, batch_first=True)
+
+
+def momentum_ready(model, loss, shape):
+    """SGD whose momentum buffers exist before the first traced call: no lazy state, no re-record."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step_of(loss)(torch.randn(*shape), model=model, opt=opt)
+    return opt
+
+
+def recurrent_mse(model, x):
+    return model(x)[0].square().mean()
+
+
+@pytest.mark.parametrize("make, loss, shape, make_opt", [
+    (lambda: recurrent_model(torch.nn.GRU), recurrent_mse, (3, 5, 4), None),
+    (lambda: recurrent_model(torch.nn.RNN), recurrent_mse, (3, 5, 4), None),
+    (lambda: recurrent_model(torch.nn.GRU), recurrent_mse, (3, 5, 4), momentum_ready),
+    (ScaledTanh, mse, (3, 4), momentum_ready),
+], ids=["gru", "rnn", "gru-momentum", "scaled-momentum"])
+def test_a_gradient_computed_by_a_fused_group_is_stolen_by_autograd_as_in_eager(make, loss, shape, make_opt):
+    # The call state used to keep the group's outputs: a second reference to a gradient, so
+    # AccumulateGrad copied it (aten.new_empty_strided) where the recorded call stole it
+    # (aten.detach), a spurious mismatch at call 2 inside loss.backward().
+    model = make()
+    opt = make_opt(model, loss, shape) if make_opt else torch.optim.SGD(model.parameters(), lr=0.1)
+    step = step_of(loss)
+    traced = tracejit.trace(step, backend="reference")
+    side_by_side(traced, step, {"model": model, "opt": opt}, seeded(*shape), steps=4)
+    assert traced.stats.checked_replays >= 2 and traced.stats.records == 1
+    assert fused_count(traced)[0] >= 1

@@ -73,6 +73,11 @@ class _GroupRun:
         self.inputs = set(node.inputs)
         self.metas = {v: graph.values[v].meta for m in node.members for v in m.outputs if v is not None}
         self.output_handles = [self.handle_of[v] for v in node.outputs]
+        # outputs the kernel creates (not storage from outside that it writes): the call state
+        # lets go of them once handed out, see step()
+        input_handles = {self.handle_of[v] for v in node.inputs}
+        written = {self.handle_of[w] for m in node.members for w in m.writes}
+        self.fresh_outputs = [h for h in self.output_handles if h not in input_handles and h not in written]
         # handle -> its last value in the group: what the tensor holds once the group has run
         self.final_of = {self.handle_of[v]: v for m in node.members
                          for v in (*(o for o in m.outputs if o is not None), *m.writes)}
@@ -88,7 +93,7 @@ class _GroupRun:
         k = self.member_at[position]
         member = self.node.members[k]
         if self in state.broken:
-            return self._run_member(k, state, scalars, args, kwargs)
+            return self._run_member(k, args, kwargs)
         env = state.env
         for tensor, vid in zip(tensors, member.inputs):
             if vid in self.inputs:
@@ -105,7 +110,14 @@ class _GroupRun:
             if state.pending.get(handle) is self:
                 del state.pending[handle]
         state.fired.add(self)
-        return self._result(member, tensors, env)
+        result = self._result(member, tensors, env)
+        # Nothing of the call state needs the kernel's outputs any more (they are real, and a
+        # later recompute reads only inputs). Holding them would be an extra reference that eager
+        # does not have: autograd's AccumulateGrad steals a gradient only when nobody else holds
+        # it, and copies it otherwise (new_empty_strided + copy_ instead of the recorded detach).
+        for handle in self.fresh_outputs:
+            env[handle] = None
+        return result
 
     def _deferred(self, member: Node, tensors: list[torch.Tensor], state: CallState) -> Any:
         env = state.env
@@ -137,16 +149,11 @@ class _GroupRun:
         results = [env[self.handle_of[v]] for v in member.outputs]
         return results[0] if kind == "tensor" else results
 
-    def _run_member(self, k: int, state: CallState, scalars: list, args: tuple, kwargs: dict) -> Any:
+    def _run_member(self, k: int, args: tuple, kwargs: dict) -> Any:
         """A member of a broken group runs like an unfused op, on what the host passed."""
-        result = self.reference.steps[k].function(*args, **kwargs)
-        member = self.node.members[k]
-        kind = member.attr("out_kind")
-        produced = [result] if kind == "tensor" else (list(result) if kind in ("tuple", "list") else [])
-        for vid, value in zip(member.outputs, produced):
-            if vid is not None:
-                state.env[self.handle_of[vid]] = value
-        return result
+        # Its outputs are not kept in the call state: nothing pends on a broken group, and an
+        # extra reference would change what autograd does with a gradient (see step()).
+        return self.reference.steps[k].function(*args, **kwargs)
 
     def materialize(self, handle: int, state: CallState, scalars: list) -> None:
         """Make `handle`'s contents real now: the host reads it before (or without) the kernel filling it."""
