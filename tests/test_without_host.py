@@ -389,3 +389,52 @@ def test_clamp_with_tensor_bounds(bounds, backend, dtype):
         a, b = (torch.randn(64, generator=g) * 5).to(dtype), (torch.randn(64, generator=g) * 5).to(dtype)
         assert torch.equal(traced(a, b), function(a, b))
     assert traced.stats.host_free_calls == 3
+
+
+def _same_gradients(model_a, model_b):
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert (a.grad is None) == (b.grad is None)
+        assert a.grad is None or torch.equal(a.grad, b.grad)
+
+
+def test_gradient_accumulation_that_frees_the_gradients_it_read():
+    # issue 11.10: the stepping call reads the accumulated .grad and frees it (zero_grad sets None);
+    # binding the program to that freed external raised KeyError after the model was updated
+    def step(x, y, *, model, opt, do_step):
+        F.mse_loss(model(x), y).backward()
+        if do_step:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Linear(4, 2), "sgd_momentum")
+    traced = tracejit.trace(step, without_host=True, backend="aten")
+    for i in range(9):
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        step(x, y, model=model_a, opt=opt_a, do_step=i % 2 == 1)
+        traced(x, y, model=model_b, opt=opt_b, do_step=i % 2 == 1)
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+        _same_gradients(model_a, model_b)
+    assert traced.stats.host_free_calls >= 3  # the accumulating calls, from the same .grad state
+
+
+def test_gradients_reach_param_grad_when_zeroed_outside_the_call():
+    # a host-free call wrote the gradients into the .grad objects of the host-run call, which
+    # zero_grad() outside the call had detached: param.grad stayed None
+    def step(x, *, model, opt):
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Linear(4, 2), "sgd")
+    traced = tracejit.trace(step, without_host=True, backend="aten")
+    for _ in range(5):
+        x = torch.randn(3, 4)
+        kept = [p.grad for p in model_b.parameters()]  # a reference held by the user stays as it was
+        frozen = [None if g is None else g.clone() for g in kept]
+        assert torch.equal(traced(x, model=model_b, opt=opt_b), step(x, model=model_a, opt=opt_a))
+        _same_gradients(model_a, model_b)
+        assert all(g is None or torch.equal(g, f) for g, f in zip(kept, frozen))
+        for opt in (opt_a, opt_b):
+            opt.zero_grad(set_to_none=True)
+    assert traced.stats.host_free_calls >= 3

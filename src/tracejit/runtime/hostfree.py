@@ -252,6 +252,12 @@ class HostFreeRunner:
         """Specialize the call to the inputs' signature and the objects and scalar values a host-run
         call just used (`scalars`: its dynamic scalars; None: the record's own)."""
         scalars = list(self.initial_scalars if scalars is None else scalars)
+        for info in self.record.tensors:
+            # An external the call read and then freed (a `.grad` that `zero_grad()` set to None, a
+            # gradient the user replaced): the program cannot be bound to it, the next call runs
+            # the function. Checked before anything is computed from the externals.
+            if info.kind is Kind.EXTERNAL and objects.get(info.handle) is None:
+                raise GuardFailure(f"external t{info.handle} ({info.name}) is no longer alive")
         self._compute_hoisted(objects)
         src = _Source(self.function)
         src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=scalars,
@@ -297,10 +303,10 @@ class HostFreeRunner:
         lines += [f"s = {own} if S is None else S", "try:", *(f"    {line}" for line in guards),
                   "except (KeyError, AttributeError, IndexError, TypeError):",
                   "    return MISS  # a module, optimizer or global no longer has what it had"]
-        lines += self._program_lines(objects, src)
+        lines += self._program_lines(objects, kwargs, src)
         self.sources["call"], self.call = src.function("call", "args, kw, S=None", lines)
 
-    def _program_lines(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
+    def _program_lines(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
         """The program's straight-line body inlined after the guards (they bound its inputs to the
         locals h<handle> it reads), with gradients off, then the epilogue."""
         run = self.program.run
@@ -313,7 +319,7 @@ class HostFreeRunner:
         # hoisted views of externals and constants come from the binding's template
         loads = [f"h{h} = {src.constant(self.env_template[h], 'c')}" for h in run.parts.loads if h not in bound]
         return [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)", "try:",
-                *(f"    {line}" for line in (*run.parts.body, *self._epilogue(objects, src))),
+                *(f"    {line}" for line in (*run.parts.body, *self._epilogue(objects, kwargs, src))),
                 "finally:", "    if grad: SET_GRAD(True)"]
 
     def _signature_checks(self, args: tuple, kwargs: dict, grad_state: tuple | None, src: _Source) -> list[str]:
@@ -351,11 +357,9 @@ class HostFreeRunner:
                 template[handle] = env[handle]
         self.env_template = template
 
-    def _external_guard(self, info: Any, obj: torch.Tensor | None, src: _Source, names: ExternalNames) -> list[str]:
+    def _external_guard(self, info: Any, obj: torch.Tensor, src: _Source, names: ExternalNames) -> list[str]:
         """One check per external: still the object the function would reach (and alive), with the
         recorded shape, dtype and device, and the same storage when views of it are kept."""
-        if obj is None:
-            raise GuardFailure(f"external t{info.handle} ({info.name}) is no longer alive")
         local, ref = f"h{info.handle}", src.constant(weakref.ref(obj), "r")
         locator = names.locator_of(obj)
         if locator is not None:
@@ -380,8 +384,8 @@ class HostFreeRunner:
         lines.append(_fail(" or ".join(checks), changed))
         return lines
 
-    def _epilogue(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
-        """Write escaped values into the objects Python holds; return fresh outputs."""
+    def _epilogue(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
+        """Write escaped values where the function would have put them; return fresh outputs."""
         body = []
         self.escaped_objects = {}  # handle -> the object Python holds (weakly): also for runtime/api_replay.py
         # The base of a returned view is alive only through that view, which belongs to the caller
@@ -389,14 +393,41 @@ class HostFreeRunner:
         tensors = self.record.tensors
         returned_bases = {tensors[h].base for h in range(len(tensors))
                           if tensors[h].flags & Flag.RETURNED and tensors[h].base is not None}
+        owners = _gradient_owners(kwargs)
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
-            if obj is not None and not tensors[handle].flags & Flag.RETURNED and handle not in returned_bases:
-                ref = src.constant(weakref.ref(obj), "r")
-                self.escaped_objects[handle] = src.namespace[ref]
+            if obj is None or tensors[handle].flags & Flag.RETURNED or handle in returned_bases:
+                continue
+            ref = src.constant(weakref.ref(obj), "r")
+            self.escaped_objects[handle] = src.namespace[ref]
+            owner = owners.get(id(obj))
+            if owner is not None:
+                # A gradient the call stored in `param.grad`. The trace's gradient state says which
+                # .grad existed when the call started: where none did (zero_grad() outside the call),
+                # the function would store a new tensor, not write into the one of a host-run call.
+                body += [f"p = {src.constant(weakref.ref(owner), 'r')}()", "if p is not None:",
+                         "    o = p.grad", f"    if o is None: p.grad = h{handle}",
+                         f"    elif o is not h{handle}: o.copy_(h{handle})"]
+            else:
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
+
+
+def _gradient_owners(kwargs: dict) -> dict[int, torch.Tensor]:
+    """id(grad) -> the parameter of a keyword module or optimizer whose `.grad` it is."""
+    owners = {}
+    for value in kwargs.values():
+        if isinstance(value, torch.nn.Module):
+            params = value.parameters()
+        elif isinstance(value, torch.optim.Optimizer):
+            params = (p for group in value.param_groups for p in group["params"])
+        else:
+            continue
+        for param in params:
+            if param.grad is not None:
+                owners.setdefault(id(param.grad), param)
+    return owners
 
 
 def _output_expr(spec: OutputSpec) -> str:
