@@ -42,6 +42,14 @@ def extremes(a, b):
     return torch.maximum(a * 1.0, b * 1.0), torch.minimum(a * 1.0, b * 1.0)
 
 
+def clamped_by_numbers(x):
+    return (x * 1.0).clamp(min=0.0), (x * 1.0).clamp(-0.0, 0.0), torch.clamp_max(x * 1.0, -0.0), (x * 1.0).clamp(max=float("nan"))
+
+
+def bool_numbers(x):
+    return (x * 1.0).clamp(min=False, max=True) + True, (x * 2).clamp(max=True)
+
+
 CASES = {
     "int_true_division": (division_of_an_image, lambda: (torch.tensor([0, 64, 128, 200, 255] * 13, dtype=torch.uint8),)),
     "int_division_by_zero": (integer_division_by_zero,
@@ -52,6 +60,9 @@ CASES = {
     "to_uint8_in_where": (round_trip_in_where, lambda: (torch.tensor(SPECIAL * 6),)),
     "round_decimals": (rounded, lambda: (torch.tensor([1.26, 2.34, -0.05, 15.0, 25.0, -35.5, 1234.5678] * 9),)),
     # 64 elements: eager's vectorized loops (its scalar tail picks the other zero)
+    # number bounds keep x when equal, in every loop of eager (tensor bounds act as maximum/minimum)
+    "clamp_number_bounds": (clamped_by_numbers, lambda: (torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan")] * 13),)),
+    "bool_numbers": (bool_numbers, lambda: (torch.tensor([0.0, -0.5, 0.25, 3.0, float("nan")] * 13),)),
     "signed_zeros": (extremes, lambda: (torch.tensor([0.0, -0.0, -0.0, 0.0, 1.0, float("nan")] * 16)[:64],
                                         torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), 1.0] * 16)[:64])),
 }

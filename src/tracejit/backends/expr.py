@@ -106,7 +106,9 @@ class Compute:
         if isinstance(operand, ScalarArg):
             raw = self.b.emit("scalar", (), torch.float64 if operand.type is float else torch.int64, operand.index)
             return self.b.cast(raw, self.dtype)
-        if isinstance(operand, bool) or not isinstance(operand, (int, float)):
+        if isinstance(operand, bool):
+            operand = int(operand)  # `x.clamp(max=True)`, `x + True`: eager takes a bool as 1 or 0
+        if not isinstance(operand, (int, float)):
             raise TypeError(f"not an element operand: {operand!r}")
         return self.b.emit("const", (), self.dtype, _typed_constant(operand, self.dtype))
 

@@ -198,20 +198,38 @@ _op("bitwise_not", Promotion.DEFAULT, "bool", lambda x, y, z: torch.bitwise_not(
 @_op("clamp", dtypes="number", example=lambda x, y, z: torch.clamp(x, -0.5, 0.5))
 def _clamp(c: Compute, x, min=None, max=None):
     if min is not None:
-        x = c.maximum(x, min)
+        x = _at_least(c, x, min)
     if max is not None:
-        x = c.minimum(x, max)
+        x = _at_most(c, x, max)
     return c.value(x)
 
 
 @_op("clamp_min", dtypes="number", example=lambda x, y, z: torch.clamp_min(x, 0.25))
 def _clamp_min(c: Compute, x, min):
-    return c.maximum(x, min)
+    return _at_least(c, x, min)
 
 
 @_op("clamp_max", dtypes="number", example=lambda x, y, z: torch.clamp_max(x, 0.25))
 def _clamp_max(c: Compute, x, max):
-    return c.minimum(x, max)
+    return _at_most(c, x, max)
+
+
+def _at_least(c: Compute, x, low):
+    """A tensor bound is `maximum` (eager's clamp.Tensor is); a number bound keeps `x` when the two
+    are equal, as eager does in every loop (clamp(-0.0, min=0.0) is -0.0), and a NaN bound gives NaN."""
+    if isinstance(low, Ref):
+        return c.maximum(x, low)
+    return _number_bound(c, c.where(c.lt(x, low), low, x), low)
+
+
+def _at_most(c: Compute, x, high):
+    if isinstance(high, Ref):
+        return c.minimum(x, high)
+    return _number_bound(c, c.where(c.gt(x, high), high, x), high)
+
+
+def _number_bound(c: Compute, clamped: Ref, bound) -> Ref:
+    return c.where(c.isnan(bound), bound, clamped) if c.dtype.is_floating_point else clamped
 
 
 @_op("relu", dtypes="number", example=lambda x, y, z: torch.relu(x))
