@@ -196,6 +196,51 @@ def test_the_same_tensor_in_two_argument_slots_selects_another_trace(trace):
     assert len(traced.records) == 2
 
 
+def add_into_first(x, y):
+    x.add_(y)
+    return x * 2 + 1  # the in-place add and this chain are one fused group
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_inputs_that_overlap_in_memory_raise_eagers_overlap_error(backend, without_host):
+    # Recorded on separate tensors, the compiled program (a fused C kernel) used to compute
+    # x.add_(x.t()) element by element where eager refuses it.
+    traced = tracejit.trace(add_into_first, backend=backend, without_host=without_host)
+    for _ in range(3):
+        a, b = torch.randn(3, 3), torch.randn(3, 3).t()
+        want = add_into_first(a.clone(), b.clone())
+        assert torch.equal(traced(a, b), want)
+    for _ in range(3):
+        a = torch.randn(3, 3)
+        with pytest.raises(RuntimeError, match="refer to a single memory location") as eager:
+            add_into_first(a, a.t())
+        b = torch.randn(3, 3)
+        with pytest.raises(RuntimeError) as got:
+            traced(b, b.t())
+        assert str(got.value) == str(eager.value)
+    assert traced.stats.records == 1 and traced.stats.checked_replays + traced.stats.host_free_calls == 2
+    if backend == "c" and tracejit.backends.resolve_backend("c") is not None:
+        assert traced.kernel_sources()  # the program that used to compute it is a fused kernel
+
+
+def test_inputs_in_one_storage_without_overlap_replay_their_own_trace():
+    # x[0] and x[1]: one storage, no common element; eager computes, and so does the trace
+    def f(x, y):
+        x.mul_(y)
+        return x + y
+
+    traced = tracejit.trace(f, backend="c", without_host=True)
+    for i in range(6):
+        base = torch.randn(2, 4)
+        x, y = (base[0], base[1]) if i % 2 else (torch.randn(4), torch.randn(4))
+        eager_base = base.clone()
+        ex, ey = (eager_base[0], eager_base[1]) if i % 2 else (x.clone(), y.clone())
+        assert torch.allclose(traced(x, y), f(ex, ey))
+        assert torch.equal(x, ex)
+    assert traced.stats.records == 2 and traced.stats.host_free_calls >= 2
+
+
 def test_the_signature_message_names_the_new_distinctions():
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
 

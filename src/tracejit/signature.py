@@ -13,9 +13,10 @@ def tensor_key(tensor: torch.Tensor) -> tuple:
 
 def signature(args: tuple, kwargs: dict) -> tuple:
     """Shapes, strides, dtypes, devices and requires_grad of the tensor inputs; which tensor inputs are
-    the same object (`step(x, x)` for an autoencoder dispatches other handles than `step(x, y)`); and
-    the training flags of keyword modules and all their submodules (`model.eval()`, or only
-    `model.bn.eval()`, selects a trace of its own)."""
+    the same object (`step(x, x)` for an autoencoder dispatches other handles than `step(x, y)`);
+    which lie in one another's memory (see shared_memory); and the training flags of keyword
+    modules and all their submodules (`model.eval()`, or only `model.bn.eval()`, selects a trace of
+    its own)."""
     keyword = [(name, v) for name, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
     tensors = [*args, *(v for _, v in keyword)]
     return (
@@ -23,7 +24,29 @@ def signature(args: tuple, kwargs: dict) -> tuple:
         tuple((name, tensor_key(v)) for name, v in keyword),
         tuple(training_flags(v) for v in kwargs.values() if isinstance(v, torch.nn.Module)),
         _repeated_inputs(tensors) if len({id(t) for t in tensors}) != len(tensors) else (),
+        shared_memory(tensors) if len(tensors) > 1 else (),
     )
+
+
+def shared_memory(tensors: list[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:
+    """(input, earlier input, byte offset between them) for each tensor input that lies in the
+    storage of an earlier one and is not the same object: `f(a, a.t())`, `f(x[0], x[1])`.
+
+    With the shapes and strides, this fixes exactly which elements of the inputs overlap. The
+    program was compiled for the overlap of the recorded call: a fused kernel reading one input
+    while writing another gives other numbers when they overlap, where eager raises its overlap
+    error or computes in its own order. Another overlap therefore records a trace of its own, and
+    the eager run of that first call does what eager does."""
+    first: dict[int, tuple[int, int]] = {}  # storage address -> (first input in it, its data address)
+    shared = []
+    for i, tensor in enumerate(tensors):
+        storage = tensor.untyped_storage().data_ptr()
+        if storage == 0:  # no memory at all: overlaps nothing
+            continue
+        j, address = first.setdefault(storage, (i, tensor.data_ptr()))
+        if j != i and tensors[j] is not tensor:
+            shared.append((i, j, tensor.data_ptr() - address))
+    return tuple(shared)
 
 
 def call_context_key() -> tuple:
@@ -100,11 +123,12 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
         grad = ", requires_grad" if requires_grad else ""
         return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}"
 
-    positional, keyword, training, repeated = key
+    positional, keyword, training, repeated, shared = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]
     parts += [f"{name}=: {one(k)}" for name, k in keyword]
     parts += [_describe_training(flags) for flags in training]
     parts += [f"input {i} is input {j}" for i, j in enumerate(repeated) if i != j]
+    parts += [f"input {i} lies in the memory of input {j} (offset {offset} bytes)" for i, j, offset in shared]
     if grad_state:
         parts += [f"gradient state {state:#x}" for state in grad_state]
     return "(" + ", ".join(parts) + ")"

@@ -25,7 +25,7 @@ from ..record.calls import scalar_slot_names
 from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.regions import in_optimizer_step
-from ..signature import call_context_key, gradient_state
+from ..signature import call_context_key, gradient_state, shared_memory
 from .program import HostFreeProgram, scalar_layout
 
 _PRIMITIVES = (bool, int, float, str, type(None))
@@ -263,7 +263,8 @@ class HostFreeRunner:
         src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=scalars,
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
                              CONTEXT=call_context_key, PARAM_IDS=_param_ids,
-                             GRAD_STATE=gradient_state, SAME=same_object_key)
+                             GRAD_STATE=gradient_state, SAME=same_object_key,
+                             SHARED=shared_memory)
         lines = self._signature_checks(args, kwargs, grad_state, src)
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
         lines.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
@@ -337,6 +338,10 @@ class HostFreeRunner:
                 f"{src.constant(tensor.dtype, 'd')} or {_other_device(expr, tensor.device, src)} or "
                 f"{grad}{expr}.requires_grad", "another tensor signature"))
         lines += _same_object_checks([expr for expr, _ in tensors], [t for _, t in tensors])
+        if len(tensors) > 1:  # inputs in one another's memory: see signature.shared_memory
+            shared = shared_memory([t for _, t in tensors])
+            lines.append(_fail(f"SHARED([{', '.join(expr for expr, _ in tensors)}]) != {shared}",
+                               "other inputs lie in one another's memory now"))
         if grad_state is not None:
             lines.append(_fail(f"GRAD_STATE(kw) != {src.constant(grad_state, 'g')}", "other .grad state"))
         return lines
