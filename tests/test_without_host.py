@@ -1,6 +1,7 @@
 """without_host=True: the program runs, the Python function does not."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -339,35 +340,82 @@ def test_a_forward_whose_backward_runs_outside_warns_once():
         out.sum().backward()
 
 
-def _set_momentum(opt, step):
-    if step == 4:
-        opt.param_groups[0]["momentum"] = 0.5
+def _mlp_twins(make_optimizer):
+    torch.manual_seed(0)
+    model_a = make_model("mlp")
+    model_b = copy.deepcopy(model_a)
+    return (model_a, make_optimizer(model_a.parameters())), (model_b, make_optimizer(model_b.parameters()))
 
 
-def _set_weight_decay(opt, step):
-    if step == 4:
-        opt.param_groups[0]["weight_decay"] = 0.1
-
-
-@pytest.mark.parametrize("opt_name, change", [("sgd_momentum", _set_momentum), ("adamw_fused", _set_weight_decay),
-                                              ("adam_fused", "one_cycle")])
-def test_changed_optimizer_settings_are_followed(opt_name, change):
-    # issue 11.7: only lr was rebound; momentum, betas (cycled by OneCycleLR), weight decay... froze
-    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), opt_name)
-    schedulers = []
-    if change == "one_cycle":
-        schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=20) for o in (opt_a, opt_b)]
+def _train_with_settings(make_optimizer, change, steps=8):
+    """Eager and without_host training side by side; `change(opt, step)` edits the settings
+    (or returns schedulers to step) before each call. Returns the trace's stats."""
+    (model_a, opt_a), (model_b, opt_b) = _mlp_twins(make_optimizer)
+    schedulers = [s for opt in (opt_a, opt_b) for s in (change(opt, -1) or [])]
     traced = tracejit.trace(train_step, without_host=True, backend="aten")
-    for i in range(8):
-        x, y = batch("mlp", i)
+    for i in range(steps):
         for opt in (opt_a, opt_b):
-            if callable(change):
-                change(opt, i)
-        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
+            change(opt, i)
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
         for scheduler in schedulers:
             scheduler.step()
-    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
-    assert traced.stats.host_free_misses >= 1  # the changed setting made those calls checked ones
+    return traced.stats
+
+
+def _at_step(key, value, step=4):
+    def change(opt, i):
+        if i == step:
+            opt.param_groups[0][key] = value
+    return change
+
+
+def _one_cycle(opt, i):
+    if i < 0:
+        return [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20)]
+
+
+SGD_DAMPENED = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, dampening=0.1, foreach=True)
+ADAM_FUSED = functools.partial(torch.optim.Adam, lr=0.01, fused=True)
+
+
+@pytest.mark.parametrize("make_optimizer, change", [
+    (SGD_DAMPENED, _at_step("dampening", 0.2)),  # reaches the program as 1 - dampening
+    (ADAM_FUSED, _at_step("weight_decay", 0.1)),  # from 0: SGD would run other ops, so zeroness is guarded
+    (SGD_DAMPENED, _at_step("momentum", 0.7)),  # 0.9 is also 1 - dampening's value: not bound, guarded
+    (functools.partial(torch.optim.SGD, lr=0.01), lambda opt, i: i == 4 and opt.add_param_group(
+        {"params": [opt.param_groups[0]["params"].pop()], "lr": 0.05})),
+], ids=["dampening", "weight_decay_from_zero", "momentum_like_dampening", "add_param_group"])
+def test_changed_optimizer_settings_are_followed(make_optimizer, change):
+    # issue 11.7: only lr was rebound; momentum, betas, weight decay... froze
+    stats = _train_with_settings(make_optimizer, change)
+    assert stats.host_free_misses == 1  # the changed setting made that call a checked one...
+    assert stats.host_free_calls >= 5  # ...which bound the new numbers
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+    functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=True),
+    ADAM_FUSED,
+    functools.partial(torch.optim.AdamW, lr=0.01, fused=True, weight_decay=0.1),
+], ids=["sgd", "sgd_nesterov_foreach", "adam_fused", "adamw_fused"])
+def test_scheduled_momentum_and_betas_stay_host_free(make_optimizer):
+    # OneCycleLR cycles SGD's momentum or Adam's beta1 every step: they are read from param_groups
+    # on every call like lr, not guarded (which made every call a checked one)
+    stats = _train_with_settings(make_optimizer, _one_cycle)
+    assert stats.host_free_misses == 0 and stats.host_free_calls >= 6
+
+
+def test_every_bound_setting_follows_its_schedule():
+    def change(opt, i):
+        group = opt.param_groups[0]
+        group["betas"] = (0.8 + 0.01 * i, 0.99 - 0.001 * i)
+        group["eps"] = 1e-8 * (i + 1)
+        group["weight_decay"] = 0.1 + 0.01 * i
+
+    stats = _train_with_settings(functools.partial(torch.optim.AdamW, lr=0.01, fused=True, weight_decay=0.1), change)
+    assert stats.host_free_misses == 0 and stats.host_free_calls >= 6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32], ids=str)

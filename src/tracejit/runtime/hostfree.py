@@ -13,19 +13,17 @@ and rebinds.
 
 from __future__ import annotations
 
-import math
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..errors import HostDependencyError
-from ..record.calls import scalar_slot_names
 from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
-from ..record.regions import in_optimizer_step
 from ..signature import call_context_key, gradient_state, shared_memory
+from .optimizer_settings import find_bindings, param_ids, setting_guards
 from .program import HostFreeProgram, scalar_layout
 
 _PRIMITIVES = (bool, int, float, str, type(None))
@@ -54,94 +52,6 @@ def refuse_host_dependencies(record: Record) -> None:
             f"block at {block.source}, which must run on every call. Move it out of the traced function "
             f"or trace without without_host."
         )
-
-
-_LR_ADDS = frozenset({"add_", "_foreach_add_"})  # SGD's param.add_(update, alpha=-lr)
-
-
-@dataclass(frozen=True)
-class LrBinding:
-    slot: int  # index in the flat scalar list
-    kwarg: str  # the optimizer's keyword argument
-    group: int  # index in param_groups
-    sign: float
-
-
-def find_lr_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: dict,
-                     scalars: list) -> list[LrBinding]:
-    """Scalar slots of optimizer ops that carry a param group's learning rate.
-
-    Only slots whose meaning is the learning rate are bound: the `lr` argument of the fused
-    optimizer ops, and the `alpha`/`value` of an update written into a parameter (SGD's
-    `param.add_(d_p, alpha=-lr)`), when the value the call just made (`scalars`, the flat list of
-    the call's dynamic scalars) equals +-lr of the parameter's group, which is the lr it used.
-    """
-    groups: dict[int, tuple[str, int, float]] = {}
-    for name, value in kwargs.items():
-        if isinstance(value, torch.optim.Optimizer):
-            for index, group in enumerate(value.param_groups):
-                if isinstance(group.get("lr"), float):
-                    for param in group["params"]:
-                        groups[id(param)] = (name, index, group["lr"])
-    if not groups:
-        return []
-    offsets, _ = scalar_layout(record)
-    bindings = []
-    for op in record.ops:
-        if not op.scalars or not in_optimizer_step(op.regions):
-            continue
-        owner = next((groups[id(objects[h])] for h in op.inputs if h in objects and id(objects[h]) in groups), None)
-        if owner is None:
-            continue
-        name, index, lr = owner
-        writes_param = any(h in objects and id(objects[h]) in groups for h in op.mutated)
-        fused = op.op._schema.name.split("::")[-1].startswith("_fused_")
-        observed = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
-        for k, (slot_name, value) in enumerate(zip(scalar_slot_names(op.op, op.statics), observed)):
-            wanted = slot_name == "lr" if fused else (writes_param and slot_name in ("alpha", "value"))
-            if not (wanted and isinstance(value, float) and value in (lr, -lr)):
-                continue
-            if lr == 0.0:
-                # A warm-up from 0: the sign is the zero's own (SGD passes alpha=-lr, so -0.0). The
-                # fused ops' `lr` slot is unambiguous; an SGD-style `alpha` only when it is the update
-                # of the parameter by -lr itself (the add_ of SGD), not a derived step size.
-                if not (fused or (slot_name == "alpha" and op.op._schema.name.split("::")[-1] in _LR_ADDS)):
-                    continue
-                sign = math.copysign(1.0, value)
-            else:
-                sign = 1.0 if value == lr else -1.0
-            bindings.append(LrBinding(offsets[op.index] + k, name, index, sign))
-    return bindings
-
-
-def _optimizer_guards(kwargs: dict, lr_bindings: list[LrBinding], src: Any) -> list[str]:
-    """Every setting of every param group of the keyword optimizers (momentum, betas, eps,
-    weight_decay, maximize, nesterov, amsgrad, ...; lr where it is not bound) is what the program
-    was built with, and so are the groups and their parameters (add_param_group, a new params
-    list). A changed one makes the call a checked one, which records the new numbers."""
-    lines = []
-    bound = {(b.kwarg, b.group) for b in lr_bindings}
-    for name, optimizer in sorted(kwargs.items()):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            continue
-        groups = f"kw[{name!r}].param_groups"
-        lines.append(_fail(f"len({groups}) != {len(optimizer.param_groups)}", f"{name} has other param groups"))
-        for index, group in enumerate(optimizer.param_groups):
-            ids = src.constant(tuple(id(p) for p in group["params"]), "ids")
-            lines.append(_fail(f"PARAM_IDS({groups}[{index}]['params']) != {ids}",
-                               f"param group {index} of {name} has other parameters"))
-            for key, value in sorted(group.items()):
-                if key == "params" or (key == "lr" and (name, index) in bound):
-                    continue
-                if isinstance(value, _PRIMITIVES) or (isinstance(value, tuple) and all(
-                        isinstance(v, _PRIMITIVES) for v in value)):
-                    lines.append(_fail(f"{groups}[{index}][{key!r}] != {src.constant(value, 'hp')}",
-                                       f"{key} of param group {index} of {name} changed"))
-    return lines
-
-
-def _param_ids(params: list) -> tuple:
-    return tuple(id(p) for p in params)
 
 
 class _Source:
@@ -262,7 +172,7 @@ class HostFreeRunner:
         src = _Source(self.function)
         src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=scalars,
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
-                             CONTEXT=call_context_key, PARAM_IDS=_param_ids,
+                             CONTEXT=call_context_key, PARAM_IDS=param_ids,
                              GRAD_STATE=gradient_state, SAME=same_object_key,
                              SHARED=shared_memory)
         lines = self._signature_checks(args, kwargs, grad_state, src)
@@ -289,18 +199,16 @@ class HostFreeRunner:
                                 f"captured constant t{handle} changed"))
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
-        lr_bindings = find_lr_bindings(self.record, objects, kwargs, scalars)
-        settings = _optimizer_guards(kwargs, lr_bindings, src)
+        bindings = find_bindings(self.record, objects, kwargs, scalars)
+        settings = setting_guards(kwargs, bindings, src, _fail)
         if settings:  # a checked call at the API level (S given) has compared every number already
             guards += ["if S is None:", *(f"    {line}" for line in settings)]
         self.bound_scalars = scalars  # a checked call at the API level starts from these (`S`)
-        for binding in lr_bindings:
-            sign = "-" if binding.sign < 0 else ""
-            guards.append(f"if S is None: s[{binding.slot}] = {sign}kw[{binding.kwarg!r}].param_groups"
-                          f"[{binding.group}]['lr']")
-        # The program only reads the scalars: without learning rates to bind, the recorded list
-        # serves. A checked call at the API level passes the numbers the function just used (S).
-        own = "list(SCALARS)" if lr_bindings else "SCALARS"
+        for binding in bindings:
+            guards.append(f"if S is None: s[{binding.slot}] = {binding.expression()}")
+        # The program only reads the scalars: without settings to bind, the recorded list serves.
+        # A checked call at the API level passes the numbers the function just used (S).
+        own = "list(SCALARS)" if bindings else "SCALARS"
         lines += [f"s = {own} if S is None else S", "try:", *(f"    {line}" for line in guards),
                   "except (KeyError, AttributeError, IndexError, TypeError):",
                   "    return MISS  # a module, optimizer or global no longer has what it had"]

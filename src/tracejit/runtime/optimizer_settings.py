@@ -1,0 +1,225 @@
+"""The param_groups settings of keyword optimizers in a host-free call.
+
+A call without the function does not see `param_groups`: the numbers the optimizer passed to its
+ops are dynamic scalars of the program (the flat list `s`). A setting whose slots are known is
+read from `param_groups` on every call and written into them (a *binding*): `lr` everywhere, and
+for the fused ops and torch's SGD the settings schedulers change (`OneCycleLR` cycles momentum or
+beta1). Every other setting, the groups and their parameters are guarded: a changed one makes the
+call a checked one, which runs the function and records the new numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..record.calls import scalar_slot_names
+from ..record.record import Record
+from ..record.regions import in_optimizer_step
+from .program import scalar_layout
+
+_PRIMITIVES = (bool, int, float, str, type(None))
+_LR_ADDS = frozenset({"add_", "_foreach_add_"})  # SGD's param.add_(update, alpha=-lr)
+# The scalar arguments of the fused optimizer ops (`_fused_adam_`, `_fused_sgd_`, ...) that are settings.
+_FUSED_SLOTS = {"beta1": ("betas", 0), "beta2": ("betas", 1), "eps": ("eps", None),
+                "weight_decay": ("weight_decay", None), "momentum": ("momentum", None),
+                "dampening": ("dampening", None)}
+_ADDS = frozenset({"add", "_foreach_add", "_foreach_add_"})
+
+
+@dataclass(frozen=True)
+class SettingBinding:
+    slot: int  # index in the flat scalar list
+    kwarg: str  # the optimizer's keyword argument
+    group: int  # index in param_groups
+    key: str  # the setting: "lr", "momentum", "betas", ...
+    index: int | None = None  # the element of a tuple setting (betas)
+    sign: float = 1.0
+
+    def expression(self) -> str:
+        element = "" if self.index is None else f"[{self.index}]"
+        sign = "-" if self.sign < 0 else ""
+        return f"{sign}kw[{self.kwarg!r}].param_groups[{self.group}][{self.key!r}]{element}"
+
+
+@dataclass
+class _Group:
+    kwarg: str
+    index: int
+    settings: dict
+    params: set[int]  # ids of its parameters
+    buffers: set[int]  # ids of its momentum buffers
+    sgd: bool  # torch.optim.SGD itself: its ops are known (see _sgd_bindings)
+
+
+def find_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: dict,
+                  scalars: list) -> list[SettingBinding]:
+    """The scalar slots that carry a setting of a param group, for the values a call just used
+    (`scalars`: the flat list of its dynamic scalars)."""
+    groups = _groups(kwargs)
+    if not groups:
+        return []
+    owner_of = {pid: group for group in groups for pid in group.params}
+    offsets, _ = scalar_layout(record)
+    found = []
+    for op in record.ops:
+        if not op.scalars or not in_optimizer_step(op.regions):
+            continue
+        ids = {h: id(objects[h]) for h in (*op.inputs, *op.mutated) if h in objects}
+        group = next((owner_of[ids[h]] for h in op.inputs if h in ids and ids[h] in owner_of), None)
+        if group is None:
+            group = next((g for g in groups for h in op.inputs if h in ids and ids[h] in g.buffers), None)
+        if group is None:
+            continue
+        name = op.op._schema.name.split("::")[-1]
+        observed = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
+        slots = list(zip(scalar_slot_names(op.op, op.statics), observed))
+        for k, (key, index, sign) in _slot_settings(op, name, slots, ids, group):
+            found.append(SettingBinding(offsets[op.index] + k, group.kwarg, group.index, key, index, sign))
+    return _unambiguous(found, record, objects, groups, scalars)
+
+
+def _groups(kwargs: dict) -> list[_Group]:
+    groups = []
+    for name, optimizer in sorted(kwargs.items()):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        for index, group in enumerate(optimizer.param_groups):
+            params = {id(p) for p in group["params"]}
+            buffers = {id(state["momentum_buffer"]) for p in group["params"]
+                       if isinstance((state := optimizer.state.get(p, {})).get("momentum_buffer"), torch.Tensor)}
+            groups.append(_Group(name, index, group, params, buffers, type(optimizer) is torch.optim.SGD))
+    return groups
+
+
+def _slot_settings(op: Any, name: str, slots: list, ids: dict, group: _Group):
+    """(slot index, (key, element, sign)) for each slot of `op` that carries a setting of `group`."""
+    fused = name.startswith("_fused_")
+    writes_param = any(ids.get(h) in group.params for h in op.mutated)
+    lr = group.settings.get("lr")
+    for k, (slot, value) in enumerate(slots):
+        if not isinstance(value, float):
+            continue
+        if isinstance(lr, float) and value in (lr, -lr) and (
+                slot == "lr" if fused else (writes_param and slot in ("alpha", "value"))):
+            if lr == 0.0:
+                # A warm-up from 0: the sign is the zero's own (SGD passes alpha=-lr, so -0.0). The
+                # fused ops' `lr` slot is unambiguous; an SGD-style `alpha` only when it is the update
+                # of the parameter by -lr itself (the add_ of SGD), not a derived step size.
+                if fused or (slot == "alpha" and name in _LR_ADDS):
+                    yield k, ("lr", None, math.copysign(1.0, value))
+            else:
+                yield k, ("lr", None, 1.0 if value == lr else -1.0)
+            continue
+        setting = _FUSED_SLOTS.get(slot) if fused else _sgd_setting(op, name, slot, ids, group)
+        if setting is not None and _setting_value(group.settings, *setting) == value:
+            yield k, (*setting, 1.0)
+
+
+def _sgd_setting(op: Any, name: str, slot: str, ids: dict, group: _Group) -> tuple[str, None] | None:
+    """torch.optim.SGD passes momentum to `buf.mul_(momentum)` and, with nesterov, to
+    `grad.add(buf, alpha=momentum)`; weight decay to `grad.add(param, alpha=weight_decay)` (the
+    `_foreach_` forms alike). Nothing else of its arithmetic is matched: `1 - dampening` stays
+    guarded."""
+    if not group.sgd:
+        return None
+    mutated = {ids.get(h) for h in op.mutated}
+    read = {ids.get(h) for h in op.inputs} - mutated
+    if name in ("mul_", "_foreach_mul_") and slot in ("other", "scalar") and mutated and mutated <= group.buffers:
+        return "momentum", None
+    if name in _ADDS and slot == "alpha" and not mutated & (group.buffers | group.params):
+        if read & group.buffers:
+            return "momentum", None
+        if read & group.params:
+            return "weight_decay", None
+    return None
+
+
+def _setting_value(settings: dict, key: str, index: int | None) -> Any:
+    value = settings.get(key)
+    if index is not None:
+        value = value[index] if isinstance(value, tuple) and index < len(value) else None
+    return value
+
+
+def _unambiguous(found: list[SettingBinding], record: Record, objects: dict, groups: list[_Group],
+                 scalars: list) -> list[SettingBinding]:
+    """Keep the bindings of a setting only where no other slot of its group's optimizer ops holds
+    its value: a use of it these patterns do not know (torch's foreach SGD passes
+    `alpha=1 - dampening`, which is momentum's value for momentum 0.9 and dampening 0.1) would
+    stay frozen while the bound ones follow. The learning rate keeps its own, older rules."""
+    bound = {b.slot for b in found}
+    offsets, _ = scalar_layout(record)
+    ambiguous = set()
+    for b in found:
+        if b.key == "lr" or (b.kwarg, b.group, b.key) in ambiguous:
+            continue
+        group = next(g for g in groups if (g.kwarg, g.index) == (b.kwarg, b.group))
+        value = abs(scalars[b.slot])
+        for op in record.ops:
+            if not op.scalars or not in_optimizer_step(op.regions):
+                continue
+            touched = {id(objects[h]) for h in (*op.inputs, *op.mutated) if h in objects}
+            if not touched & (group.params | group.buffers):
+                continue
+            start = offsets[op.index]
+            if any(slot not in bound and isinstance(scalars[slot], float) and abs(scalars[slot]) == value
+                   for slot in range(start, start + len(op.scalars))):
+                ambiguous.add((b.kwarg, b.group, b.key))
+                break
+    return [b for b in found if (b.kwarg, b.group, b.key) not in ambiguous]
+
+
+def setting_guards(kwargs: dict, bindings: list[SettingBinding], src: Any, fail: Any) -> list[str]:
+    """Every setting of every param group of the keyword optimizers that is not bound (maximize,
+    nesterov, amsgrad, dampening, ...) is what the program was built with, and so are the groups
+    and their parameters (add_param_group, a new params list). A bound setting other than the
+    learning rate stays a float, nonzero where it was: SGD skips its momentum and weight decay
+    ops at 0, so its zeroness is part of the record."""
+    lines = []
+    bound: dict[tuple, set] = {}
+    for b in bindings:
+        bound.setdefault((b.kwarg, b.group, b.key), set()).add(b.index)
+    for name, optimizer in sorted(kwargs.items()):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        groups = f"kw[{name!r}].param_groups"
+        lines.append(fail(f"len({groups}) != {len(optimizer.param_groups)}", f"{name} has other param groups"))
+        for index, group in enumerate(optimizer.param_groups):
+            ids = src.constant(tuple(id(p) for p in group["params"]), "ids")
+            lines.append(fail(f"PARAM_IDS({groups}[{index}]['params']) != {ids}",
+                              f"param group {index} of {name} has other parameters"))
+            for key, value in sorted(group.items()):
+                setting = f"{groups}[{index}][{key!r}]"
+                elements = bound.get((name, index, key), set())
+                if key == "params" or (key == "lr" and elements):
+                    continue
+                if elements and _fully_bound(value, elements):
+                    lines += _bound_value_guards(setting, value, fail, f"{key} of param group {index} of {name}")
+                elif isinstance(value, _PRIMITIVES) or (isinstance(value, tuple) and all(
+                        isinstance(v, _PRIMITIVES) for v in value)):
+                    lines.append(fail(f"{setting} != {src.constant(value, 'hp')}",
+                                      f"{key} of param group {index} of {name} changed"))
+    return lines
+
+
+def _fully_bound(value: Any, elements: set) -> bool:
+    if isinstance(value, tuple):
+        return elements == set(range(len(value))) and all(isinstance(v, float) for v in value)
+    return elements == {None} and isinstance(value, float)
+
+
+def _bound_value_guards(setting: str, value: Any, fail: Any, what: str) -> list[str]:
+    if isinstance(value, tuple):
+        checks = ["type(v) is not tuple", f"len(v) != {len(value)}"]
+        checks += [f"type(v[{i}]) is not float or {'' if v else 'not '}v[{i}] == 0" for i, v in enumerate(value)]
+    else:
+        checks = [f"type(v) is not float or {'' if value else 'not '}v == 0"]
+    return [f"v = {setting}", fail(" or ".join(checks), f"{what} is not a float of the same zeroness anymore")]
+
+
+def param_ids(params: list) -> tuple:
+    return tuple(id(p) for p in params)
