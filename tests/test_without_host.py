@@ -327,6 +327,21 @@ def test_captured_weights_given_new_memory_are_a_mismatch_not_stale(without_host
             traced(x, lin=lin)
 
 
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+def test_a_captured_parameter_replaced_by_another_is_a_mismatch_not_stale(without_host):
+    # the host-free guards checked the captured tensor itself, not that the function still reaches it
+    lin = nn.Linear(3, 2).eval()
+    traced = tracejit.trace(lambda x, *, lin: lin(x), without_host=without_host, capture_as_const=True)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(traced(x, lin=lin), lin(x))
+        assert traced.stats.host_free_calls == (2 if without_host else 0)
+        lin.weight = nn.Parameter(torch.randn(2, 3))
+        with pytest.raises(tracejit.TraceMismatchError, match=r"lin.weight\) is a different tensor object now"):
+            traced(x, lin=lin)
+
+
 def test_a_forward_whose_backward_runs_outside_warns_once():
     # issue 11.13: the gradients of calls after the first were lost silently
     lin = nn.Linear(3, 2)

@@ -197,6 +197,13 @@ class HostFreeRunner:
             guards.append(_fail(f"{constant}._version != {self.record.constant_versions[handle]} or "
                                 f"{constant}.untyped_storage().data_ptr() != {storage}",
                                 f"captured constant t{handle} changed"))
+            # ...and so does one the function no longer reaches (`lin.weight = nn.Parameter(new)`)
+            locator = names.locator_of(self.record.constants[handle])
+            if locator is not None:
+                expr = src.locator(locator)
+                guards += src.pending
+                src.pending.clear()
+                guards.append(_fail(f"{expr} is not {constant}", f"{locator.describe()} is another tensor now"))
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
         bindings = find_bindings(self.record, objects, kwargs, scalars)
