@@ -16,9 +16,11 @@ created it, the write is just the next value of a temporary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promotion
 from torch._prims_common import elementwise_dtypes
 
 from ..ir.graph import Graph, Node
@@ -103,6 +105,10 @@ def lane_count(node: Node) -> int:
     return len(first) if isinstance(first, tuple) else 1
 
 
+# ops whose number operand (`x + 0.1`, `x < 0.1`) eager wraps as a tensor of the common type
+_NUMBER_OPERANDS = frozenset({"add", "sub", "rsub", "eq", "ne", "lt", "le", "gt", "ge"})
+
+
 class _Tensor:
     __slots__ = ("value",)
 
@@ -153,7 +159,10 @@ class _Lowering:
         values = _bind_schema(member.target, args, kwargs)
         per_lane = [[_lane_item(v, j) for v in values] if foreach else values for j in range(self.lanes)]
         operands = [self._across_lanes([lane[k] for lane in per_lane]) for k in range(len(values))]
-        element = entry.lower(Compute(self.builder, self._compute_type(entry, per_lane[0])), *operands)
+        compute, common = self._compute_type(entry, per_lane[0])
+        if common in (torch.float16, torch.bfloat16):
+            operands = self._rounded_to_common(entry, operands, per_lane[0], common)
+        element = entry.lower(Compute(self.builder, compute), *operands)
         written = self._written_per_lane(member, per_lane)
         if written is None:
             outputs = [v for v in member.outputs if v is not None]
@@ -192,8 +201,34 @@ class _Lowering:
             raise Unsupported("a list argument outside a multi-tensor op")
         return first
 
-    def _compute_type(self, entry, operands: list) -> torch.dtype:
-        """The type one member computes in, by PyTorch's promotion rule (results are cast after)."""
+    def _rounded_to_common(self, entry, operands: list, items: list, common: torch.dtype) -> list:
+        """Operands of a half-type op rounded to that type before it computes in float32, as eager
+        converts them (an int32 or float32 element, the number in `x + 0.1` or `x < 0.1`). Not
+        rounded: the op's parameters (`alpha`, a slope, a weight), masks, and the one-element second
+        operand of `mul` and `div` (a number, a 0-d tensor), which eager's CPU kernels take at
+        full precision."""
+        positions = entry.promote_args if entry.promote_args is not None else range(len(operands))
+        rounded = list(operands)
+        for k in positions:
+            operand, item = operands[k], items[k]
+            if entry.name in ("mul", "div") and k == 1 and self._one_element(item):
+                continue
+            if isinstance(operand, ScalarArg) and k == 1 and entry.name in _NUMBER_OPERANDS:
+                raw = self.builder.emit("scalar", (), torch.float64 if operand.type is float else torch.int64,
+                                        operand.index)
+                rounded[k] = self.builder.cast(raw, common)
+            elif isinstance(operand, Ref) and self.builder.dtype(operand) not in (common, torch.bool):
+                rounded[k] = self.builder.cast(operand, common)
+        return rounded
+
+    def _one_element(self, item) -> bool:
+        if isinstance(item, _Scalar):
+            return True
+        return isinstance(item, _Tensor) and math.prod(self.graph.values[item.value].meta.shape) == 1
+
+    def _compute_type(self, entry, operands: list) -> tuple[torch.dtype, torch.dtype]:
+        """The type one member computes in and the common type its operands are converted to first,
+        by PyTorch's promotion rule (results are cast after)."""
         samples = []
         if entry.promote_args is not None:
             operands = [operands[i] for i in entry.promote_args]
@@ -209,7 +244,10 @@ class _Lowering:
         compute, result = elementwise_dtypes(*samples, type_promotion_kind=entry.promotion)
         if compute.is_complex or result.is_complex:
             raise Unsupported("complex numbers")
-        return opmath(compute)
+        common = result
+        if entry.promotion == Promotion.ALWAYS_BOOL:  # a comparison converts to its operands' common type
+            common = elementwise_dtypes(*samples, type_promotion_kind=Promotion.DEFAULT)[1]
+        return opmath(compute), common
 
     def _written_per_lane(self, member: Node, per_lane: list) -> list[int] | None:
         """Per lane, the value id of the written target's new version (None for out-of-place ops)."""
