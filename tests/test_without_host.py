@@ -501,3 +501,38 @@ def test_gradients_reach_param_grad_when_zeroed_outside_the_call():
         for opt in (opt_a, opt_b):
             opt.zero_grad(set_to_none=True)
     assert traced.stats.host_free_calls >= 3
+
+
+class _Keeper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3, 3))
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.last = out  # a plain attribute
+        self.ema = out * 0.5  # a buffer, given a new tensor
+        return out, self.ema
+
+
+def test_returned_tensors_kept_in_module_state_are_the_new_ones():
+    # the host-free call returned fresh tensors but left the module holding the last host-run call's
+    model_a = _Keeper()
+    model_b = copy.deepcopy(model_a)
+
+    def f(x, *, model):
+        with torch.no_grad():
+            return model(x)
+
+    traced = tracejit.trace(f, without_host=True, backend="aten")
+    kept = []
+    for _ in range(5):
+        x = torch.randn(2, 3)
+        want, got = f(x, model=model_a), traced(x, model=model_b)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert torch.equal(model_b.last, model_a.last) and torch.equal(model_b.ema, model_a.ema)
+        assert model_b.last is got[0] and model_b.ema is got[1]
+        kept.append((got, [t.clone() for t in got]))
+    assert all(torch.equal(a, b) for got, frozen in kept for a, b in zip(got, frozen))  # unchanged since
+    assert traced.stats.host_free_calls >= 3

@@ -25,6 +25,7 @@ from ..record.record import Flag, Kind, OutputSpec, Record
 from ..signature import call_context_key, gradient_state, shared_memory
 from .optimizer_settings import find_bindings, param_ids, setting_guards
 from .program import HostFreeProgram, scalar_layout
+from .state_holders import find_holders
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 
@@ -305,49 +306,32 @@ class HostFreeRunner:
         return lines
 
     def _epilogue(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
-        """Write escaped values where the function would have put them; return fresh outputs."""
+        """Leave escaped values where the function would have put them; return fresh outputs."""
         body = []
         self.escaped_objects = {}  # handle -> the object Python holds (weakly): also for runtime/api_replay.py
-        # The base of a returned view is alive only through that view, which belongs to the caller
-        # of an earlier call: writing into it would change what that call returned.
+        # A returned tensor, and the base of a returned view, belong to the caller of an earlier
+        # call once returned: writing into one would change what that call returned. Where Python
+        # state holds such a tensor too (`self.last = out`), the new one is assigned there instead.
         tensors = self.record.tensors
         returned_bases = {tensors[h].base for h in range(len(tensors))
                           if tensors[h].flags & Flag.RETURNED and tensors[h].base is not None}
-        owners = _gradient_owners(kwargs)
+        holders = find_holders(kwargs)
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
-            if obj is None or tensors[handle].flags & Flag.RETURNED or handle in returned_bases:
+            if obj is None:
+                continue
+            holder = holders.get(id(obj))
+            if tensors[handle].flags & Flag.RETURNED or handle in returned_bases:
+                body += holder.store(f"h{handle}", None, src) if holder is not None else []
                 continue
             ref = src.constant(weakref.ref(obj), "r")
             self.escaped_objects[handle] = src.namespace[ref]
-            owner = owners.get(id(obj))
-            if owner is not None:
-                # A gradient the call stored in `param.grad`. The trace's gradient state says which
-                # .grad existed when the call started: where none did (zero_grad() outside the call),
-                # the function would store a new tensor, not write into the one of a host-run call.
-                body += [f"p = {src.constant(weakref.ref(owner), 'r')}()", "if p is not None:",
-                         "    o = p.grad", f"    if o is None: p.grad = h{handle}",
-                         f"    elif o is not h{handle}: o.copy_(h{handle})"]
+            if holder is not None:
+                body += holder.store(f"h{handle}", ref, src)
             else:
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
-
-
-def _gradient_owners(kwargs: dict) -> dict[int, torch.Tensor]:
-    """id(grad) -> the parameter of a keyword module or optimizer whose `.grad` it is."""
-    owners = {}
-    for value in kwargs.values():
-        if isinstance(value, torch.nn.Module):
-            params = value.parameters()
-        elif isinstance(value, torch.optim.Optimizer):
-            params = (p for group in value.param_groups for p in group["params"])
-        else:
-            continue
-        for param in params:
-            if param.grad is not None:
-                owners.setdefault(id(param.grad), param)
-    return owners
 
 
 def _output_expr(spec: OutputSpec) -> str:
