@@ -135,6 +135,27 @@ def test_exception_after_a_deferred_in_place_member_applies_it():
     assert torch.equal(w, torch.full((4,), 3.0))  # as after an eager call that raised there
 
 
+def test_a_kernel_that_raises_in_checked_replay_reports_its_own_error():
+    # the member whose call fires the kernel has no placeholder: settling the group after the
+    # failure once raised AttributeError ('NoneType' has no copy_) over the kernel's error
+    def f(x, y):
+        return (x.abs() * 2 + y).relu(), y * 3
+
+    traced = tracejit.trace(f, backend="reference")
+    x, y = torch.randn(50), torch.randn(50)
+    traced(x, y)
+    groups = {g for g in traced._entries()[0].program.group_at if g is not None}
+    assert groups
+
+    def failing_kernel(*args):
+        raise RuntimeError("the kernel failed")
+    for group in groups:
+        group.kernel = failing_kernel
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="the kernel failed"):
+            traced(x, y)
+
+
 def test_a_fused_group_is_one_profile_row_in_checked_replay():
     traced = tracejit.trace(chain, backend="reference", profiling=True)
     x, y = torch.randn(64), torch.randn(64)

@@ -67,6 +67,10 @@ def half_inputs(dtype):
     return make
 
 
+def logic_with_a_broadcast_number(x, y):
+    return torch.logical_and(x * 1, y), torch.logical_xor(x * 1, y)  # y: one element, a scalar load
+
+
 CASES = {
     "int_true_division": (division_of_an_image, lambda: (torch.tensor([0, 64, 128, 200, 255] * 13, dtype=torch.uint8),)),
     "int_division_by_zero": (integer_division_by_zero,
@@ -82,6 +86,8 @@ CASES = {
     "bool_numbers": (bool_numbers, lambda: (torch.tensor([0.0, -0.5, 0.25, 3.0, float("nan")] * 13),)),
     "float16_operands": (half_with_other_types, half_inputs(torch.float16)),
     "bfloat16_operands": (half_with_other_types, half_inputs(torch.bfloat16)),
+    "logic_with_one_element": (logic_with_a_broadcast_number,
+                               lambda: (torch.tensor([0.0, 1.0, -0.0, float("nan")] * 16), torch.tensor([2.0]))),
     "signed_zeros": (extremes, lambda: (torch.tensor([0.0, -0.0, -0.0, 0.0, 1.0, float("nan")] * 16)[:64],
                                         torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), 1.0] * 16)[:64])),
 }

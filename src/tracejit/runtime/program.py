@@ -186,7 +186,8 @@ class _GroupRun:
             placeholders = {vid: env[self.handle_of[vid]] for vid in step.outputs if vid is not None}
             step.run(values, scalars)
             for vid, placeholder in placeholders.items():
-                if values[vid] is not placeholder:
+                # no placeholder: the member whose call fired the kernel (which then raised)
+                if placeholder is not None and values[vid] is not placeholder:
                     placeholder.copy_(values[vid])
                     values[vid] = placeholder
         for handle in [h for h, group in state.pending.items() if group is self]:

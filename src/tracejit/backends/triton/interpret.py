@@ -9,6 +9,9 @@ interpreter's tensors:
   rounded result, the ideal that CUDA's libdevice (<= 2 ulp, same special values) approximates;
 - `f32_to_bf16` rounds to nearest even and keeps NaN a (quiet) NaN, as `cvt.rn.bf16.f32` does;
   `bf16_to_f32` widens by a shift; the float16 pair are numpy's (correct) conversions.
+One interpreter bug is mended in place when this module is imported (only in interpreter mode):
+a comparison's result carries its operands' type instead of int1, so a scalar comparison
+broadcast against a block becomes float32 and `block_bool & scalar_bool` raises in numpy.
 
 Only this module touches interpreter internals (`TensorHandle`, `tensor.handle.data`).
 """
@@ -67,6 +70,22 @@ libdevice = SimpleNamespace(
     exp=_math(np.exp), log=_math(np.log), log1p=_math(np.log1p), expm1=_math(np.expm1), tanh=_math(np.tanh),
     erf=_math(np.vectorize(math.erf, otypes=[np.float64])), trunc=_math(np.trunc), rint=_math(np.rint),
 )
+
+def _comparisons_give_int1() -> None:
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    for name in dir(InterpreterBuilder):
+        compare = getattr(InterpreterBuilder, name)
+        if not name.startswith(("create_icmp", "create_fcmp")) or getattr(compare, "_int1", False):
+            continue
+
+        def typed(self, lhs, rhs, compare=compare):
+            return TensorHandle(compare(self, lhs, rhs).data.astype(np.bool_), tl.int1)
+        typed._int1 = True
+        setattr(InterpreterBuilder, name, typed)
+
+
+_comparisons_give_int1()
 
 INTERPRETER_NAMES = {"libdevice": libdevice, "f32_to_bf16": f32_to_bf16, "bf16_to_f32": bf16_to_f32,
                      "f32_to_f16": f32_to_f16, "f16_to_f32": f16_to_f32}
