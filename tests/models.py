@@ -126,10 +126,13 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, exact=True, atol=1e-6):
 
 
 def train_side_by_side(kind: str, opt_name: str, steps: int = 5, step_fn=train_step, scheduler_gamma=None,
-                       **trace_options):
-    """Train an eager and a traced twin from the same seed, asserting equal losses at every step.
+                       records: int = 1, fused: bool | None = None, **trace_options):
+    """Train an eager and a traced twin from the same seed, asserting equal losses at every step
+    and that the JIT ran (side_by_side.assert_replayed: `records`, `fused`).
 
     Returns ((model, opt) eager, (model, opt) traced, traced function)."""
+    from side_by_side import assert_replayed
+
     import tracejit
 
     (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), opt_name)
@@ -146,4 +149,5 @@ def train_side_by_side(kind: str, opt_name: str, steps: int = 5, step_fn=train_s
         assert torch.equal(loss_a, loss_b), f"step {i}: {loss_a.item()} vs {loss_b.item()}"
         for scheduler in schedulers:
             scheduler.step()
+    assert_replayed(traced, steps, records, fused)
     return (model_a, opt_a), (model_b, opt_b), traced

@@ -266,7 +266,7 @@ def test_train_and_eval_switching(trace):
 
     model = CNN()
     side_by_side(trace(step), step, {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)},
-                 lambda i: batch("cnn", i), 7, between)
+                 lambda i: batch("cnn", i), 7, between, records=2)  # one trace for train, one for eval
 
 
 def test_submodule_replaced_between_calls(trace):

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import assert_same_state, batch, make_model, train_step, twin
+from side_by_side import assert_replayed
 
 
 def reads_step_on_host(opt_name):
@@ -17,6 +18,11 @@ OPTIMIZERS = ["sgd", "sgd_momentum", reads_step_on_host("adam"), reads_step_on_h
               reads_step_on_host("adam_loop")]
 
 
+# Linear and ReLU with a one-op parameter update (SGD's add_, _fused_adam_): no elementwise chain of
+# two ops, so the fused mode has nothing to fuse.
+NOTHING_TO_FUSE = {("mlp", "sgd"), ("mlp", "adam_fused"), ("mlp", "adamw_fused")}
+
+
 def run_both(trace, kind, opt_name, steps=5, step_fn=train_step):
     (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), opt_name)
     traced = trace(step_fn)
@@ -27,6 +33,7 @@ def run_both(trace, kind, opt_name, steps=5, step_fn=train_step):
         torch.manual_seed(100 + i)
         loss_b = traced(x, y, model=model_b, opt=opt_b)
         assert torch.equal(loss_a, loss_b), f"step {i}: {loss_a.item()} vs {loss_b.item()}"
+    assert_replayed(traced, steps, fused=trace.mode == "fused" and (kind, opt_name) not in NOTHING_TO_FUSE)
     return (model_a, opt_a), (model_b, opt_b), traced
 
 

@@ -217,6 +217,7 @@ class CheckedProgram:
         self.profiler = profiler
         self.scalar_offsets, self.initial_scalars = scalar_layout(record)
         self.kernels = kernels or {}
+        self.groups_fired = 0  # fused kernels run by the checked calls that finished (tests prove fusion ran)
         self.callables: list[Callable | None] = [None] * len(record.ops)
         self.group_at: list[_GroupRun | None] = [None] * len(record.ops)
         for index, node in enumerate(graph.nodes):
@@ -284,6 +285,7 @@ class CheckedProgram:
     def finish(self, state: CallState, scalars: list) -> None:
         """At the end of a call: values the host still references are made real, the rest is garbage."""
         self.complete(state, scalars)
+        self.groups_fired += len(state.fired)
 
 
 class HostFreeProgram:
