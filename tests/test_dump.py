@@ -274,6 +274,22 @@ def test_dump_refusals_say_what_to_do(tmp_path):
     assert not os.path.exists(path)
 
 
+@pytest.mark.parametrize("returns, said", [(lambda y: None, "returns nothing"),
+                                           (lambda y: (None, {}), r"returns no tensor \(\(None, {},\)\)")])
+def test_dump_of_a_function_returning_no_tensor_is_refused(tmp_path, returns, said):
+    # it used to write a graph with no outputs
+    def f(x):
+        x.mul_(2)  # an effect on the input: a dumped graph has outputs only
+        return returns(x * 2)
+
+    traced = tracejit.trace(f, capture_as_const=True)
+    traced(torch.ones(3))
+    path = tmp_path / "f.tjit"
+    with pytest.raises(ValueError, match=rf"dump\(\): f\(\) {said}, so the dumped graph would have no outputs"):
+        traced.dump(str(path))
+    assert not path.exists()
+
+
 def test_dump_refuses_host_reads_non_aten_ops_and_dynamic_shapes(tmp_path):
     def reads(x):
         return x * float(x.sum())

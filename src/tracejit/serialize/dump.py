@@ -122,6 +122,10 @@ def _the_record(traced: Any) -> Record:
                          f"state); a file holds one graph per dump: trace a fresh function, call it with the "
                          f"signature to dump, then dump")
     record = records[0]
+    if not record.output.handles():
+        returned = "nothing" if record.output.kind == "none" else f"no tensor ({record.output.describe()})"
+        raise ValueError(f"dump(): {name}() returns {returned}, so the dumped graph would have no outputs; "
+                         f"return the tensors the graph computes")
     if record.host_reads:
         read = record.host_reads[0]
         raise ValueError(f"dump(): {name}() reads tensor values on the host ({read.what} of t{read.handle} at "
