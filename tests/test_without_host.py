@@ -536,3 +536,28 @@ def test_returned_tensors_kept_in_module_state_are_the_new_ones():
         kept.append((got, [t.clone() for t in got]))
     assert all(torch.equal(a, b) for got, frozen in kept for a, b in zip(got, frozen))  # unchanged since
     assert traced.stats.host_free_calls >= 3
+
+
+@pytest.mark.parametrize("accumulate", [2, 3])
+def test_gradient_accumulation_with_the_step_outside_the_call(accumulate):
+    # the call after zero_grad() starts without .grad: its host-free run wrote the gradients into
+    # the .grad objects of a host-run call that zero_grad() had dropped, so they never reached the
+    # parameters and the optimizer stepped on the later calls' gradients only
+    def forward_backward(x, y, *, model):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), "sgd_momentum")
+    traced = tracejit.trace(forward_backward, without_host=True, backend="aten")
+    for i in range(4 * accumulate):
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        assert torch.equal(traced(x, y, model=model_b), forward_backward(x, y, model=model_a))
+        _same_gradients(model_a, model_b)
+        if (i + 1) % accumulate == 0:
+            for opt in (opt_a, opt_b):
+                opt.step()
+                opt.zero_grad()
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    # the accumulating calls read .grad where it is: the new tensor of each cycle binds too
+    assert traced.stats.host_free_misses == 0 and traced.stats.host_free_calls >= 4 * accumulate - 3

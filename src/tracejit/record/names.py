@@ -19,7 +19,8 @@ import torch
 @dataclass(frozen=True)
 class Locator:
     root: tuple[str, Any]  # ("kwarg", name) | ("global", name) | ("cell", index)
-    steps: tuple[tuple[str, Any], ...]  # ("module", child) | ("param", name) | ("buffer", name)
+    # ("module", child) | ("param", name) | ("buffer", name), and ("grad", None) after a param
+    steps: tuple[tuple[str, Any], ...]
     state_of: Locator | None = None  # optimizer state: the parameter whose state dict holds it
     state_key: str | None = None
 
@@ -30,7 +31,7 @@ class Locator:
             return f"{text}.state[{self.state_of.describe()}][{self.state_key!r}]"
         for step, key in self.steps:
             text += {"module": f"._modules[{key!r}]", "param": f"._parameters[{key!r}]",
-                     "buffer": f"._buffers[{key!r}]"}[step]
+                     "buffer": f"._buffers[{key!r}]", "grad": ".grad"}[step]
         return text
 
 
@@ -89,7 +90,10 @@ class ExternalNames:
 def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: dict) -> None:
     for name, param in module._parameters.items():
         if param is not None:
-            found.setdefault(id(param), (f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("param", name)))))
+            located = Locator(locator.root, (*locator.steps, ("param", name)))
+            found.setdefault(id(param), (f"{prefix}.{name}", located))
+            if param.grad is not None:  # a gradient accumulated over calls is read where it is now
+                found.setdefault(id(param.grad), (f"{prefix}.{name}.grad", Locator(locator.root, (*located.steps, ("grad", None)))))
     for name, buffer in module._buffers.items():
         if buffer is not None:
             found.setdefault(id(buffer), (f"{prefix}.{name}",

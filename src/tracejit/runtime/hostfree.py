@@ -85,6 +85,8 @@ class _Source:
         for step, name in locator.steps:
             if step == "module":
                 expr = self._shared(f"{expr}._modules[{name!r}]")
+            elif step == "grad":
+                expr += ".grad"
             else:
                 expr += {"param": "._parameters", "buffer": "._buffers"}[step] + f"[{name!r}]"
         return expr
@@ -188,9 +190,14 @@ class HostFreeRunner:
         for name, value in sorted(kwargs.items()):
             if isinstance(value, _PRIMITIVES):
                 guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
+        self._located_grads: list[str] = []
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
+        if len(self._located_grads) > 1:  # the program writes them as distinct tensors
+            located = ", ".join(self._located_grads)
+            guards.append(_fail(f"len(set(map(id, ({located},)))) != {len(self._located_grads)}",
+                                "two parameters share one .grad tensor now"))
         for handle, storage in self.record.constant_storage.items():
             # captured constants are folded into the program: one written or given other memory
             # since (`param.data = other`) makes the call a checked one, which names it
@@ -291,6 +298,15 @@ class HostFreeRunner:
             # a freed object's reference returns None, which the located tensor is not either
             same = f"{local} is not {ref}()"
             what = f"{locator.describe()} is another tensor now"
+            is_grad = bool(locator.steps) and locator.steps[-1][0] == "grad"
+            if is_grad and obj._base is None and info.handle not in self.program.hoisted_roots:
+                # A gradient is read where it is: zero_grad() and the first backward after it give
+                # the parameter a new one every few calls (gradient accumulation), which the program
+                # accumulates into as the function would, given its layout and that it is no view.
+                same = (f"{local} is None or {local}._base is not None or {local}.storage_offset() != "
+                        f"{obj.storage_offset()} or {local}.stride() != {src.constant(info.meta.stride, 'st')}")
+                what = f"{locator.describe()} is missing, a view"
+                self._located_grads.append(local)
         else:
             lines = [f"{local} = {ref}()"]
             same = f"{local} is None"
