@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, MLP, batch
-from side_by_side import mse, same_tree, seeded, side_by_side, state_of, step_of
+from side_by_side import assert_replayed, mse, same_tree, seeded, side_by_side, state_of, step_of
 
 from tracejit import TraceMismatchError
 
@@ -51,6 +51,7 @@ def test_keyword_float_scales(trace):
         x = torch.randn(2, 3)
         want = f(x, model=objects["model"], scale=0.5 * (i + 1), temperature=2.0 + i)
         assert torch.equal(traced(x, model=objects["model"], scale=0.5 * (i + 1), temperature=2.0 + i), want)
+    assert_replayed(traced, 4)
 
 
 def test_where_and_masked_fill_with_changing_python_scalars(trace):
@@ -120,6 +121,7 @@ def test_explicit_generator_keeps_drawing(trace):
         outs.append(traced(x, g=g_traced))
         assert torch.equal(outs[-1], f(x, g=g_eager))
     assert not torch.equal(outs[0], outs[1])
+    assert_replayed(traced, 4)
 
 
 # -- autograd, aliasing, in-place -------------------------------------------------------------------
@@ -138,6 +140,7 @@ def test_no_grad_blocks_and_grad_mode_of_the_caller(trace):
         with torch.set_grad_enabled(i % 2 == 0):
             want, got = f(x, model=model), traced(x, model=model)
         assert torch.equal(got, want) and got.requires_grad == want.requires_grad == (i % 2 == 0)
+    assert_replayed(traced, 4)
 
 
 def test_detach_and_clone_aliasing(trace):
@@ -229,6 +232,7 @@ def test_returning_one_tensor_twice_and_the_input(trace):
         x = torch.randn(3)
         out = traced(x)
         assert out["a"] is out["b"] and out["x"] is x and torch.equal(out["a"], x.exp())
+    assert_replayed(traced, 3)
 
 
 # -- optimizers and modules -------------------------------------------------------------------------
@@ -301,6 +305,7 @@ def test_gradient_clipping_and_nesterov_with_a_keyword_loss_scale(trace):
         got = traced(x, y, **twins, k=float(i + 1))
         assert same_tree(got, want)
         assert same_tree(state_of(twins["model"]), state_of(model))
+    assert_replayed(traced, 5, records=2)  # the first call creates .grad, later ones write into it
 
 
 # -- changes that alter the program raise a clear error ---------------------------------------------

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from models import assert_same_state, batch, make_model, train_side_by_side
+from side_by_side import assert_replayed
 
 import tracejit
 
@@ -29,3 +30,4 @@ def test_inference_at_every_opt_level(opt_level):
     for i in range(4):
         x, _ = batch("cnn", i)
         assert torch.equal(traced(x, model=model), infer(x, model=model))
+    assert_replayed(traced, 4)

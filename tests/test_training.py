@@ -92,6 +92,7 @@ def test_gradient_accumulation_across_calls(trace):
         if i % 2 == 1:
             opt_a.step(), opt_b.step()
             opt_a.zero_grad(), opt_b.zero_grad()
+    assert_replayed(traced, 6, records=2)  # one trace creates .grad, one accumulates into it
 
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", reads_step_on_host("adam"), "adam_fused",
@@ -107,6 +108,7 @@ def test_lr_scheduler_changes_lr_every_step(trace, opt_name):
         sched_a.step(), sched_b.step()
     assert opt_b.param_groups[0]["lr"] < 1e-2 * 0.7 ** 5 + 1e-12
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    assert_replayed(traced, 6)
 
 
 @pytest.mark.parametrize("opt_name", [reads_step_on_host("adam"), "adam_fused"])
@@ -125,6 +127,7 @@ def test_scheduler_inside_the_traced_step(trace, opt_name):
         assert torch.equal(step(x, y, model=model_a, opt=opt_a, sched=sched_a),
                            traced(x, y, model=model_b, opt=opt_b, sched=sched_b))
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    assert_replayed(traced, 5)
 
 
 def test_inference_function_with_no_grad(trace):
@@ -140,3 +143,4 @@ def test_inference_function_with_no_grad(trace):
         with torch.no_grad():
             expected = model(x).softmax(-1)
         assert torch.equal(infer(x, model=model), expected)
+    assert_replayed(infer, 4)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, assert_same_state, batch, make_model, train_side_by_side, train_step, twin
-from side_by_side import mse, seeded, side_by_side, step_of
+from side_by_side import assert_replayed, mse, seeded, side_by_side, step_of
 
 import tracejit
 from tracejit.errors import HostDependencyError
@@ -229,6 +229,7 @@ def test_without_host_inputs_that_stop_being_the_same_tensor():
         want = f(a_eager, b_eager)
         assert torch.equal(traced(a, b), want)
         assert torch.equal(a, a_eager) and torch.equal(b, b_eager)
+    assert_replayed(traced, 3, records=2)  # f(x, x), f(x, y)
 
 
 # The learning rate a host-free call binds is the one the last host-run call used, found by the
@@ -246,6 +247,7 @@ def test_without_host_lr_survives_a_rebind():
         for opt in opts:
             opt.param_groups[0]["lr"] *= 0.5
     assert torch.equal(model.weight, twin.weight)
+    assert traced.stats.records == 1 and traced.stats.host_free_calls >= 3  # the rebinding call is a checked one
 
 
 def test_without_host_lr_of_a_group_changed_before_the_re_record():
