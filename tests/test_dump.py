@@ -290,6 +290,43 @@ def test_dump_of_a_function_returning_no_tensor_is_refused(tmp_path, returns, sa
     assert not path.exists()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality for every dtype (torch.equal has no float8 kernel)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) \
+        if a.element_size() == 1 else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+                                   torch.float8_e5m2, torch.float8_e5m2fnuz])
+def test_every_dtype_torch_and_safetensors_share_is_dumpable(dtype):
+    # uint16 used to raise TaggedValueError: inputs, weights and outputs of these types round-trip
+    weight = (torch.arange(6).reshape(2, 3) * 3).to(dtype)
+
+    def f(x):
+        return x.to(torch.float32) * weight.to(torch.float32), x.view(-1)
+
+    traced = tracejit.trace(f, capture_as_const=True)
+    inputs = [(torch.arange(6).reshape(2, 3) + i).to(dtype) for i in range(3)]
+    for x in inputs:
+        assert all(same_bits(a, b) for a, b in zip(traced(x), f(x)))
+    assert traced.stats.records == 1 and traced.stats.replays == 2
+    buffer = io.BytesIO()
+    traced.dump(buffer)
+    loaded = tracejit.load(buffer.getvalue())
+    for x in inputs:
+        got, want = list(loaded(x)), f(x)
+        assert [g.dtype for g in got] == [torch.float32, dtype]
+        assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+def test_a_weight_safetensors_cannot_store_is_refused_by_name():
+    weight = torch.ones(2, dtype=torch.complex128)
+    traced = tracejit.trace(lambda x: x * weight, capture_as_const=True)
+    traced(torch.ones(2, dtype=torch.complex128))
+    with pytest.raises(ValueError, match="cannot store the weight .* of dtype torch.complex128: safetensors has no"):
+        traced.dump(io.BytesIO())
+
+
 def test_dump_refuses_host_reads_non_aten_ops_and_dynamic_shapes(tmp_path):
     def reads(x):
         return x * float(x.sum())

@@ -26,7 +26,7 @@ from .loaded import LoadedGraph
 from .options import DumpOptions
 from .portable import PortableGraph, TestCase, from_graph
 from .precision import to_half_compute, to_half_storage
-from .tagged import TaggedValueError, encode_statics
+from .tagged import WEIGHT_DTYPES, TaggedValueError, encode_statics
 from .testcases import max_error, parse_case
 from .validate import check_graph, resolve_op
 
@@ -162,6 +162,11 @@ def _check_storable(portable: PortableGraph) -> None:
             encode_statics(op.statics)
         except (LoadError, TaggedValueError) as error:
             raise ValueError(f"dump(): cannot store {where}: {error}") from None
+    for constant in portable.constants:
+        if constant.tensor.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"dump(): cannot store the weight {constant.name or f'v{constant.value}'} of dtype "
+                             f"{constant.tensor.dtype}: safetensors has no such type (weights may be "
+                             f"{', '.join(sorted(str(d).removeprefix('torch.') for d in WEIGHT_DTYPES))})")
     try:
         check_graph(portable)
     except LoadError as error:

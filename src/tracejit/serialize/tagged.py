@@ -30,11 +30,15 @@ from ..record.record import TENSOR, KwargStatic, ScalarSlot
 
 MAX_DEPTH = 8  # op arguments nest lists at most a level or two deep
 
+# Every dtype torch and safetensors (the weights) share, and complex128, which only values between
+# ops can have (safetensors has no 128-bit complex: see WEIGHT_DTYPES).
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "uint8", "int8",
-                 "int16", "int32", "int64", "bool")
+                 "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64",
+                 "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 }
+WEIGHT_DTYPES = frozenset(dtype for dtype in DTYPES.values() if dtype is not torch.complex128)
 LAYOUTS = {"strided": torch.strided}
 MEMORY_FORMATS = {name: getattr(torch, name)
                   for name in ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")}
