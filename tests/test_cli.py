@@ -1,5 +1,6 @@
 """The tracejit command line, through subprocesses: run, show, demo, and one-line errors."""
 
+import re
 import shutil
 import subprocess
 
@@ -98,9 +99,27 @@ def test_demo_trains_dumps_loads_and_profiles(tmp_path):
     done = tracejit_cli("demo", "--steps", "8", cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    assert "traced, without_host step (median):" in out and "speedup vs eager" in out
+    assert "systems alternating every 10 steps (median, p25-p75)" in out
+    assert re.search(r"traced, without_host: +[\d.]+ us \([\d.]+-[\d.]+\) +speedup vs eager +[\d.]+x "
+                     r"\([\d.]+-[\d.]+x over 1 rounds\)", out), out
     assert "parameters of both traced runs identical to eager: True" in out
     assert "dumped for inference (eval mode, capture_as_const=True) to classifier.tjit: 5 ops, 6 parameters" in out
+    assert f"full path {tmp_path / 'classifier.tjit'}; try `tracejit show classifier.tjit`" in out
     assert "loaded back with tracejit.load: max |loaded - eager| 0 over 2048 samples" in out
     assert "profile of classify: 8 calls" in out and "aten._addmm_activation.default" in out
     assert torch.__version__  # the demo ran with this torch
+    # the file is where the demo said (it used to vanish with a temporary directory): docs/cli.md runs it next
+    follow_up = tracejit_cli("run", "classifier.tjit", "--iters", "2", "--check", cwd=str(tmp_path))
+    assert follow_up.returncode == 0 and "check: 1 of 1 test cases passed" in follow_up.stdout, follow_up.stderr
+
+
+def test_demo_out_names_a_file_or_a_directory(tmp_path):
+    from tracejit.cli.demo import output_path
+
+    assert output_path(None) == "classifier.tjit"
+    assert output_path(str(tmp_path)) == str(tmp_path / "classifier.tjit")
+    assert output_path(str(tmp_path / "mine.tjit")) == str(tmp_path / "mine.tjit")
+    done = tracejit_cli("demo", "--steps", "6", "--out", str(tmp_path / "mine.tjit"), cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mine.tjit").is_file() and not (tmp_path / "classifier.tjit").exists()
+    assert f"to {tmp_path / 'mine.tjit'}: 5 ops" in done.stdout

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="train a small classifier traced next to eager, dump, load, run it")
     demo.add_argument("--steps", type=int, default=200, help="training steps per system (default 200)")
+    demo.add_argument("--out", metavar="PATH", help="where to write the dumped classifier: a file, or a directory "
+                                                    "for classifier.tjit (default: classifier.tjit here)")
     return parser
 
 
@@ -51,7 +53,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return show_file(args)
     from .demo import run_demo
 
-    return run_demo(steps=args.steps)
+    return run_demo(steps=args.steps, out=args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
