@@ -26,7 +26,9 @@ LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
 # float16's largest and beyond, a float32 subnormal
 SPECIAL_FLOATS = (0.0, -0.0, math.inf, -math.inf, math.nan, 0.5, -0.5, 1.5, 2.5, -2.5, 127.5, -128.5, 255.0,
                   256.0, 300.0, -2.7, 32767.0, 65504.0, 70000.5, 2.0**31, -(2.0**31), 3e9, 2.0**63, 1e-40, 1e30)
-SCALARS = ("2", "-3", "0", "0.5", "2.5", "-0.0", "255", "1e-3", "True")
+SCALARS = ("2", "-3", "0", "0.5", "2.5", "-0.0", "255", "1e-3", "True", "k", "k")
+# `k`, the program's number argument, changes every call: a dynamic scalar of the kernels
+NUMBERS = {"float": (0.5, -0.0, 2.5, 300.25, 1e-3), "int": (3, -2, 0, 200, 1)}
 
 # name -> (template, operands); {a} {b} {c} are values, {s} {t} number literals, {d} decimals
 VALUE_OPS = {
@@ -75,11 +77,12 @@ class Program:
     inexact: frozenset[str]  # outputs compared within a tolerance
     mutated: tuple[int, ...]  # inputs updated in place
     value_seed: int
+    number: str  # the type of `k`: "float" or "int"
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def source(self) -> str:
-        names = ", ".join(f"v{i}" for i in range(len(self.inputs)))
+        names = ", ".join([f"v{i}" for i in range(len(self.inputs))] + ["*", "k"])
         body = [f"    {s}" for s in self.statements] + [f"    return ({', '.join(self.outputs)},)"]
         return "\n".join([f"def program({names}):", *body])
 
@@ -100,13 +103,15 @@ class Program:
 
     def __repr__(self) -> str:
         inputs = ", ".join(f"v{i}: {str(x.dtype)[6:]}{list(x.shape)} {x.layout}" for i, x in enumerate(self.inputs))
-        return f"Program(value_seed={self.value_seed}, inputs: {inputs})\n{self.source}"
+        return f"Program(value_seed={self.value_seed}, inputs: {inputs}, k: {self.number})\n{self.source}"
 
 
-def make_inputs(program: Program, call: int) -> list[torch.Tensor]:
-    """The inputs of one call: fresh values each call, the same dtypes, shapes and layouts."""
+def make_inputs(program: Program, call: int) -> list:
+    """The arguments of one call: fresh values each call, the same dtypes, shapes and layouts; `k`
+    last."""
     g = torch.Generator().manual_seed(program.value_seed * 1009 + call)
-    return [_tensor(spec, g) for spec in program.inputs]
+    numbers = NUMBERS[program.number]
+    return [*(_tensor(spec, g) for spec in program.inputs), numbers[(program.value_seed + call) % len(numbers)]]
 
 
 def _tensor(spec: Input, g: torch.Generator) -> torch.Tensor:
@@ -147,9 +152,10 @@ def programs(draw, max_statements: int = 10) -> Program:
     # the full shape: small, 3-d, or over 32768 elements (the C kernels' threads split it)
     full = draw(st.sampled_from([(1, 5), (3, 37), (3, 1, 37), (2, 3, 5), (3, 37), (33, 1031)]))
     inputs = tuple(_draw_input(draw, full) for _ in range(draw(st.integers(2, 3))))
-    seed = draw(st.integers(0, 2**16))
-    program = Program(inputs, (), (), frozenset(), (), seed)
-    env = {"torch": torch, **{f"v{i}": t for i, t in enumerate(make_inputs(program, 0))}}
+    seed, number = draw(st.integers(0, 2**16)), draw(st.sampled_from(sorted(NUMBERS)))
+    program = Program(inputs, (), (), frozenset(), (), seed, number)
+    *tensors, k = make_inputs(program, 0)
+    env = {"torch": torch, "k": k, **{f"v{i}": t for i, t in enumerate(tensors)}}
     values = [f"v{i}" for i in range(len(inputs))]
     statements, inexact, mutated = [], set(), []
     for _ in range(draw(st.integers(2, max_statements))):
@@ -169,7 +175,7 @@ def programs(draw, max_statements: int = 10) -> Program:
     read = {word for text in statements for word in text.split(" = ")[-1].replace("(", " ").replace(",", " ").split()}
     leaves = [v for v in computed if v not in read]
     outputs = tuple(leaves[-4:]) if computed else ("v0 * 1",)
-    return Program(inputs, tuple(statements), outputs, frozenset(inexact), tuple(sorted(set(mutated))), seed)
+    return Program(inputs, tuple(statements), outputs, frozenset(inexact), tuple(sorted(set(mutated))), seed, number)
 
 
 def _draw_input(draw, full: tuple[int, ...]) -> Input:

@@ -21,7 +21,7 @@ import tracejit
 from tracejit.ir import Op
 
 CALLS = 3
-EXAMPLES = int(os.environ.get("TRACEJIT_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("TRACEJIT_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize="TRACEJIT_FUZZ_EXAMPLES" not in os.environ, deadline=None,
                 database=None, suppress_health_check=list(HealthCheck))
 MODES = {
@@ -39,8 +39,8 @@ TOLERANCE = {torch.float32: (1e-6, 1e-6), torch.float64: (1e-13, 1e-13), torch.f
 
 
 def run_eager(program: Program, call: int) -> list[torch.Tensor]:
-    inputs = make_inputs(program, call)
-    outputs = program.function(*inputs)
+    *inputs, k = make_inputs(program, call)
+    outputs = program.function(*inputs, k=k)
     return [*outputs, *(inputs[i] for i in program.mutated)]
 
 
@@ -77,8 +77,8 @@ def _pick(larger: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def run_traced(traced, program: Program, call: int) -> list[torch.Tensor]:
-    inputs = make_inputs(program, call)
-    outputs = traced(*inputs)
+    *inputs, k = make_inputs(program, call)
+    outputs = traced(*inputs, k=k)
     return [*outputs, *(inputs[i] for i in program.mutated)]
 
 
