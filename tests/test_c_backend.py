@@ -174,8 +174,9 @@ def test_without_a_compiler_one_warning_then_unfused(monkeypatch):
     monkeypatch.setattr(toolchain, "_warned", False)
     toolchain.compiler.cache_clear()
     try:
-        with pytest.warns(RuntimeWarning, match="no working C compiler"):
+        with pytest.warns(RuntimeWarning, match="no working C compiler") as caught:
             assert tracejit.backends.resolve_backend("c") is None
+        assert caught[0].filename == __file__  # the user's line, not tracejit's (issue 14.9)
         traced = trace_with("c", lambda x: (x * 2 + 1).relu())
         x = torch.randn(10)
         traced(x)

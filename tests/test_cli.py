@@ -1,13 +1,15 @@
 """The tracejit command line, through subprocesses: run, show, demo, and one-line errors."""
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from dumping import traced_inference, tracejit_cli
+from dumping import SRC, traced_inference, tracejit_cli
 from models import batch, make_model
 
 from tracejit.cli import main
@@ -93,6 +95,21 @@ def test_console_script(files):
     done = subprocess.run([script, "show", "cnn.tjit"], cwd=str(files), capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0 and "graph infer" in done.stdout
+
+
+@pytest.mark.parametrize("command", [["show", "cnn.tjit", "--dot"], ["show", "cnn.tjit"],
+                                     ["run", "cnn.tjit", "--iters", "3", "--profile"]])
+def test_a_reader_that_stops_early_gets_no_broken_pipe_error(files, command):
+    # `tracejit show f.tjit --dot | head` ended with "tracejit: error: [Errno 32] Broken pipe"
+    env = dict(os.environ, PYTHONPATH=SRC)
+    process = subprocess.Popen([sys.executable, "-m", "tracejit", *command], cwd=str(files), env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = process.stdout.readline()
+    process.stdout.close()  # what `head -1` does after its line
+    stderr = process.stderr.read()
+    status = process.wait(timeout=120)
+    assert first.strip() and "Broken pipe" not in stderr and "Traceback" not in stderr, stderr
+    assert status in (0, 141)  # 141: as a process that SIGPIPE ended, when it wrote after the reader left
 
 
 def test_demo_trains_dumps_loads_and_profiles(tmp_path):

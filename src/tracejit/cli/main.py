@@ -7,6 +7,7 @@ A user error (a bad file, a bad input spec, a missing path) prints one line, `tr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import LoadError
@@ -64,12 +65,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         return _dispatch(args)
+    except BrokenPipeError:
+        return _reader_went_away()
     except (LoadError, ValueError, TypeError, OSError) as error:
         print(f"tracejit: error: {_one_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("tracejit: interrupted", file=sys.stderr)
         return 130
+
+
+def _reader_went_away() -> int:
+    """The output's reader stopped reading (`tracejit show f.tjit --dot | head`): nothing is
+    wrong, say nothing. Python would report the broken pipe again when it flushes stdout at exit,
+    so stdout goes to /dev/null first. The status is the shell's for a process killed by SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13
 
 
 def _one_line(error: BaseException) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -54,3 +55,11 @@ def user_location(depth: int = 1) -> SourceLocation:
             return SourceLocation(filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return UNKNOWN
+
+
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """Warn as if from the innermost user frame: a fixed stacklevel would point at tracejit's own
+    line, since how deep inside tracejit and torch a warning is raised depends on the caller."""
+    where = user_location(2)
+    warnings.warn_explicit(message, category, where.filename or "<unknown>", where.line,
+                           module=os.path.splitext(os.path.basename(where.filename))[0] or "<unknown>")

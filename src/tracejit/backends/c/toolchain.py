@@ -23,8 +23,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import warnings
 from pathlib import Path
+
+from ...record.source import warn_at_user_line
 
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off", "-fwrapv",
          "-fPIC", "-shared", "-std=gnu11", "-w")
@@ -112,5 +113,5 @@ def warn_unavailable(error: Exception) -> None:
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"tracejit: {error}; fused CPU kernels are disabled and groups run op by op through aten",
-                      RuntimeWarning, stacklevel=3)
+        warn_at_user_line(f"tracejit: {error}; fused CPU kernels are disabled and groups run op by op through aten",
+                          RuntimeWarning)

@@ -17,13 +17,13 @@ kernel Triton fails to build for that GPU sends its group to aten, with one warn
 from __future__ import annotations
 
 import array
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from ...record.source import warn_at_user_line
 from ..launcher import prologue, returned
 from ..lower import KernelSpec
 from .render import OPTIONS, TritonKernel
@@ -61,8 +61,8 @@ def _give_up_on_build_errors(kernel: TritonKernel, namespace: dict, launch: list
     from triton.runtime.errors import OutOfResources, PTXASError
 
     def give_up(error: Exception, inputs, s, outs):
-        warnings.warn(f"tracejit: Triton could not build kernel {kernel.name} for this GPU "
-                      f"({type(error).__name__}: {error}); its group runs through aten", stacklevel=3)
+        warn_at_user_line(f"tracejit: Triton could not build kernel {kernel.name} for this GPU "
+                          f"({type(error).__name__}: {error}); its group runs through aten", RuntimeWarning)
         namespace["BROKEN"] = True
         return namespace["FALLBACK"](inputs, s, outs)
 
