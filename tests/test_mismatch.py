@@ -241,6 +241,26 @@ def test_dynamic_float_is_rebound_not_a_mismatch(trace):
         assert torch.equal(f(x), (x * s).add(1.0, alpha=s))
 
 
+@pytest.mark.parametrize("first, then, said", [
+    (0.5, 0.7, r"lambd=0.7 where the recorded call left it at its default 0.5; the trace holds the default as a "
+               r"constant, so another value needs a trace of its own"),
+    (0.7, 0.5, r"lambd left at its default 0.5 where the recorded call passed 0.7"),
+])
+def test_an_argument_left_at_its_default_is_named(trace, first, then, said):
+    # the dispatcher drops an argument equal to its default: hardshrink(x, 0.5) records hardshrink(x),
+    # and the message used to say "2 arguments instead of 1"
+    @trace
+    def f(x, *, lambd):
+        return torch.nn.functional.hardshrink(x, lambd) * 2
+
+    x = torch.randn(6)
+    for _ in range(3):
+        assert torch.equal(f(x, lambd=first), torch.nn.functional.hardshrink(x, first) * 2)
+    assert f.stats.replays == 2
+    with pytest.raises(TraceMismatchError, match=rf"aten.hardshrink.default got different non-tensor arguments \({said}\)"):
+        f(x, lambd=then)
+
+
 def test_scalar_type_change_is_a_mismatch(trace):
     scale = {"s": 2}
 

@@ -45,7 +45,7 @@ def different_op(record: Record, position: int, func: Any, statics: tuple, tenso
 def different_arguments(record: Record, position: int, statics: tuple, tensor_names: list[str],
                         scalars: list, source: SourceLocation) -> TraceMismatchError:
     op = record.ops[position]
-    detail = _first_difference(op.statics, statics)
+    detail = _defaulted_difference(op, statics, scalars) or _first_difference(op.statics, statics)
     return TraceMismatchError(
         _header(record, position, f"{op.name} got different non-tensor arguments ({detail})")
         + _recorded(record, op)
@@ -65,6 +65,49 @@ def _first_difference(recorded: tuple, got: tuple) -> str:
                 return f"{name}: a scalar of another type, {vb!r} instead of {va!r}"
             return f"{name}: {_short(vb)} instead of {_short(va)}"
     return "unknown difference"
+
+
+def _defaulted_difference(op: OpRecord, statics: tuple, scalars: list) -> str | None:
+    """Name an argument one call passed and the other left at its default (the dispatcher drops
+    arguments equal to their default: `F.hardshrink(x, 0.5)` records `hardshrink(x)`)."""
+    schema = getattr(op.op, "_schema", None)
+    if schema is None:
+        return None
+    recorded = _by_name(schema, op.statics, list(op.scalars))
+    got = _by_name(schema, statics, list(scalars))
+    for argument in schema.arguments:
+        name = argument.name
+        if (name in recorded) == (name in got) or not argument.has_default_value():
+            continue
+        default = argument.default_value
+        if name in got:
+            return (f"{name}={_short(got[name])} where the recorded call left it at its default {_short(default)}; "
+                    f"the trace holds the default as a constant, so another value needs a trace of its own")
+        return f"{name} left at its default {_short(default)} where the recorded call passed {_short(recorded[name])}"
+    return None
+
+
+def _by_name(schema: Any, statics: tuple, scalars: list) -> dict[str, Any]:
+    """The arguments of a call by schema name, dynamic scalars replaced by their values."""
+    values = iter(scalars)
+
+    def value(static: Any) -> Any:
+        if isinstance(static, ScalarSlot):
+            return next(values, static)
+        if isinstance(static, tuple):
+            return tuple(value(v) for v in static)
+        return static
+
+    named = {}
+    positional = [a.name for a in schema.arguments if not a.kwarg_only]
+    index = 0
+    for static in statics:
+        if isinstance(static, KwargStatic):
+            named[static.name] = value(static.value)
+        elif index < len(positional):
+            named[positional[index]] = value(static)
+            index += 1
+    return named
 
 
 def _short(value: Any) -> str:
