@@ -17,6 +17,7 @@ import torch
 from .errors import GradientWarning, HostDependencyError, ReplayLevelWarning, TraceCacheFullError, TraceMismatchError
 from .ir import build_graph
 from .ir.to_fx import to_fx
+from .methods import bound_trace
 from .options import TraceOptions
 from .record.api import ApiTracer
 from .record.handles import HandleMap
@@ -122,6 +123,13 @@ class trace(ProfileAccess):
         # checked call at the aten level. Profiling times aten-level nodes, so it keeps them too.
         self._api_level = (not without_host and not profiling
                            and os.environ.get("TRACEJIT_REPLAY", "api").lower() != "aten")
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """`@tracejit.trace` on a method: `obj.method` is a traced function of its own per instance,
+        as with torch.compile (see methods.py)."""
+        if instance is None:
+            return self
+        return bound_trace(self, instance)
 
     # -- calling --------------------------------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""`@tracejit.trace` on a method: one traced function per instance, the instance passed through."""
+
+import copy
+import gc
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tracejit
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 2)
+
+    def eager_forward(self, x):
+        return self.out(torch.tanh(self.fc(x)))
+
+    @tracejit.trace
+    def forward(self, x):
+        return self.eager_forward(x)
+
+
+def test_a_traced_forward_is_bound_per_instance_like_torch_compile():
+    # used to fail with "missing 1 required positional argument"
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    for i in range(3):
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(i))
+        for net in (a, b):
+            with torch.no_grad():
+                assert torch.equal(net(x), net.eager_forward(x))
+    assert a.forward is a.forward and a.forward is not b.forward
+    assert a.forward.stats.records == 1 and a.forward.stats.replays == 2
+    assert b.forward.stats.records == 1 and b.forward.stats.replays == 2
+    assert "external self.fc.weight" in a.forward.listing()  # the instance's tensors, by name
+    assert Net.forward.stats.calls == 0  # the class-level function only hands out bound ones
+
+
+class Trainer:
+    """A plain class whose method is the whole training step."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def eager_step(self, x, y):
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+    @tracejit.trace(without_host=True)
+    def step(self, x, y):
+        return self.eager_step(x, y)
+
+
+def test_a_training_step_method_runs_without_host():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    twin = copy.deepcopy(model)
+    traced = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    eager = Trainer(twin, torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9))
+    for i in range(6):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+        assert torch.equal(traced.step(x, y), eager.eager_step(x, y))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert traced.step.stats.records == 1 and traced.step.stats.host_free_calls >= 3
+
+
+def test_a_copy_of_the_instance_traces_afresh_and_an_instance_is_not_kept_alive():
+    net = Net()
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        net(x), net(x)
+        clone = copy.deepcopy(net)
+        assert torch.equal(clone(x), clone.eager_forward(x))
+    assert clone.forward is not net.forward and clone.forward.stats.calls == 1
+    gone = weakref.ref(net)
+    del net
+    gc.collect()
+    assert gone() is None
