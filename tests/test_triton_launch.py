@@ -89,8 +89,9 @@ class _Unbuildable(_Recorder):
 def test_a_kernel_triton_cannot_build_sends_its_group_to_aten():
     unbuildable = _Unbuildable()
     launcher, inputs, scalars = cuda_launcher(unbuildable)
-    with pytest.warns(UserWarning, match="could not build kernel .* runs through aten"):
+    with pytest.warns(UserWarning, match="could not build kernel .* runs through aten") as caught:
         (out,) = launcher(inputs, scalars)
+    assert caught[0].filename == __file__  # the caller's line, not the generated launcher's (issue 14.9)
     assert ts.mismatch(out, elementwise_chain(*inputs), exact_match=True) is None  # aten's result
     (again,) = launcher(inputs, scalars)
     assert torch.equal(again, out) and unbuildable.events.count("build") == 1

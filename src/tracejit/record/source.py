@@ -41,7 +41,8 @@ UNKNOWN = SourceLocation("", 0, "")
 def _skipped(filename: str) -> bool:
     hit = _skip_cache.get(filename)
     if hit is None:
-        hit = filename.startswith("<frozen") or os.path.abspath(filename).startswith(_SKIPPED_DIRS)
+        # "<tracejit ...>": code tracejit generates (replay steps, programs, kernel launchers)
+        hit = filename.startswith(("<frozen", "<tracejit")) or os.path.abspath(filename).startswith(_SKIPPED_DIRS)
         _skip_cache[filename] = hit
     return hit
 

@@ -62,7 +62,7 @@ def _give_up_on_build_errors(kernel: TritonKernel, namespace: dict, launch: list
 
     def give_up(error: Exception, inputs, s, outs):
         warn_at_user_line(f"tracejit: Triton could not build kernel {kernel.name} for this GPU "
-                          f"({type(error).__name__}: {error}); its group runs through aten", RuntimeWarning)
+                          f"({type(error).__name__}: {error}); its group runs through aten", UserWarning)
         namespace["BROKEN"] = True
         return namespace["FALLBACK"](inputs, s, outs)
 
