@@ -71,6 +71,12 @@ def logic_with_a_broadcast_number(x, y):
     return torch.logical_and(x * 1, y), torch.logical_xor(x * 1, y)  # y: one element, a scalar load
 
 
+def truncated_through_integers(x, y):
+    # (float)(int)x is 0.0 for x in (-1, 0); GCC, allowed to assume no FP traps, turns it into
+    # truncf(x), which gives -0.0
+    return (x * 1.0).to(torch.int32).to(torch.float32) * 2.0, (y * 1.0).to(torch.int64).to(torch.float64) * 2.0
+
+
 CASES = {
     "int_true_division": (division_of_an_image, lambda: (torch.tensor([0, 64, 128, 200, 255] * 13, dtype=torch.uint8),)),
     "int_division_by_zero": (integer_division_by_zero,
@@ -88,6 +94,9 @@ CASES = {
     "bfloat16_operands": (half_with_other_types, half_inputs(torch.bfloat16)),
     "logic_with_one_element": (logic_with_a_broadcast_number,
                                lambda: (torch.tensor([0.0, 1.0, -0.0, float("nan")] * 16), torch.tensor([2.0]))),
+    "integer_round_trip_zero_sign": (truncated_through_integers,
+                                     lambda: (torch.tensor([-0.5, -0.0, 0.5, -1.5, -0.999] * 13),
+                                              torch.tensor([-0.5, -0.0, 0.5, -1.5, -0.999] * 13, dtype=torch.float64))),
     "signed_zeros": (extremes, lambda: (torch.tensor([0.0, -0.0, -0.0, 0.0, 1.0, float("nan")] * 16)[:64],
                                         torch.tensor([-0.0, 0.0, -0.0, 0.0, float("nan"), 1.0] * 16)[:64])),
 }

@@ -34,11 +34,21 @@ _ROUNDING = {"floor": "floor", "ceil": "ceil", "trunc": "trunc", "round": "rint"
 
 
 def prelude(specs: list[KernelSpec]) -> str:
-    """Includes and the math functions the kernels use."""
+    """Includes, the zeros of _cast and the math functions the kernels use."""
     used = {FLOAT_FUNCTIONS[e.op][0] for s in specs for e in s.exprs
             if e.op in TRANSCENDENTAL and e.dtype == torch.float32}
     return ("#include <stdint.h>\n#include <stdbool.h>\n#include <string.h>\n#include <math.h>\n"
+            "static volatile float tj_zero_f_storage = 0.0f;\nstatic volatile double tj_zero_d_storage = 0.0;\n"
             + math_source(used))
+
+
+# read once per kernel call, before the loops (a volatile read inside would stop vectorization)
+_ZERO = {torch.float32: "tj_zero_f", torch.float64: "tj_zero_d"}
+_ZERO_LOADS = "  const float tj_zero_f = tj_zero_f_storage; const double tj_zero_d = tj_zero_d_storage;\n"
+
+
+def _zero_loads(body: list[str]) -> str:
+    return _ZERO_LOADS if any("tj_zero" in line for line in body) else ""
 
 
 def render_kernel(spec: KernelSpec, name: str) -> str:
@@ -70,6 +80,11 @@ def _cast(value: str, source: torch.dtype | None, target: torch.dtype) -> str:
     t = C_TYPES[target]
     if target == torch.bool:
         return f"(({value}) != 0)"
+    if target.is_floating_point and source is not None and not source.is_floating_point and source != torch.bool:
+        # Under -fno-trapping-math GCC turns (float)(int)x into truncf(x), which is -0.0 for x in
+        # (-1, -0.0] where the conversions give +0.0. Adding zero mends it (-0.0 + 0.0 is +0.0), a
+        # zero the compiler cannot see (it drops a literal `+ 0.0`, knowing (float)int is never -0.0).
+        return f"(({t})({value}) + {_ZERO[target]})"
     if source is not None and source.is_floating_point and not target.is_floating_point:
         if target == torch.int64:
             return f"((({value}) >= -0x1p63 && ({value}) < 0x1p63) ? (int64_t)({value}) : INT64_MIN)"
@@ -189,7 +204,8 @@ def _render_single(spec: KernelSpec, name: str) -> str:
         scalar=lambda k: f"s{k}",
         store=lambda k, value: f"{target_name(lane.stores[k][0])}[{offset(lane.stores[k][1])}] = {value};",
     )
-    return f"void {name}({', '.join(decls) or 'void'}) {{\n" + _loops(lane.shape, index_vars, body) + "}\n"
+    return (f"void {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body)
+            + _loops(lane.shape, index_vars, body) + "}\n")
 
 
 def _loops(shape: tuple[int, ...], index_vars: list[str], body: list[str]) -> str:
@@ -271,6 +287,7 @@ def _render_multi(spec: KernelSpec, name: str) -> str:
         f"static const int64_t {name}_size[{len(sizes)}] = {{{lane_sizes}}};\n"
         f"void {name}(void* const* ptrs, const double* sd, const int64_t* si) {{\n"
         f"  (void)sd; (void)si;\n"
+        f"{_zero_loads(body)}"
         f"{parallel}"
         f"  for (int64_t w = 0; w < {len(work)}; w++) {{\n"
         f"    const int64_t lane = {name}_lane[w];\n"

@@ -7,8 +7,9 @@ without compiling. Files are written under a temporary name and renamed, so conc
 never see half a library.
 
 Flags: `-O3 -march=native` for vectorization; `-fno-trapping-math -fno-math-errno` let the
-compiler turn selects into blends and `sqrt` into an instruction (they change no result, only
-assumptions about FP exception flags and errno); `-ffp-contract=off` keeps `a*b+c` two roundings,
+compiler turn selects into blends and `sqrt` into an instruction (they change only assumptions
+about FP exception flags and errno, and one result that render.py's `_cast` undoes: GCC's
+`(float)(int)x -> truncf(x)`, -0.0 instead of +0.0); `-ffp-contract=off` keeps `a*b+c` two roundings,
 as PyTorch computes it; `-fwrapv` gives integer overflow PyTorch's wrap-around meaning. No
 `-ffast-math`: NaN, infinities and signed zeros behave as in eager PyTorch.
 """
