@@ -37,7 +37,7 @@ from ..errors import CollectiveAbortedError, CollectiveMismatchError
 POLL_SECONDS = 0.25
 # How long a posted failure must stand before a waiting peer gives up: a rank that every rank's
 # error sent through its handler may rejoin a little later than the others.
-FAILURE_GRACE_SECONDS = 2.0
+FAILURE_GRACE_SECONDS = 5.0
 _FAILURES = "tracejit/failures"
 _records_made: dict[str, int] = {}  # function name -> records with collectives this process made of it
 _posted = [False]  # this process posted a failure it has not retracted yet
