@@ -3,6 +3,7 @@ breaks a graph is named, with the node it broke."""
 
 import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -168,3 +169,24 @@ def test_verify_rejects_a_bad_switch_value(monkeypatch):
     with pytest.raises(ValueError, match="TRACEJIT_VERIFY must be 0 or 1, got 'yes'"):
         for _ in range(3):
             traced(torch.randn(3))
+
+
+def test_a_tensor_reshaped_in_place_has_its_new_shape_in_the_graph_and_no_kept_buffer():
+    # found by verify(): a value after `t_()` kept its handle's first shape, and plan_memory gave the
+    # tensor a kept out= buffer that the next call found transposed (torch resized it, with a warning)
+    def step(x):
+        y = x * 2
+        y.t_()
+        return y + 1
+
+    traced = tracejit.trace(step, without_host=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            x = torch.randn(2, 3)
+            torch.testing.assert_close(traced(x), step(x), rtol=0, atol=0)
+    assert traced.stats.host_free_calls >= 2
+    record_graph, final = traced.history[0][1], traced.history[-1][1]
+    add = call_nodes(record_graph, aten.add.Tensor)[0][1]
+    assert record_graph.values[add.inputs[0]].meta.shape == (3, 2)
+    assert call_nodes(final, aten.mul.Tensor)[0][1].buffer is None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..record.amp import is_inf_check
 from ..record.calls import has_dynamic_output_shape
 from ..record.collectives import is_collective
-from ..record.record import Flag, Kind, Record
+from ..record.record import Flag, Kind, Record, TensorMeta
 from .graph import INPUT_OP_OF_KIND, Graph, Node, Op, Value
 
 
@@ -18,6 +20,8 @@ class _Versions:
         self.current: dict[int, int] = {}  # handle -> value id of its current version
         self.root_version: dict[int, int] = {}
         self.aliases: dict[int, list[int]] = {}  # root handle -> handles sharing its storage
+        # handle -> its metadata since an op changed it in place (`transpose_`, `resize_`)
+        self.changed_meta: dict[int, TensorMeta] = {}
 
     def root(self, handle: int) -> int:
         base = self.record.tensors[handle].base
@@ -31,10 +35,17 @@ class _Versions:
         return self._new_value(handle, version)
 
     def _new_value(self, handle: int, version: int) -> int:
-        value = Value(len(self.values), handle, version, self.record.tensors[handle].meta, self.root(handle))
+        meta = self.changed_meta.get(handle, self.record.tensors[handle].meta)
+        value = Value(len(self.values), handle, version, meta, self.root(handle))
         self.values.append(value)
         self.current[handle] = value.id
         return value.id
+
+    def change_meta(self, handle: int, meta: TensorMeta) -> None:
+        """An in-place op returned `handle` with new metadata: its current and later versions have it."""
+        self.changed_meta[handle] = meta
+        value = self.values[self.current[handle]]
+        self.values[value.id] = replace(value, meta=meta)
 
     def read(self, handle: int) -> int:
         return self.current[handle]
@@ -66,9 +77,12 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
             None if h is None else (versions.read(h) if h in op.mutated else versions.create(h))
             for h in op.outputs
         )
+        for h, meta in zip(op.outputs, op.out_metas):
+            if h in op.mutated and meta is not None and meta != versions.values[versions.read(h)].meta:
+                versions.change_meta(h, meta)
         nodes.append(Node(Op.CALL, op.op, inputs, outputs, writes=writes, positions=(op.index,), source=op.source,
                           statics=op.statics, scalars=op.scalars, out_kind=op.out_kind, scalar_base=scalar_base,
-                          input_metas=tuple(record.tensors[h].meta for h in op.inputs),
+                          input_metas=tuple(versions.values[v].meta for v in inputs),
                           backward_of=op.backward_of))
         scalar_base += len(op.scalars)
     for handle in record.output.handles():

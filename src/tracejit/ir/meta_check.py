@@ -7,11 +7,9 @@ cost of a dispatch: no memory, no kernel, no random numbers drawn. verify() comp
 the values the node produces. Loading a file checks the same way (serialize/validate.py).
 
 Not checked: ops without a shape function or whose shapes depend on data (`nonzero`, `item`);
-results that are the node's own input (an in-place op returning what it wrote); anything reading
-a tensor whose metadata an op changed in place (`transpose_`, `resize_`: a graph value keeps its
-handle's first metadata); and empty results where the op's shape function gives a full one or the
-reverse (batch norm's saved statistics in eval mode, the mkldnn RNN workspace: scratch results
-whose size only the kernel knows).
+results that are the node's own input (an in-place op returning what it wrote); and empty
+results where the op's shape function gives a full one or the reverse (batch norm's saved
+statistics in eval mode, the mkldnn RNN workspace: scratch results only the kernel sizes).
 """
 
 from __future__ import annotations
@@ -30,30 +28,10 @@ _CHECKED_KINDS = ("tensor", "tuple", "list")
 _MODE: list[FakeTensorMode] = []  # made on first use: importing tracejit creates no fake mode
 
 
-def reshaped_in_place(graph: Graph) -> frozenset[int]:
-    """Handles whose shape an op changed in place: their values' metas are stale after it."""
-    reshaped = set()
-    for node in graph.nodes:
-        for member in node.members or (node,):
-            read = {graph.values[v].handle: v for v in member.inputs}
-            returned = [(i, v) for i, v in enumerate(member.outputs) if v is not None and graph.values[v].handle in read]
-            if not returned or not _checkable(member):
-                continue
-            expected = _expected(member, [graph.values[v].meta for v in member.inputs])
-            for index, vid in returned:
-                if expected is not None and index < len(expected) and expected[index] is not None:
-                    meta = graph.values[vid].meta
-                    if expected[index] != (tuple(meta.shape), meta.dtype):
-                        reshaped.add(graph.values[vid].handle)
-    return frozenset(reshaped)
-
-
-def meta_mismatches(graph: Graph, node: Node, reshaped: frozenset[int] = frozenset()) -> list[str]:
+def meta_mismatches(graph: Graph, node: Node) -> list[str]:
     """What is wrong with the shapes and dtypes of the values `node` produces; [] when they agree
     or cannot be checked."""
     if not _checkable(node):
-        return []
-    if any(graph.values[v].handle in reshaped for v in (*node.inputs, *(o for o in node.outputs if o is not None))):
         return []
     expected = _expected(node, [graph.values[v].meta for v in node.inputs])
     if expected is None:

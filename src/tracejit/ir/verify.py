@@ -11,7 +11,7 @@ whose outputs and writes the group's are, and which walk the group's iteration s
 from __future__ import annotations
 
 from .graph import INPUT_OPS, Graph, Node, Op
-from .meta_check import meta_mismatches, reshaped_in_place
+from .meta_check import meta_mismatches
 
 
 class GraphVerificationError(AssertionError):
@@ -24,7 +24,6 @@ def verify(graph: Graph, after: str | None = None, *, metadata: bool = True) -> 
     structure only."""
     problems: list[str] = []
     in_range = _all_in_range(graph)
-    reshaped = reshaped_in_place(graph) if metadata and in_range else None
     defined: set[int] = set()
     last_fire = -1
     n_values = len(graph.values)
@@ -54,7 +53,7 @@ def verify(graph: Graph, after: str | None = None, *, metadata: bool = True) -> 
         else:
             last_fire = node.fire_at
         if in_range:
-            problems += [f"{where} {p}" for p in _node_problems(graph, node, reshaped)]
+            problems += [f"{where} {p}" for p in _node_problems(graph, node, metadata)]
     for vid in graph.outputs:
         if vid not in defined:
             problems.append(f"graph output {vid} is never defined")
@@ -76,15 +75,14 @@ def _all_in_range(graph: Graph) -> bool:
     return all(v is None or 0 <= v < len(graph.values) for v in ids)
 
 
-def _node_problems(graph: Graph, node: Node, reshaped: frozenset[int] | None) -> list[str]:
+def _node_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
     if node.op is Op.FUSED:
-        return _group_problems(graph, node, reshaped)
-    return _call_problems(graph, node, reshaped)
+        return _group_problems(graph, node, metadata)
+    return _call_problems(graph, node, metadata)
 
 
-def _call_problems(graph: Graph, node: Node, reshaped: frozenset[int] | None) -> list[str]:
-    """Metadata checks; `reshaped` (handles whose metadata changed in place) is None when off."""
-    if reshaped is None:
+def _call_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
+    if not metadata:
         return []
     problems = []
     if node.input_metas:  # graphs built by hand may leave them out
@@ -94,10 +92,10 @@ def _call_problems(graph: Graph, node: Node, reshaped: frozenset[int] | None) ->
         for i, (recorded, meta) in enumerate(zip(node.input_metas, reads)):
             if (recorded.shape, recorded.dtype) != (meta.shape, meta.dtype):
                 problems.append(f"input {i} was recorded as {recorded} but reads a {meta}")
-    return problems + meta_mismatches(graph, node, reshaped)
+    return problems + meta_mismatches(graph, node)
 
 
-def _group_problems(graph: Graph, node: Node, reshaped: frozenset[int] | None) -> list[str]:
+def _group_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
     if not node.members:
         return ["is a fused group without members"]
     problems = []
@@ -114,7 +112,7 @@ def _group_problems(graph: Graph, node: Node, reshaped: frozenset[int] | None) -
         made = {v for v in (*member.outputs, *member.writes) if v is not None}
         available |= made
         produced |= made
-        problems += [f"member {number} {p}" for p in _call_problems(graph, member, reshaped)]
+        problems += [f"member {number} {p}" for p in _call_problems(graph, member, metadata)]
         problems += _space_problems(graph, node, number, member)
     if not set(v for v in node.outputs if v is not None) <= produced:
         problems.append("produces values no member computes")

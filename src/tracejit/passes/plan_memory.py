@@ -8,7 +8,7 @@ Before (host-free graph):                 After:
 A planned value is written into its slice of one arena (allocated once, kept across calls)
 through the op's `out=` variant instead of a fresh allocation. Planned: dense intermediates of
 at least `min_bytes`, produced by an op with an `out=` overload, not views, not returned or
-kept in Python state, not touched by a collective. The lifetime of a value ends at the last use of
+kept in Python state, not touched by a collective, not reshaped in place. The lifetime of a value ends at the last use of
 any view of its storage.
 """
 
@@ -38,6 +38,7 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
     outliving = observable_roots(graph)  # storage the caller or Python state can still see
     outliving |= _aliased_without_saying(graph)
     outliving |= collective_roots(graph)
+    outliving |= _reshaped_in_place(graph)
     candidates = []
     for index, node in enumerate(graph.nodes):
         if node.op is not Op.CALL or node.out_kind != "tensor" or out_overload(node.target) is None:
@@ -84,6 +85,16 @@ def _aliased_without_saying(graph: Graph) -> set[int]:
         if node.op is Op.CALL and getattr(node.target, "_schema", None) is not None:
             if node.target._schema.name.split("::")[-1] in UNDECLARED_ALIASES:
                 roots.update(graph.values[v].root for v in node.inputs)
+    return roots
+
+
+def _reshaped_in_place(graph: Graph) -> set[int]:
+    """Storage of tensors an op reshapes in place (`transpose_`, a GRU's batch_first output): the
+    kept `out=` tensor would start the next call with the last call's shape."""
+    first, roots = {}, set()
+    for value in graph.values:
+        if first.setdefault(value.handle, value.meta) != value.meta:
+            roots.add(value.root)
     return roots
 
 
