@@ -2,6 +2,8 @@
 host-free program computes. Every test asserts through `stats` that the API level really served
 the calls (or, where it must not, that it did not)."""
 
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
@@ -167,6 +169,30 @@ def test_backward_hooks_keep_the_aten_level():
     assert len(seen) == 4  # the hook ran on every call
     assert traced.stats.api_replays == 0
     assert "Python code runs inside backward()" in traced._entries()[0].api_refused
+
+
+def test_a_gc_callback_during_backward_is_not_a_hook():
+    # a collection that starts inside backward runs gc.callbacks (hypothesis registers one): they
+    # are no part of the step, and kept every checked call at the aten level
+    collections = []
+
+    def callback(phase, info):
+        collections.append(_note(phase))
+
+    def _note(phase):
+        return phase
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(1)  # a collection at nearly every allocation, backward's included
+    try:
+        (model_a, opt_a), (model_b, opt_b), traced = train_side_by_side("mlp", "sgd", steps=5, backend="aten")
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*threshold)
+    assert collections
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    served_by_api(traced)
 
 
 def test_values_kept_beyond_the_call_keep_the_aten_level():

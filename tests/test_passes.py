@@ -218,6 +218,25 @@ def test_plan_memory_never_plans_returned_storage():
     assert after.arena_bytes == 0
 
 
+def test_plan_memory_leaves_reducing_losses_to_the_allocator(capfd):
+    # mse_loss.out writes the unreduced loss into `out` first: a planned 0-d buffer was resized to
+    # the input's shape on every call (torch warns, and deprecates resizing such outputs)
+    b = GraphBuilder()
+    x, y = b.arg(torch.randn(8, 2)), b.arg(torch.randn(8, 2))
+    d = b.call(aten.sub.Tensor, x, y)
+    loss = b.call(aten.mse_loss.default, d, y, 1)
+    out = b.call(aten.mul.Tensor, loss, loss)
+    after = verify(plan_memory(verify(b.build([out])), min_bytes=0))
+    assert {str(n.target) for n in after.nodes if n.buffer} == {"aten.sub.Tensor"}
+    x_value, y_value = torch.randn(8, 2), torch.randn(8, 2)
+    env = [None] * after.num_handles
+    env[x.handle], env[y.handle] = x_value, y_value
+    HostFreeProgram(after).run(env, [])
+    expected = torch.nn.functional.mse_loss(x_value - y_value, y_value)
+    assert torch.equal(env[out.handle], expected * expected)
+    assert "resized" not in capfd.readouterr().err
+
+
 def pointwise(graph, node):
     return torch.Tag.pointwise in node.target.tags
 

@@ -8,8 +8,8 @@ Before (host-free graph):                 After:
 A planned value is written into its slice of one arena (allocated once, kept across calls)
 through the op's `out=` variant instead of a fresh allocation. Planned: dense intermediates of
 at least `min_bytes`, produced by an op with an `out=` overload, not views, not returned or
-kept in Python state, not touched by a collective, not reshaped in place. The lifetime of a value ends at the last use of
-any view of its storage.
+kept in Python state, not touched by a collective, not reshaped in place, not a loss with a
+`reduction`. The lifetime of a value ends at the last use of any view of its storage.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
         nbytes = _dense_bytes(value.meta)
         smallest = min_bytes if min_bytes is not None else DEFAULT_MIN_BYTES.get(value.meta.device.type,
                                                                               OTHER_DEVICES_MIN_BYTES)
-        if (nbytes is None or nbytes < smallest or value.root in outliving
+        if (nbytes is None or nbytes < smallest or value.root in outliving or _resizes_out(node.target)
                 or is_view_op(node.target) or value.root != value.handle):
             continue
         candidates.append((nbytes, index, lifetimes[value.handle], value.handle))
@@ -77,6 +77,14 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
 # lifetime of that memory is not the input value's (GRU and LSTM cells split their gates so and
 # keep the pieces for backward), so its buffer is left to the allocator.
 UNDECLARED_ALIASES = frozenset({"unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk", "_unsafe_view"})
+
+
+def _resizes_out(op) -> bool:
+    """Losses with a `reduction` argument: their `out=` variants write the unreduced loss into `out`
+    first, resizing a planned scalar to the input's shape (torch warns on every call, and calls
+    that resize deprecated), so their results are left to the allocator."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(argument.name == "reduction" for argument in schema.arguments)
 
 
 def _aliased_without_saying(graph: Graph) -> set[int]:

@@ -16,6 +16,7 @@ that change state the checker does not model, tensors it cannot follow, the RNG 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import weakref
@@ -126,6 +127,10 @@ def _foreign_frame(filename: str) -> bool:
     return not filename.startswith("<")  # generated code (tracejit's steps, dataclass methods)
 
 
+def _code_of(callback: Any) -> Any:
+    return getattr(getattr(callback, "__func__", callback), "__code__", None)
+
+
 class ApiTracer(TorchFunctionMode):
     """Notes the torch-level calls of a checked replay (see module docstring)."""
 
@@ -171,10 +176,20 @@ class ApiTracer(TorchFunctionMode):
         """Run a backward pass watching for Python code the checker would not run (hooks)."""
         previous = sys.getprofile()
         seen: list[str] = []
+        # A collection that happens to start inside backward runs gc callbacks (a profiler's, a
+        # test framework's): they are not part of the step, so they and what they call are skipped.
+        collecting = {_code_of(callback) for callback in gc.callbacks} - {None}
+        depth = 0  # > 0 while inside a gc callback
 
         def profile(frame, event, arg):
-            if event == "call" and not seen and _foreign_frame(frame.f_code.co_filename):
-                seen.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+            nonlocal depth
+            if event == "call":
+                if depth or frame.f_code in collecting:
+                    depth += 1
+                elif not seen and _foreign_frame(frame.f_code.co_filename):
+                    seen.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+            elif event == "return" and depth:
+                depth -= 1
 
         sys.setprofile(profile)
         try:
