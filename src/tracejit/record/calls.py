@@ -144,8 +144,20 @@ def _slot_names(value: Any, name: str, names: list[str]) -> None:
             _slot_names(item, name, names)
 
 
+# Batch norms in training update their running statistics in place although their schemas do not
+# say so: op name -> (positions written, position of `training`, or None: always). Without this,
+# a batch norm whose output nobody reads (recalibrating the statistics) was dead code.
+_UNDECLARED_WRITES = {
+    "native_batch_norm": ((3, 4), 5),
+    "cudnn_batch_norm": ((3, 4), 5),
+    "miopen_batch_norm": ((3, 4), 5),
+    "batch_norm_update_stats": ((1, 2), None),
+}
+
+
 def mutated_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors among `op`'s arguments that it writes into (per its schema)."""
+    """The tensors among `op`'s arguments that it writes into (per its schema, and the running
+    statistics of a batch norm in training)."""
     if not isinstance(op, torch._ops.OpOverload):
         return []
     positions, names = _mutated(op)
@@ -156,7 +168,20 @@ def mutated_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     for name in names:
         if name in kwargs:
             _split(kwargs[name], False, found, [])
+    undeclared = _UNDECLARED_WRITES.get(op._schema.name.split("::")[-1])
+    if undeclared is not None:
+        written, training = undeclared
+        arguments = op._schema.arguments
+        if training is None or _argument(args, kwargs, arguments[training].name, training) is True:
+            for i in written:
+                value = _argument(args, kwargs, arguments[i].name, i)
+                if isinstance(value, torch.Tensor):
+                    found.append(value)
     return found
+
+
+def _argument(args: tuple, kwargs: dict, name: str, position: int) -> Any:
+    return args[position] if position < len(args) else kwargs.get(name)
 
 
 @functools.cache
