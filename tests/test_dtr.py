@@ -52,10 +52,10 @@ CASES = {
     "deep_mlp": (deep_mlp, lambda g: torch.randn(1024, 128, generator=g), 1024),
     "cnn": (ConvNet, lambda g: torch.randn(16, 3, 24, 24, generator=g), 16),
 }
-# the share of the planned peak each case reaches under a threshold of half of it: BatchNorm's
-# output cannot be recomputed (the op also updates the running statistics), so the CNN keeps it
-# and recomputes its convolutions only
-REACHED = {"deep_mlp": 0.5, "cnn": 0.55}
+# the share of the planned peak each case reaches under a threshold of half of it. The CNN's
+# batch norms update their running statistics and cannot run again; their outputs are recomputed
+# by the same kernel without the statistics (passes/rematerialize.py)
+REACHED = {"deep_mlp": 0.5, "cnn": 0.5}
 
 
 def host_free_graph(traced):
@@ -102,6 +102,9 @@ def test_trains_under_half_the_planned_peak_bitwise_as_eager(kind, without_host)
     plan = host_free_graph(traced).recompute_plan
     assert plan is not None and plan.peak_before == peak
     assert plan.peak <= peak * REACHED[kind] and plan.evicted > 0 and plan.recomputed_ops > 0, plan
+    if kind == "cnn":  # batch norm outputs recomputed without touching the running statistics
+        targets = {str(n.target) for n in host_free_graph(traced).nodes}
+        assert "aten._native_batch_norm_legit.no_stats" in targets, targets
     assert 0 < plan.extra_flops < plan.step_flops
 
 

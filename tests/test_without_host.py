@@ -1,5 +1,6 @@
 """without_host=True: the program runs, the Python function does not."""
 
+import contextlib
 import copy
 import functools
 
@@ -278,19 +279,50 @@ def test_learning_rate_warm_up_from_zero_is_followed(opt_name):
     assert traced.stats.host_free_calls >= 4
 
 
-def test_a_call_under_another_autocast_context_is_never_silently_float32():
-    # issue 11.8: the caller's context was not guarded: the program ran its float32 ops
+class _DefaultDtype:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        self.saved = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self.saved)
+
+
+class _Deterministic:
+    def __enter__(self):
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("context, misses", [
+    (lambda: torch.inference_mode(), 0), (lambda: _DefaultDtype(torch.float64), 0), (lambda: _Deterministic(), 0),
+    # autocast entered around each call caches its weight casts per context: the program holds the
+    # recorded cast, a new context has a new one, so those calls run the function (checked)
+    (lambda: torch.autocast("cpu", dtype=torch.bfloat16), 2),
+], ids=["inference_mode", "default_dtype", "deterministic", "autocast"])
+def test_a_call_in_another_context_is_the_context_s_result(context, misses):
+    # issue 11.8: the caller's context decides the ops (autocast, the default dtype of a constant)
+    # or whether outputs need a graph: each context gets a trace of its own, recorded in it, in
+    # both directions (recorded in one, called in the other, then back)
     lin = nn.Linear(4, 4)
-    traced = tracejit.trace(lambda x, *, lin: lin(x), without_host=True)
+
+    def f(x, *, lin):
+        return lin(x) + torch.ones(4)  # the default dtype decides the constant's dtype
+
+    traced = tracejit.trace(f, without_host=True, backend="aten")
     x = torch.randn(2, 4)
     with torch.no_grad():
-        for _ in range(3):
-            assert traced(x, lin=lin).dtype == torch.float32
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            with pytest.raises(tracejit.TraceMismatchError):  # the checked call sees the other ops
-                traced(x, lin=lin)
-        assert traced.stats.host_free_misses == 1
-        assert traced(x, lin=lin).dtype == torch.float32  # back in the recorded context
+        for inside in (False, False, False, True, True, True, False, False):
+            with context() if inside else contextlib.nullcontext():
+                want, got = f(x, lin=lin), traced(x, lin=lin)
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    stats = traced.stats
+    assert stats.records == 2 and stats.host_free_calls >= 4 and stats.host_free_misses == misses, stats
 
 
 @pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
@@ -489,12 +521,43 @@ def test_scheduled_momentum_and_betas_stay_host_free(make_optimizer):
     assert stats.host_free_misses == 0 and stats.host_free_calls >= 6
 
 
+@pytest.mark.parametrize("make_optimizer, change, message", [
+    (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, foreach=True), "nesterov", "internal tensor where an external"),
+    (functools.partial(torch.optim.SGD, lr=0.01), "maximize", "a different op ran"),
+    (ADAM_FUSED, "maximize", r"maximize: True instead of False"),
+    (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9), "params_removed", "changed shape"),
+    (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9), "params_reordered", "changed shape"),
+], ids=["sgd_nesterov", "sgd_maximize", "adam_maximize", "params_removed", "params_reordered"])
+def test_a_setting_that_changes_the_ops_raises_and_updates_nothing(make_optimizer, change, message):
+    # a guarded setting that changed makes the call a checked one; one that changes which ops the
+    # optimizer runs (or which tensors it updates) is a divergence there, loudly, before the update
+    (model_a, opt_a), (model_b, opt_b) = _mlp_twins(make_optimizer)
+    traced = tracejit.trace(train_step, without_host=True, backend="aten")
+    for i in range(4):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
+    group = opt_b.param_groups[0]
+    if change == "params_removed":
+        group["params"].pop(0)
+    elif change == "params_reordered":
+        group["params"].reverse()
+    else:
+        group[change] = True
+    before = [p.detach().clone() for p in model_b.parameters()]
+    with pytest.raises(tracejit.TraceMismatchError, match=message) as raised:
+        traced(*batch("mlp", 4), model=model_b, opt=opt_b)
+    assert "opt.step()" in str(raised.value)
+    assert all(torch.equal(p, q) for p, q in zip(before, model_b.parameters()))
+    assert traced.stats.host_free_misses == 1 and traced.stats.host_free_calls >= 2
+
+
 def test_every_bound_setting_follows_its_schedule():
     def change(opt, i):
         group = opt.param_groups[0]
         group["betas"] = (0.8 + 0.01 * i, 0.99 - 0.001 * i)
         group["eps"] = 1e-8 * (i + 1)
         group["weight_decay"] = 0.1 + 0.01 * i
+        group["lr"] = 0.01 / (i + 2)
 
     stats = _train_with_settings(functools.partial(torch.optim.AdamW, lr=0.01, fused=True, weight_decay=0.1), change)
     assert stats.host_free_misses == 0 and stats.host_free_calls >= 6
@@ -525,6 +588,25 @@ def _same_gradients(model_a, model_b):
     for a, b in zip(model_a.parameters(), model_b.parameters()):
         assert (a.grad is None) == (b.grad is None)
         assert a.grad is None or torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_a_gradient_the_user_sets_before_the_call_is_accumulated_into(backend):
+    # issue 11.10: a .grad set by the user before a call (a gradient penalty computed outside, a
+    # warm start) is freed by zero_grad during the call; binding the program to it raised KeyError
+    # after the model was updated. Now: the call accumulates into it as eager does.
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "sgd_momentum")
+    traced = tracejit.trace(train_step, without_host=True, backend=backend)
+    for i in range(8):
+        if i in (3, 4, 6):
+            for model in (model_a, model_b):
+                weight = model.net[0].weight
+                weight.grad = torch.full_like(weight, 0.01 * i)
+        x, y = batch("mlp", i)
+        want = train_step(x, y, model=model_a, opt=opt_a)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=backend == "aten")
+    assert traced.stats.host_free_calls >= 3, traced.stats
 
 
 def test_gradient_accumulation_that_frees_the_gradients_it_read():

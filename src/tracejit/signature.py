@@ -19,7 +19,10 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     its own); and the value of every bool keyword argument: a flag like `do_step` of a
     gradient-accumulation loop usually decides which ops run, so each value gets its own trace
     rather than a mismatch (other primitive values, such as a step counter, would make a trace
-    per call)."""
+    per call); and the torch context of the call (call_context_key): under another grad mode,
+    autocast state, default dtype or determinism the function dispatches other ops or needs
+    outputs with an autograd graph, so evaluating under no_grad and training with grad are two
+    traces, not a mismatch (torch.compile recompiles for them too)."""
     keyword = [(name, v) for name, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
     tensors = [*args, *(v for _, v in keyword)]
     return (
@@ -29,6 +32,7 @@ def signature(args: tuple, kwargs: dict) -> tuple:
         _repeated_inputs(tensors) if len({id(t) for t in tensors}) != len(tensors) else (),
         shared_memory(tensors) if len(tensors) > 1 else (),
         tuple((name, v) for name, v in sorted(kwargs.items()) if isinstance(v, bool)),
+        call_context_key(),
     )
 
 
@@ -140,7 +144,7 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
         grad = ", requires_grad" if requires_grad else ""
         return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}"
 
-    positional, keyword, training, repeated, shared, flags = key
+    positional, keyword, training, repeated, shared, flags, context = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]
     parts += [f"{name}=: {one(k)}" for name, k in keyword]
     parts += [_describe_training(flags) for flags in training]
@@ -149,7 +153,20 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
     parts += [f"{name}={value}" for name, value in flags]
     if grad_state:
         parts += [f"gradient state {state:#x}" for state in grad_state]
+    parts += describe_context(context)
     return "(" + ", ".join(parts) + ")"
+
+
+def describe_context(context: tuple) -> list[str]:
+    """The parts of a call context that differ from torch's defaults, readably."""
+    grad, inference, cpu_autocast, cpu_dtype, cuda_autocast, default_dtype, deterministic = context
+    parts = [] if grad else ["no_grad"]
+    parts += ["inference_mode"] if inference else []
+    parts += [f"autocast cpu {str(cpu_dtype).removeprefix('torch.')}"] if cpu_autocast else []
+    parts += ["autocast cuda"] if cuda_autocast else []
+    parts += [f"default dtype {str(default_dtype).removeprefix('torch.')}"] if default_dtype != torch.float32 else []
+    parts += ["deterministic algorithms"] if deterministic else []
+    return parts
 
 
 def _describe_training(flags: int) -> str:

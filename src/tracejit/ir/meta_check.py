@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..record.calls import rebuild_call
 from .graph import Graph, Node
 
-# (target, statics, scalars, input metas) -> ((shape, dtype) or None per result), or None when the
+# (target, statics, scalars, input metas, default dtype) -> ((shape, dtype) or None per result), or None when the
 # op cannot run on fake tensors; shared by every graph, as most nodes recur from pass to pass
 _EXPECTED: dict[tuple, tuple | None] = {}
 _MAX_CACHED = 8192
@@ -63,7 +63,8 @@ def _checkable(node: Node) -> bool:
 def _expected(node: Node, inputs: list) -> tuple | None:
     try:
         key = (node.target, node.statics, tuple((type(s), s) for s in node.scalars),
-               tuple((m.shape, m.stride, m.dtype, m.device) for m in inputs))
+               tuple((m.shape, m.stride, m.dtype, m.device) for m in inputs),
+               torch.get_default_dtype())  # factory ops without a dtype (`torch.ones(4)`) follow it
         hash(key)
     except TypeError:  # an unhashable static (a list): compute without caching
         return _run_faked(node, inputs)

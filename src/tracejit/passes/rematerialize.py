@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..ir.graph import Graph, Node, Op, Value
+from ..record.record import TENSOR
 from .analysis import is_pure_call, observable_roots, single_version_handles
 
 
@@ -88,10 +89,36 @@ def _recomputable_values(graph: Graph, nodes: list[Node], producer: dict, first_
     found = set()
     for vid, (index, node) in producer.items():
         value = graph.values[vid]
-        if (index < first_backward and is_pure_call(node) and node.out_kind == "tensor"
-                and value.handle in unwritten and value.root not in observable):
+        recomputable = (is_pure_call(node) and node.out_kind == "tensor") or (
+            vid == node.outputs[0] and _batch_norm_in_training(graph, node))
+        if index < first_backward and recomputable and value.handle in unwritten and value.root not in observable:
             found.add(vid)
     return found
+
+
+_BATCH_NORM = torch.ops.aten.native_batch_norm.default
+_BATCH_NORM_WITHOUT_STATISTICS = torch.ops.aten._native_batch_norm_legit.no_stats
+
+
+def _batch_norm_in_training(graph: Graph, node: Node) -> bool:
+    """A CPU batch norm in training: it also updates the running statistics, so it cannot run
+    again, but its output can: the same kernel without running statistics
+    (`_native_batch_norm_legit.no_stats`) updates nothing and gives the same bits on the CPU. The
+    batch norm of a CNN is most of what it keeps for backward."""
+    return (node.op is Op.CALL and node.target is _BATCH_NORM and len(node.statics) == 8
+            and node.statics[5] is True and graph.values[node.outputs[0]].meta.device.type == "cpu")
+
+
+def _recomputation(node: Node, graph: Graph, inputs: tuple[int, ...], output: int, position: int) -> Node:
+    """The node that computes `node`'s (first) result again from `inputs`."""
+    if node.target is not _BATCH_NORM:
+        return replace(node, inputs=inputs, outputs=(output,), positions=(position,))
+    # input, weight, bias, training, momentum, eps: the running statistics left out
+    statics = (*node.statics[:3], *node.statics[5:])
+    tensors = sum(1 for item in node.statics[:3] if item is TENSOR)
+    return replace(node, target=_BATCH_NORM_WITHOUT_STATISTICS, inputs=inputs[:tensors], outputs=(output, None, None),
+                   positions=(position,), statics=statics, writes=(), buffer=None,
+                   input_metas=node.input_metas[:tensors])
 
 
 def _saved_roots(graph: Graph, nodes: list[Node], first_backward: int, recomputable: set[int],
@@ -144,7 +171,7 @@ class _Rewriter:
         root = handle if value.root == value.handle else self._root_of_copy(node, inputs)
         copy = Value(len(self.graph.values) + len(self.values), handle, 0, value.meta, root)
         self.values.append(copy)
-        out.append(replace(node, inputs=inputs, outputs=(copy.id,), positions=(position,)))
+        out.append(_recomputation(node, self.graph, inputs, copy.id, position))
         self.copies[vid] = copy.id
         return copy.id
 
