@@ -8,6 +8,7 @@ asserts itself: one failing scenario must not hide the others.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import time
 import traceback
@@ -150,8 +151,8 @@ def count_ops(traced, name: str) -> int:
 # -- scenarios -------------------------------------------------------------------------------------
 
 def hand_written_all_reduce(rank: int, world: int) -> dict:
-    """10 steps of all_reduce data parallelism, traced in each mode, against eager."""
-    data = batches(rank)
+    """10 steps of all_reduce data parallelism (MLP; CNN with BatchNorm), traced in each mode,
+    against eager."""
     facts: dict = {"failures": [], "runs": {}}
     modes = [
         ("aten checked", {"backend": "aten"}, True),
@@ -159,16 +160,18 @@ def hand_written_all_reduce(rank: int, world: int) -> dict:
         ("auto checked", {"backend": "auto"}, False),
         ("auto without_host", {"backend": "auto", "without_host": True}, False),
     ]
-    for optimizer in OPTIMIZERS:
-        model = mlp()
+    for (model_name, factory, shape), optimizer in itertools.product(
+            (("mlp", mlp, (8, 6)), ("cnn", cnn, (4, 3, 8, 8))), OPTIMIZERS):
+        data = batches(rank, shape=shape)
+        model = factory()
         opt = OPTIMIZERS[optimizer](model.parameters())
         eager_losses = train(all_reduce_step, model, opt, data, world=world)
         eager = state_of(model, opt)
         for mode, options, exact in modes:
             if options.get("without_host") and optimizer == "adam":
                 continue  # foreach Adam reads step.item() on the host: no without_host (see the guide)
-            label = f"{optimizer} {mode}"
-            model = mlp()
+            label = f"{model_name} {optimizer} {mode}"
+            model = factory()
             opt = OPTIMIZERS[optimizer](model.parameters())
             traced = tracejit.trace(all_reduce_step, **options)
             losses = train(traced, model, opt, data, world=world)
@@ -181,6 +184,7 @@ def hand_written_all_reduce(rank: int, world: int) -> dict:
                 "replays": stats.checked_replays + stats.host_free_calls,
                 "host_free_calls": stats.host_free_calls,
                 "all_reduces": count_ops(traced, ALL_REDUCE),
+                "parameters": len(list(model.parameters())),
                 "bucketed": [len(n.inputs) for n in bucketed_nodes(traced)],
             }
     return facts
@@ -260,6 +264,7 @@ def ddp(rank: int, world: int) -> dict:
                     "replays": stats.checked_replays + stats.host_free_calls,
                     "host_free_calls": stats.host_free_calls,
                     "all_reduces": count_ops(traced, ALL_REDUCE),
+                "parameters": len(list(model.parameters())),
                     "broadcasts": count_ops(traced, "tracejit.broadcast_.default"),
                 }
     return facts

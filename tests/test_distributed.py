@@ -47,13 +47,14 @@ def facts_of(ranks: list[dict], scenario: str) -> list[dict]:
 def test_hand_written_all_reduce_trains_as_eager(ranks):
     for facts in facts_of(ranks, "hand_written_all_reduce"):
         runs = facts["runs"]
-        assert len(runs) == 10
+        assert len(runs) == 20 and {label.split()[0] for label in runs} == {"mlp", "cnn"}
         for label, run in runs.items():
-            assert run["all_reduces"] == 4, label  # one per parameter, recorded as ops
+            assert run["all_reduces"] == run["parameters"] >= 4, label  # one per parameter, recorded as ops
             assert run["replays"] >= 7, label  # the JIT ran the later steps
             if "without_host" in label:
                 assert run["host_free_calls"] >= 7, label
-                assert run["bucketed"] == [4], label  # one bucket: bit-identical to eager all the same
+                # one bucket: bit-identical to eager all the same
+                assert run["bucketed"] == [run["parameters"]], label
 
 
 def test_other_collectives_match_eager(ranks):
@@ -175,6 +176,7 @@ def test_a_rank_diverging_at_replay_stops_both_ranks(ranks):
     assert "rank 1 failed in step(): TraceMismatchError" in rank0["error"]
     assert "all_reduce" in rank0["error"]
     print(f"divergence at step 3: rank 1 raised after {rank1['raised_after']:.3f} s, rank 0 after {rank0['raised_after']:.2f} s")
+    assert rank0["raised_after"] < 10  # within seconds (a posted failure stands 5 s), not gloo's timeout
 
 
 def test_per_parameter_all_reduces_are_bucketed(single_rank, monkeypatch):
