@@ -195,6 +195,30 @@ def test_a_gc_callback_during_backward_is_not_a_hook():
     served_by_api(traced)
 
 
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused"])
+def test_zero_grad_at_the_start_of_the_step(opt_name):
+    # the usual loop (zero_grad, forward, backward, step): zero_grad reads the previous step's
+    # gradients and frees them, so the objects the trace recorded were gone on every later call
+    # and every call fell back to the aten level. (zero_grad(set_to_none=False) calls
+    # requires_grad_, which keeps a trace at the aten level anywhere in the step.)
+    def step(x, y, *, model, opt):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), opt_name)
+    traced = tracejit.trace(step, backend="aten")
+    for i in range(8):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), step(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    stats = traced.stats
+    assert stats.api_replays >= 4 and stats.api_fallbacks == 0, (
+        stats, [e.api_refused or e.api_last_fallback for e in traced._entries()])
+
+
 def test_values_kept_beyond_the_call_keep_the_aten_level():
     kept = []
 

@@ -74,11 +74,13 @@ class ApiProgram:
         self.calls = trace.calls
         self.funcs = [call.func for call in trace.calls]
         self.placeholders = _placeholders(record, trace, output)
-        self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": _same_literal}
+        self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": _same_literal,
+                                          "TENSOR": torch.Tensor}
         self.locals = 0
         self.scalars = list(runner.bound_scalars)
         self.scalar_offsets, _ = scalar_layout(record)
         self.last_backward = max((i for i, op in enumerate(record.ops) if op.backward_of), default=-1)
+        self.located = _located_externals(trace.calls)
         self.sources: list[str] = []
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
@@ -109,6 +111,14 @@ class ApiProgram:
         params = "args, kwargs, A, E, P, S"
         if call.kind is CallKind.REAL:
             return self._function(name, params, [f"return {self.constant(call.func, 'f')}(*args, **kwargs)"])
+        if call.index in self.located.values():
+            # a gradient read where it is: whichever tensor `p.grad` holds now stands for the recorded
+            # one in the rest of the call (the host-free program binds gradients by place too)
+            slot = call.result.key
+            body = ["if len(args) != 1 or kwargs: return FAIL", *_match("args[0]", call.args[0], self),
+                    f"v = {self.constant(call.func, 'f')}(args[0])",
+                    "if not isinstance(v, TENSOR): return FAIL", f"E[{slot}] = v", "return v"]
+            return self._function(name, params, body)
         if call.kind is CallKind.HOST_READ:
             reader = self.constant(_Reader(self, call), "read")
             body = [f"if len(args) != {len(call.args)}: return FAIL"]
@@ -178,8 +188,12 @@ class ApiProgram:
         return False
 
     def externals(self) -> list | None:
+        """The external objects of this call; None if one the call needs is gone (a gradient read
+        where it is need not be the recorded object: its reading call binds it)."""
         objects = [ref() for ref in self.external_refs]
-        return None if any(o is None for o in objects) else objects
+        if any(o is None and slot not in self.located for slot, o in enumerate(objects)):
+            return None
+        return objects
 
     def kept_placeholders(self) -> dict[int, torch.Tensor]:
         """Placeholders something outside the checker still holds (the function kept a value the
@@ -195,6 +209,22 @@ class ApiProgram:
             placeholders[handle] = tensor.detach()  # same layout over the scratch buffer
             tensor.set_(torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device))
         return kept
+
+
+def _located_externals(calls: list[ApiCall]) -> dict[int, int]:
+    """external slot -> the call that introduces it by reading a `.grad` (`opt.zero_grad()` at the
+    start of a step reads the previous step's gradients, which it then frees: the recorded objects
+    are gone on the next call, and `p.grad` holds that call's)."""
+    seen: set[int] = set()
+    located = {}
+    for call in calls:
+        result = call.result
+        if (call.kind is CallKind.VIRTUAL and call.name.endswith("grad.__get__") and isinstance(result, TensorRef)
+                and result.kind is RefKind.EXTERNAL and result.key not in seen
+                and not _refs((call.args, call.kwargs), RefKind.EXTERNAL, set()) & {result.key}):
+            located[result.key] = call.index
+        seen |= _refs((call.args, call.kwargs, result), RefKind.EXTERNAL, set())
+    return located
 
 
 class _Reader:
@@ -399,17 +429,18 @@ def _direct_name(name: str) -> str:
     return _DUNDERS.get(short, short)
 
 
-def _value_refs(template: Any, found: set) -> set:
+def _refs(template: Any, kind: str, found: set) -> set:
+    """The keys of the references of `kind` in a template."""
     if isinstance(template, TensorRef):
-        if template.kind is RefKind.VALUE:
+        if template.kind == kind:
             found.add(template.key)
     elif isinstance(template, (list, tuple)):
         for item in template:
-            _value_refs(item, found)
+            _refs(item, kind, found)
     elif isinstance(template, StructSeq):
-        _value_refs(template.items, found)
+        _refs(template.items, kind, found)
     elif isinstance(template, dict):
-        _value_refs(list(template.values()), found)
+        _refs(list(template.values()), kind, found)
     return found
 
 
@@ -419,8 +450,8 @@ def _placeholders(record: Record, trace: ApiTrace, output: Any) -> dict[int, tor
     handles: set = set()
     for call in trace.calls:
         if call.kind is not CallKind.REAL:
-            _value_refs((call.args, call.kwargs, call.result), handles)
-    _value_refs(output, handles)
+            _refs((call.args, call.kwargs, call.result), RefKind.VALUE, handles)
+    _refs(output, RefKind.VALUE, handles)
     spans: dict[tuple, int] = {}
     for handle in handles:
         meta = record.tensors[handle].meta
