@@ -219,6 +219,69 @@ def test_zero_grad_at_the_start_of_the_step(opt_name):
         stats, [e.api_refused or e.api_last_fallback for e in traced._entries()])
 
 
+def _reseeds(x, *, seed):
+    y = F.dropout(x, 0.5)
+    torch.manual_seed(seed)  # seeding what comes next: the draws of y were made before it
+    return y, torch.rand(3)
+
+
+def _forks(x, *, seed):
+    a = torch.rand(2)
+    with torch.random.fork_rng():  # draws inside do not move the stream outside
+        torch.manual_seed(seed)
+        b = torch.rand(2)
+    return a, b, torch.rand(2), F.dropout(x, 0.5)
+
+
+def _saves_and_restores(x, *, seed):
+    a = torch.rand(2)
+    state = torch.get_rng_state()
+    b = torch.rand(2)
+    torch.set_rng_state(state)
+    return a, b, torch.rand(2) + x.sum()
+
+
+@pytest.mark.parametrize("function", [_reseeds, _forks, _saves_and_restores])
+def test_the_rng_state_read_or_set_by_the_function_keeps_the_aten_level(function):
+    # the program draws the random numbers after the function has run: with the generator's state
+    # read or set in between, its draws were not eager's (silently, in the default mode)
+    traced = tracejit.trace(function)
+    with pytest.warns(tracejit.ReplayLevelWarning, match="random number generator"):
+        for i in range(5):
+            x = torch.randn(8)
+            torch.manual_seed(100 + i)
+            want = function(x, seed=i)
+            torch.manual_seed(100 + i)
+            got = traced(x, seed=i)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+            assert torch.equal(torch.rand(4), (torch.manual_seed(100 + i), function(x, seed=i), torch.rand(4))[2])
+    assert traced.stats.api_replays == 0 and traced.stats.checked_replays == 4
+
+
+def test_a_reseed_on_a_later_call_runs_that_call_at_the_aten_level():
+    reseed = {"now": False}
+
+    def f(x):
+        y = F.dropout(x, 0.5) * 2
+        if reseed["now"]:  # decided by Python state the checker does not see
+            torch.manual_seed(7)
+        return y, torch.rand(3)
+
+    traced = tracejit.trace(f)
+    for i in range(6):
+        reseed["now"] = i == 4
+        x = torch.randn(8)
+        torch.manual_seed(100 + i)
+        want = f(x)
+        after = torch.rand(2)
+        torch.manual_seed(100 + i)
+        got = traced(x)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+        assert torch.equal(torch.rand(2), after), i  # the stream continues as eager's
+    stats = traced.stats
+    assert stats.api_replays == 2 and stats.api_fallbacks == 1, stats  # the call after a fallback notes again
+
+
 def test_values_kept_beyond_the_call_keep_the_aten_level():
     kept = []
 

@@ -81,6 +81,10 @@ class ApiProgram:
         self.scalar_offsets, _ = scalar_layout(record)
         self.last_backward = max((i for i, op in enumerate(record.ops) if op.backward_of), default=-1)
         self.located = _located_externals(trace.calls)
+        # the program draws the call's random numbers after the function ran: the function must not
+        # have moved the generator meanwhile (checked around it, see run_checked)
+        self.draws = any(torch.Tag.nondeterministic_seeded in op.op.tags for op in record.ops
+                         if isinstance(op.op, torch._ops.OpOverload))
         self.sources: list[str] = []
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
@@ -537,17 +541,22 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     checker = ApiChecker(program, inputs, externals)
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
     program.read_slices = {}
+    generator = torch.default_generator.get_state() if program.draws else None
     try:
         with api_checked_call(CallContext(trace, checker, trace.options.capture_as_const)):
             with checker:
                 result = trace._function(*args, **kwargs)
     except ApiDiverged:
+        _restore_generator(generator)
         return None, checker.diverged
     except Exception as error:  # noqa: BLE001 - the aten level reruns the call and raises it for real
+        _restore_generator(generator)
         return None, f"the function raised {type(error).__name__}"
     finally:
         program.checking_args = program.checking_kwargs = None
         program.read_slices = {}
+    if _restore_generator(generator):
+        return None, "the function changed the random number generator's state (torch.manual_seed, set_rng_state)"
     if checker.diverged is not None:
         return None, checker.diverged  # the function swallowed ApiDiverged
     if checker.position != checker.count:
@@ -570,6 +579,15 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if output is MISS:
         return None, "a guard of the compiled program failed"
     return output, None
+
+
+def _restore_generator(state: torch.Tensor | None) -> bool:
+    """Put the generator back where the call found it, for the aten-level rerun; True if the
+    function had moved it (the checker answers random ops without drawing)."""
+    if state is None or torch.equal(torch.default_generator.get_state(), state):
+        return False
+    torch.default_generator.set_state(state)
+    return True
 
 
 def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
