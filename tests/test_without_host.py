@@ -609,6 +609,33 @@ def test_a_gradient_the_user_sets_before_the_call_is_accumulated_into(backend):
     assert traced.stats.host_free_calls >= 3, traced.stats
 
 
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_a_tensor_the_function_assigns_to_a_module_is_new_on_every_call(backend):
+    # eager assigns a new tensor on every call: a history of them kept by the user held the last
+    # call's value everywhere, as the program wrote each new value into the previous tensor
+    def step(x, *, model, opt):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.last = loss.detach() * 1
+        model.register_buffer("seen", x.sum(0, keepdim=True) + 0, persistent=False)
+        return loss
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    traced = tracejit.trace(step, without_host=True, backend=backend)
+    history, expected = [], []
+    for _ in range(6):
+        x = torch.randn(8, 4)
+        loss = traced(x, model=model, opt=opt)
+        history.append((model.last, model.seen))
+        expected.append((loss.clone(), x.sum(0, keepdim=True)))
+    for (last, seen), (loss, total) in zip(history, expected):
+        assert torch.equal(last, loss) and torch.allclose(seen, total)
+    assert traced.stats.host_free_calls >= 3
+
+
 def test_gradient_accumulation_that_frees_the_gradients_it_read():
     # issue 11.10: the stepping call reads the accumulated .grad and frees it (zero_grad sets None);
     # binding the program to that freed external raised KeyError after the model was updated

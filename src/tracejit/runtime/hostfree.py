@@ -366,7 +366,12 @@ class HostFreeRunner:
             if obj is None:
                 continue
             holder = holders.get(id(obj))
-            if tensors[handle].flags & Flag.RETURNED or handle in returned_bases or id(obj) in python_bases:
+            # A module attribute or buffer the function assigned (`self.last = loss.detach()`) is a
+            # new tensor on every eager call: a reference to an earlier one kept by the user
+            # (`history.append(model.last)`) must keep its value, so it is assigned, never written.
+            assigned = holder is not None and holder.kind in ("attr", "buffer")
+            if (assigned or tensors[handle].flags & Flag.RETURNED or handle in returned_bases
+                    or id(obj) in python_bases):
                 body += holder.store(f"h{handle}", None, src) if holder is not None else []
                 continue
             ref = src.constant(weakref.ref(obj), "r")
