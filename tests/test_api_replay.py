@@ -195,14 +195,15 @@ def test_a_gc_callback_during_backward_is_not_a_hook():
     served_by_api(traced)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused"])
-def test_zero_grad_at_the_start_of_the_step(opt_name):
+def test_zero_grad_at_the_start_of_the_step(opt_name, set_to_none):
     # the usual loop (zero_grad, forward, backward, step): zero_grad reads the previous step's
     # gradients and frees them, so the objects the trace recorded were gone on every later call
-    # and every call fell back to the aten level. (zero_grad(set_to_none=False) calls
-    # requires_grad_, which keeps a trace at the aten level anywhere in the step.)
+    # and every call fell back to the aten level. set_to_none=False calls requires_grad_(False)
+    # on each gradient, which kept the trace at the aten level: a no-op is now checked as one.
     def step(x, y, *, model, opt):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()

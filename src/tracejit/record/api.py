@@ -80,6 +80,7 @@ class ApiCall:
     result: Any  # result with tensors as TensorRef (COMPUTE, VIRTUAL)
     source: SourceLocation
     read: tuple[int, int] | None = None  # HOST_READ: (ops before the read, handle read)
+    requires_grad: bool | None = None  # a requires_grad_ that changed nothing: the flag it kept
 
 
 @dataclass
@@ -166,6 +167,15 @@ class _RngWatch:
         return watched
 
 
+def _kept_requires_grad(name: str, args: tuple, kwargs: dict) -> bool | None:
+    """The flag a `requires_grad_` call sets where the tensor has it already (a no-op the checker
+    can check and answer), else None."""
+    if _short(name) != "requires_grad_" or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    wanted = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    return bool(wanted) if type(wanted) is bool and args[0].requires_grad == wanted else None
+
+
 def _code_of(callback: Any) -> Any:
     return getattr(getattr(callback, "__func__", callback), "__code__", None)
 
@@ -207,13 +217,14 @@ class ApiTracer(TorchFunctionMode):
         name = function_name(func)
         start = self._position()
         backward = _short(name) in BACKWARD or name == "Tensor.backward"
+        kept = _kept_requires_grad(name, args, kwargs)
         if backward:
             self.trace.ran_backward = True
             result = self._watch_backward(func, args, kwargs)
         else:
             result = func(*args, **kwargs)
         try:
-            self._note(func, name, args, kwargs, result, start, self._position())
+            self._note(func, name, args, kwargs, result, start, self._position(), kept)
         except _Unfollowable as reason:
             self.trace.refuse(f"{name} at {user_location()}: {reason}")
         return result
@@ -304,8 +315,15 @@ class ApiTracer(TorchFunctionMode):
 
     # -- classification -------------------------------------------------------------------------
 
-    def _note(self, func: Any, name: str, args: tuple, kwargs: dict, result: Any, start: int, end: int) -> None:
+    def _note(self, func: Any, name: str, args: tuple, kwargs: dict, result: Any, start: int, end: int,
+              kept_requires_grad: bool | None = None) -> None:
         short = _short(name)
+        if kept_requires_grad is not None:  # `opt.zero_grad(set_to_none=False)` on a gradient
+            self.trace.calls.append(ApiCall(len(self.trace.calls), func, name, CallKind.VIRTUAL, (start, end),
+                                            self._template(args), {k: self._template(v) for k, v in kwargs.items()},
+                                            self._template(result), user_location(),
+                                            requires_grad=kept_requires_grad))
+            return
         if short in STATE_CHANGES or (short == "__set__" and ".grad." not in name):
             raise _Unfollowable("it changes state the API-level replay does not model")
         index = len(self.trace.calls)

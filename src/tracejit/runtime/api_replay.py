@@ -123,6 +123,16 @@ class ApiProgram:
                     f"v = {self.constant(call.func, 'f')}(args[0])",
                     "if not isinstance(v, TENSOR): return FAIL", f"E[{slot}] = v", "return v"]
             return self._function(name, params, body)
+        if call.requires_grad is not None:
+            # recorded as a no-op: it stays one while the tensor has the flag already
+            body = [f"if len(args) != {len(call.args)}: return FAIL"]
+            for i, template in enumerate(call.args):
+                body += _match(f"args[{i}]", template, self)
+            for key, template in call.kwargs.items():
+                body += [f"if {key!r} not in kwargs: return FAIL", *_match(f"kwargs[{key!r}]", template, self)]
+            body += [f"if len(kwargs) != {len(call.kwargs)} or args[0].requires_grad is not {call.requires_grad}: "
+                     f"return FAIL", "return args[0]"]
+            return self._function(name, params, body)
         if call.kind is CallKind.HOST_READ:
             reader = self.constant(_Reader(self, call), "read")
             body = [f"if len(args) != {len(call.args)}: return FAIL"]
