@@ -147,3 +147,36 @@ def test_reading_the_scale_is_not_the_inf_check():
         for _ in range(3):
             traced(torch.randn(5, 8), torch.randint(0, 4, (5,)), torch.tensor(1.0), model=model, opt=opt, scaler=scaler)
     assert "item() of t" in str(info.value) and "inf check" not in str(info.value)
+
+
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+def test_autocast_entered_around_each_step(without_host):
+    # the guide recommends autocast inside the step; around it, autocast caches its casts of the
+    # weights per context: traced calls run without that cache, so each call's casts are ops of
+    # the trace (a cached cast held as an external made every later call miss)
+    def train(x, y, *, model, opt):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model_b = copy.deepcopy(model_a)
+    opt_a = torch.optim.Adam(model_a.parameters(), lr=1e-2, fused=True)
+    opt_b = torch.optim.Adam(model_b.parameters(), lr=1e-2, fused=True)
+    traced = tracejit.trace(train, without_host=without_host, backend="aten")
+    for i in range(6):
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = train(x, y, model=model_a, opt=opt_a)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = traced(x, y, model=model_b, opt=opt_b)
+        assert got.dtype == want.dtype and torch.equal(got, want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    stats = traced.stats
+    if without_host:
+        assert stats.host_free_calls >= 4 and stats.host_free_misses == 0, stats
+    else:
+        assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats

@@ -173,6 +173,19 @@ class trace(ProfileAccess):
         return result
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        if not (torch.is_autocast_cache_enabled() and (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))):
+            return self._run_call(args, kwargs)
+        # Autocast caches its casts of the weights for the context it was entered in: a trace
+        # recorded with the cache would hold that context's cast as an external, which the next
+        # context (autocast entered around each step) replaces. Without the cache the casts are
+        # ops of the trace, recomputed on every call, with the same values.
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return self._run_call(args, kwargs)
+        finally:
+            torch.set_autocast_cache_enabled(True)
+
+    def _run_call(self, args: tuple, kwargs: dict) -> Any:
         check_not_nested(self.__name__)
         self._check_arguments(args, kwargs)
         if self.options.without_host:  # what the function changes that a host-free call would not
