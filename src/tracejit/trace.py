@@ -9,13 +9,20 @@ import os
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .backends import resolve_backend
-from .errors import GradientWarning, HostDependencyError, ReplayLevelWarning, TraceCacheFullError, TraceMismatchError
+from .errors import (
+    GradientWarning,
+    HostDependencyError,
+    ReplayLevelWarning,
+    SymbolicTraceError,
+    TraceCacheFullError,
+    TraceMismatchError,
+)
 from .ir import build_graph
 from .ir.to_fx import to_fx
 from .methods import bound_trace
@@ -29,6 +36,7 @@ from .record.names import ExternalNames
 from .record.ranks import post_failure
 from .record.record import Kind, Record
 from .record.recorder import Recorder
+from .record.rng import rng_dependency
 from .record.source import user_location
 from .record.symbolic import SymbolicRecorder
 from .runtime.api_replay import ApiProgram, NotReplayable, run_checked
@@ -280,10 +288,19 @@ class trace(ProfileAccess):
         grads_before = gradient_snapshot(kwargs)
         recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
+        context = CallContext(self, recorder, self.options.capture_as_const)
         try:
-            with traced_call(CallContext(self, recorder, self.options.capture_as_const)):
+            with traced_call(context):
                 result = self._function(*args, **kwargs)
             record = recorder.finish(result)
+            record.rng_calls = tuple(context.rng_calls)
+            dependency = rng_dependency(record, after_first_draw=True) if self.options.symbolic else None
+            if dependency:
+                raise SymbolicTraceError(
+                    f"tracejit: {self.__name__}() cannot be recorded with symbolic=True: {dependency}. "
+                    f"Symbolic recording draws the random numbers only when the program runs, after the "
+                    f"function (torch.utils.checkpoint does this to recompute dropout in backward). Trace it "
+                    f"with symbolic=False.")
             program = self._compile(record)
         except BaseException:
             recorder.abandon()  # symbolic: run what was recorded, so side effects match an eager call
@@ -323,8 +340,9 @@ class trace(ProfileAccess):
         )
         tracer = self._api_tracer(entry, replayer, args, kwargs)
         context = call_context_key()
+        call = CallContext(self, replayer, self.options.capture_as_const)
         try:
-            with traced_call(CallContext(self, replayer, self.options.capture_as_const)):
+            with traced_call(call):
                 if tracer is None:
                     result = self._function(*args, **kwargs)
                 else:
@@ -334,6 +352,12 @@ class trace(ProfileAccess):
             replayer.abandon()  # what the function did before raising happens, as in an eager call
             raise
         new_record = replayer.finish(result)
+        if new_record is not None:
+            new_record.rng_calls = tuple(call.rng_calls)
+        if tracer is not None:
+            dependency = rng_dependency(replace(entry.record, rng_calls=tuple(call.rng_calls)), after_first_draw=True)
+            if dependency:
+                tracer.trace.refuse(f"{dependency}, and the API level draws after the function has run")
         if replayer.program is not entry.program:  # a data-dependent size moved the call to another variant
             entry.program, entry.record = replayer.program, replayer.record
         if new_record is not None and replayer.new_variant:

@@ -16,7 +16,6 @@ that change state the checker does not model, tensors it cannot follow, the RNG 
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import sys
@@ -129,44 +128,6 @@ def _foreign_frame(filename: str) -> bool:
     return not filename.startswith("<")  # generated code (tracejit's steps, dataclass methods)
 
 
-class _RngWatch:
-    """torch's functions that read or set the random number generator's state, refusing the API
-    level while the tracer notes a call: there the program draws a call's random numbers after the
-    function has run, so a state the function reads (`get_rng_state`, `fork_rng`) or sets
-    (`manual_seed`) would not be the one eager's draws see. (A state changed on a later call is
-    caught by the checker, which compares the generator's state around the function.)"""
-
-    NAMES = ("get_rng_state", "set_rng_state", "manual_seed", "seed")
-
-    def __init__(self, trace: ApiTrace):
-        self.trace = trace
-        self.originals = {name: getattr(torch.random, name) for name in self.NAMES}
-
-    def start(self) -> None:
-        for name, original in self.originals.items():
-            watched = self._watched(name, original)
-            for module in (torch, torch.random):
-                if getattr(module, name, None) is original:
-                    setattr(module, name, watched)
-
-    def stop(self) -> None:
-        for name, original in self.originals.items():
-            for module in (torch, torch.random):
-                if getattr(getattr(module, name, None), "__wrapped__", None) is original:
-                    setattr(module, name, original)
-
-    def _watched(self, name: str, original: Any) -> Any:
-        trace = self.trace
-
-        @functools.wraps(original)
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            trace.refuse(f"torch.{name}() at {user_location()}: the function reads or sets the random number "
-                         f"generator's state")
-            return original(*args, **kwargs)
-
-        return watched
-
-
 def _kept_requires_grad(name: str, args: tuple, kwargs: dict) -> bool | None:
     """The flag a `requires_grad_` call sets where the tensor has it already (a no-op the checker
     can check and answer), else None."""
@@ -193,19 +154,6 @@ class ApiTracer(TorchFunctionMode):
         for index, tensor in enumerate(inputs):
             self.known.setdefault(id(tensor), (TensorRef(RefKind.INPUT, index), weakref.ref(tensor)))
         self._profiling = False
-
-    def __enter__(self):
-        mode = super().__enter__()
-        draws = any(torch.Tag.nondeterministic_seeded in getattr(op.op, "tags", ()) for op in self.record.ops)
-        self._rng_watch = _RngWatch(self.trace) if draws else None
-        if self._rng_watch is not None:
-            self._rng_watch.start()
-        return mode
-
-    def __exit__(self, *exc):
-        if self._rng_watch is not None:
-            self._rng_watch.stop()
-        return super().__exit__(*exc)
 
     # -- the mode -------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .collectives import run_collective
+from .rng import rng_state_calls
 
 HOST_READ_METHODS = {
     "item": "item()",
@@ -162,6 +163,8 @@ class CallContext:
         self.handler = handler
         self.capture_as_const = capture_as_const
         self.excluded = 0
+        # torch.manual_seed(), set_rng_state()... made during the call, with the ops dispatched by then
+        self.rng_calls: list[tuple[str, int]] = []
 
     @property
     def function_name(self) -> str:
@@ -183,10 +186,16 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
     records_shapes = getattr(context.handler, "records_shape_reads", False)
     shape_hooks = _SHAPE_READ_HOOKS.installed() if records_shapes else contextlib.nullcontext()
     try:
-        with _HOST_READ_HOOKS.installed(), shape_hooks, _DispatchMode(context):
+        with _HOST_READ_HOOKS.installed(), shape_hooks, rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), \
+                _DispatchMode(context):
             yield context
     finally:
         _local.context = outer
+
+
+def _ops_so_far(handler: Any) -> int:
+    ops = getattr(handler, "ops", None)  # a recorder; a replayer counts its position
+    return len(ops) if ops is not None else getattr(handler, "position", 0)
 
 
 @contextlib.contextmanager

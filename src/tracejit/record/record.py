@@ -161,6 +161,8 @@ class Record:
     # may legitimately see a different op sequence on its first replay; see runtime/replay.py.
     created_state: bool = False
     rerecorded: bool = False
+    # calls of torch's RNG-setting functions the recorded call made, with the ops before each (record/rng.py)
+    rng_calls: tuple[tuple[str, int], ...] = ()
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]

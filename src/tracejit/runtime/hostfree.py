@@ -24,6 +24,7 @@ from ..record.amp import is_inf_check
 from ..record.calls import has_dynamic_output_shape
 from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
+from ..record.rng import rng_dependency
 from ..signature import call_context_key, gradient_state, shared_memory
 from .optimizer_settings import find_bindings, param_ids, setting_guards, stepped_optimizers
 from .program import HostFreeProgram, scalar_layout
@@ -64,6 +65,13 @@ def refuse_host_dependencies(record: Record) -> None:
             f"(torch.where(mask, x, 0) rather than x[mask]), or trace without without_host: checked calls "
             f"record a trace per output size."
         )
+    dependency = rng_dependency(record)
+    if dependency:
+        raise HostDependencyError(
+            f"without_host=True cannot skip {record.function_name}(): {dependency}, and the program run "
+            f"without the function would draw its random numbers in one stream (torch.utils.checkpoint "
+            f"restores the state to recompute dropout in backward). Trace it without without_host: checked "
+            f"calls run the function around every random op.")
     if record.excluded_blocks:
         block = record.excluded_blocks[0]
         raise HostDependencyError(
