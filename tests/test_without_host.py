@@ -636,6 +636,28 @@ def test_a_tensor_the_function_assigns_to_a_module_is_new_on_every_call(backend)
     assert traced.stats.host_free_calls >= 3
 
 
+@pytest.mark.parametrize("options", [{"symbolic": True}, {"symbolic": True, "without_host": True}, {"without_host": True}, {}],
+                         ids=["symbolic", "symbolic_without_host", "without_host", "checked"])
+def test_two_reshapes_of_a_transposed_input_are_two_tensors(options):
+    # found by the view fuzzer: reshape of a non-contiguous tensor is _unsafe_view(clone(x)), whose
+    # output shares the clone's memory without its schema saying so. Recorded symbolically, the two
+    # clones looked unwritten and were merged, so v2.mul_(2) doubled v1 too.
+    def f(v0):
+        v1 = v0.reshape(-1)
+        v2 = v0.reshape(-1)
+        v0.add_(v0)
+        v2.mul_(2)
+        return v1, v2
+
+    traced = tracejit.trace(f, backend="aten", **options)
+    for i in range(4):
+        base = torch.arange(24.0).reshape(6, 4) + i
+        a, b = base.clone().t(), base.clone().t()
+        want, got = f(a), traced(b)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)) and torch.equal(a, b), i
+    assert traced.stats.records == 1
+
+
 def test_gradient_accumulation_that_frees_the_gradients_it_read():
     # issue 11.10: the stepping call reads the accumulated .grad and frees it (zero_grad sets None);
     # binding the program to that freed external raised KeyError after the model was updated

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..ir.graph import INPUT_OPS, Graph, Op
-from ..record.calls import is_view_op
+from ..record.calls import UNDECLARED_ALIASES, is_view_op
 from .analysis import collective_roots, observable_roots
 
 ALIGNMENT = 64
@@ -73,10 +73,9 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
     return graph.with_nodes(nodes, "plan_memory", arena_bytes=_align(arena))
 
 
-# Ops whose outputs share their input's memory although their schema does not say so: the
-# lifetime of that memory is not the input value's (GRU and LSTM cells split their gates so and
-# keep the pieces for backward), so its buffer is left to the allocator.
-UNDECLARED_ALIASES = frozenset({"unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk", "_unsafe_view"})
+# UNDECLARED_ALIASES (record/calls.py): the lifetime of their input's memory is not the input
+# value's (GRU and LSTM cells split their gates so and keep the pieces for backward), so its buffer
+# is left to the allocator.
 
 
 def _resizes_out(op) -> bool:

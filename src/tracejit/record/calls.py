@@ -195,6 +195,20 @@ def _mutated(op: torch._ops.OpOverload) -> tuple[frozenset[int], frozenset[str]]
     return frozenset(positions), frozenset(names)
 
 
+# Ops whose outputs share their input's memory although their schema does not say so (GRU and
+# LSTM cells split their gates with them; `reshape` of a non-contiguous tensor ends in
+# `_unsafe_view` of a clone). The record treats them as views: a write through the output is a
+# write to the input's storage.
+UNDECLARED_ALIASES = frozenset({"unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk", "_unsafe_view"})
+
+
+@functools.cache
+def aliases_its_input(op: Any) -> bool:
+    """A view op, or one that aliases without saying so (UNDECLARED_ALIASES)."""
+    return is_view_op(op) or (isinstance(op, torch._ops.OpOverload)
+                              and op._schema.name.split("::")[-1] in UNDECLARED_ALIASES)
+
+
 @functools.cache
 def is_view_op(op: Any) -> bool:
     """True when the op's tensor outputs alias an input without writing to it."""

@@ -11,8 +11,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .amp import INF_CHECK, in_grad_scaler
 from .calls import (
     HOST_VALUE_OPS,
+    aliases_its_input,
     is_ignored_op,
-    is_view_op,
     mutated_tensors,
     split_call,
 )
@@ -257,7 +257,7 @@ class Recorder:
         else:
             kind, values = "value", []
         base = None
-        if is_view_op(func) and inputs:
+        if aliases_its_input(func) and inputs:
             first = self.tensors[inputs[0]]
             base = first.base if first.base is not None else first.handle
         outputs, metas = [], []
