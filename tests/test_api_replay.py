@@ -456,3 +456,29 @@ def test_a_number_that_backward_also_uses_is_matched_not_bound():
             assert torch.equal(traced(x, y, model=model_b, opt=opt_b), step(x, y, model=model_a, opt=opt_a)), i
             assert_same_state(model_a, opt_a, model_b, opt_b)
     assert traced.stats.api_replays == 2 and traced.stats.api_fallbacks == 3, traced.stats
+
+
+def test_an_exception_inside_a_grad_mode_block_leaves_grad_mode_as_it_was():
+    # The exception unwinds through `no_grad().__exit__`, whose grad-mode call is not the recorded
+    # call at that position: it must still run (grad mode restored) and the exception go on.
+    state = {"raise": False}
+
+    def forward(x, *, model):
+        with torch.no_grad():
+            if state["raise"]:
+                raise KeyError("raised by the function")
+            y = model(x)
+        return y * 2
+
+    model = nn.Linear(3, 3)
+    traced = tracejit.trace(forward, backend="aten")
+    x = torch.randn(2, 3)
+    for _ in range(4):
+        assert torch.equal(traced(x, model=model), forward(x, model=model))
+    assert traced.stats.api_replays >= 1
+    state["raise"] = True
+    with pytest.raises(KeyError, match="raised by the function"):
+        traced(x, model=model)
+    assert torch.is_grad_enabled()
+    state["raise"] = False
+    assert torch.equal(traced(x, model=model), forward(x, model=model))
