@@ -27,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
+from .optimizer_calls import OptimizerCall, OptimizerCalls
 from .record import Kind, Record
 from .source import SourceLocation, user_location
 
@@ -92,6 +93,7 @@ class ApiTrace:
     output: Any = None  # the call's result with tensors as TensorRef
     output_objects: Any = None  # the call's result itself, until the API program is built
     ran_backward: bool = False  # a backward pass ran inside the call (it consumed the outputs' graph)
+    optimizer_calls: list[OptimizerCall] = field(default_factory=list)  # step()/zero_grad() spans of calls
 
     def refuse(self, reason: str) -> None:
         if self.refused is None:
@@ -154,6 +156,7 @@ class ApiTracer(TorchFunctionMode):
         for index, tensor in enumerate(inputs):
             self.known.setdefault(id(tensor), (TensorRef(RefKind.INPUT, index), weakref.ref(tensor)))
         self._profiling = False
+        self._optimizer_calls = OptimizerCalls()
 
     # -- the mode -------------------------------------------------------------------------------
 
@@ -175,6 +178,10 @@ class ApiTracer(TorchFunctionMode):
             self._note(func, name, args, kwargs, result, start, self._position(), kept)
         except _Unfollowable as reason:
             self.trace.refuse(f"{name} at {user_location()}: {reason}")
+        if _short(name) == "_record_function_enter_new":
+            self._optimizer_calls.enter(args[0] if args else None, len(self.trace.calls) - 1)
+        elif "_record_function_exit" in name:
+            self._optimizer_calls.exit(len(self.trace.calls) - 1)
         return result
 
     def _position(self) -> int:
@@ -218,6 +225,7 @@ class ApiTracer(TorchFunctionMode):
             self.trace.refuse(f"the function returns {reason}")
         if not self.trace.calls:
             self.trace.refuse("the function makes no torch call")
+        self.trace.optimizer_calls = self._optimizer_calls.found
         return self.trace
 
     # -- references -----------------------------------------------------------------------------

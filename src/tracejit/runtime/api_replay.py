@@ -48,6 +48,7 @@ from .codegen import with_recorded_grad_mode
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
 from .realize import _store_outputs
+from .stand_ins import build_stand_ins
 
 FAIL = object()  # what a generated step returns when the call differs from the recorded one
 _PRIMITIVE_CHECKS = {bool: "is", type(None): "is"}
@@ -90,6 +91,8 @@ class ApiProgram:
         self.checking_kwargs: dict | None = None
         self.read_slices: dict = {}  # slice -> values, within one call
         self.steps = [self._step(call) for call in trace.calls]
+        # optimizer.step()/zero_grad() answered as a whole where the optimizer's state allows
+        self.stand_ins, self.stand_ins_refused = build_stand_ins(self, trace.calls, trace.optimizer_calls, externals)
         self.check_output = self._function("check_output", "value, A, E, P", _match("value", output, self) +
                                            ["return True"])
 
@@ -495,6 +498,7 @@ class ApiChecker(TorchFunctionMode):
         self.scalars = list(program.scalars)  # the numbers this call passes to the program
         self.position = 0
         self.diverged: str | None = None
+        self.stood_in = 0  # optimizer methods answered as a whole (runtime/stand_ins.py)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         position = self.position
@@ -561,6 +565,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
     program.read_slices = {}
     generator = torch.default_generator.get_state() if program.draws else None
+    stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     try:
         with api_checked_call(CallContext(trace, checker, trace.options.capture_as_const)):
             with checker:
@@ -572,6 +577,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         _restore_generator(generator)
         return None, f"the function raised {type(error).__name__}"
     finally:
+        if stand_ins:
+            program.stand_ins.remove(stand_ins)
         program.checking_args = program.checking_kwargs = None
         program.read_slices = {}
     if _restore_generator(generator):
@@ -597,6 +604,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     output = program.runner.call(args, kwargs, checker.scalars)
     if output is MISS:
         return None, "a guard of the compiled program failed"
+    trace.stats.optimizer_stand_ins += checker.stood_in
     return output, None
 
 

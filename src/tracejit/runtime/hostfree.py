@@ -26,7 +26,7 @@ from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
 from ..signature import call_context_key, gradient_state, shared_memory
-from .optimizer_settings import find_bindings, param_ids, setting_guards, stepped_optimizers
+from .optimizer_settings import find_bindings, keyword_optimizers, param_ids, setting_guards, stepped_optimizers
 from .program import HostFreeProgram, scalar_layout
 from .state_holders import find_holders
 
@@ -244,8 +244,9 @@ class HostFreeRunner:
                 guards.append(_fail(f"{expr} is not {constant}", f"{locator.describe()} is another tensor now"))
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
-        bindings = find_bindings(self.record, objects, kwargs, scalars)
-        settings = setting_guards(kwargs, bindings, src, _fail, stepped_optimizers(self.record, objects, kwargs))
+        optimizers = keyword_optimizers(kwargs)
+        bindings = find_bindings(self.record, objects, optimizers, scalars)
+        settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
         if settings:  # a checked call at the API level (S given) has compared every number already
             guards += ["if S is None:", *(f"    {line}" for line in settings)]
         self.bound_scalars = scalars  # a checked call at the API level starts from these (`S`)

@@ -33,7 +33,7 @@ _ADDS = frozenset({"add", "_foreach_add", "_foreach_add_"})
 @dataclass(frozen=True)
 class SettingBinding:
     slot: int  # index in the flat scalar list
-    kwarg: str  # the optimizer's keyword argument
+    owner: str  # an expression for the optimizer in generated code (`kw['opt']`)
     group: int  # index in param_groups
     key: str  # the setting: "lr", "momentum", "betas", ...
     index: int | None = None  # the element of a tuple setting (betas)
@@ -42,12 +42,19 @@ class SettingBinding:
     def expression(self) -> str:
         element = "" if self.index is None else f"[{self.index}]"
         sign = "-" if self.sign < 0 else ""
-        return f"{sign}kw[{self.kwarg!r}].param_groups[{self.group}][{self.key!r}]{element}"
+        return f"{sign}{self.owner}.param_groups[{self.group}][{self.key!r}]{element}"
+
+
+def keyword_optimizers(kwargs: dict) -> list[tuple[str, torch.optim.Optimizer]]:
+    """The optimizers among keyword arguments, each with the expression that reaches it in a
+    generated call (`kw['opt']`), in keyword order."""
+    return [(f"kw[{name!r}]", value) for name, value in sorted(kwargs.items())
+            if isinstance(value, torch.optim.Optimizer)]
 
 
 @dataclass
 class _Group:
-    kwarg: str
+    owner: str
     index: int
     settings: dict
     params: set[int]  # ids of its parameters
@@ -55,17 +62,18 @@ class _Group:
     sgd: bool  # torch.optim.SGD itself: its ops are known (see _sgd_bindings)
 
 
-def find_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: dict,
-                  scalars: list) -> list[SettingBinding]:
-    """The scalar slots that carry a setting of a param group, for the values a call just used
-    (`scalars`: the flat list of its dynamic scalars)."""
-    groups = _groups(kwargs)
+def find_bindings(record: Record, objects: dict[int, torch.Tensor], optimizers: list[tuple[str, Any]],
+                  scalars: list, span: tuple[int, int] | None = None) -> list[SettingBinding]:
+    """The scalar slots that carry a setting of a param group of `optimizers` ((expression,
+    optimizer) pairs), for the values a call just used (`scalars`: the flat list of its dynamic
+    scalars); `span` limits them to the ops of one step() [start, end)."""
+    groups = _groups(optimizers)
     if not groups:
         return []
     owner_of = {pid: group for group in groups for pid in group.params}
     offsets, _ = scalar_layout(record)
     found = []
-    for op in record.ops:
+    for op in record.ops if span is None else record.ops[span[0]:span[1]]:
         if not op.scalars or not in_optimizer_step(op.regions):
             continue
         ids = {h: id(objects[h]) for h in (*op.inputs, *op.mutated) if h in objects}
@@ -78,20 +86,19 @@ def find_bindings(record: Record, objects: dict[int, torch.Tensor], kwargs: dict
         observed = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
         slots = list(zip(scalar_slot_names(op.op, op.statics), observed))
         for k, (key, index, sign) in _slot_settings(op, name, slots, ids, group):
-            found.append(SettingBinding(offsets[op.index] + k, group.kwarg, group.index, key, index, sign))
+            found.append(SettingBinding(offsets[op.index] + k, group.owner, group.index, key, index, sign))
     return _unambiguous(found, record, objects, groups, scalars)
 
 
-def _groups(kwargs: dict) -> list[_Group]:
+def _groups(optimizers: list[tuple[str, Any]]) -> list[_Group]:
     groups = []
-    for name, optimizer in sorted(kwargs.items()):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            continue
+    for name, optimizer in optimizers:
         for index, group in enumerate(optimizer.param_groups):
             params = {id(p) for p in group["params"]}
             buffers = {id(state["momentum_buffer"]) for p in group["params"]
                        if isinstance((state := optimizer.state.get(p, {})).get("momentum_buffer"), torch.Tensor)}
-            groups.append(_Group(name, index, group, params, buffers, type(optimizer) is torch.optim.SGD))
+            kind = getattr(optimizer, "optimizer_class", type(optimizer))  # a snapshot names its class
+            groups.append(_Group(name, index, group, params, buffers, kind is torch.optim.SGD))
     return groups
 
 
@@ -155,9 +162,9 @@ def _unambiguous(found: list[SettingBinding], record: Record, objects: dict, gro
     offsets, _ = scalar_layout(record)
     ambiguous = set()
     for b in found:
-        if b.key == "lr" or (b.kwarg, b.group, b.key) in ambiguous:
+        if b.key == "lr" or (b.owner, b.group, b.key) in ambiguous:
             continue
-        group = next(g for g in groups if (g.kwarg, g.index) == (b.kwarg, b.group))
+        group = next(g for g in groups if (g.owner, g.index) == (b.owner, b.group))
         value = abs(scalars[b.slot])
         for op in record.ops:
             if not op.scalars or not in_optimizer_step(op.regions):
@@ -168,17 +175,16 @@ def _unambiguous(found: list[SettingBinding], record: Record, objects: dict, gro
             start = offsets[op.index]
             if any(slot not in bound and isinstance(scalars[slot], float) and abs(scalars[slot]) == value
                    for slot in range(start, start + len(op.scalars))):
-                ambiguous.add((b.kwarg, b.group, b.key))
+                ambiguous.add((b.owner, b.group, b.key))
                 break
-    return [b for b in found if (b.kwarg, b.group, b.key) not in ambiguous]
+    return [b for b in found if (b.owner, b.group, b.key) not in ambiguous]
 
 
-def stepped_optimizers(record: Record, objects: dict[int, torch.Tensor], kwargs: dict) -> set[str]:
-    """The keyword optimizers whose `step()` ran ops on their parameters in the record. The settings
-    of the others reach no op: the accumulating calls of a gradient-accumulation loop (no step)
-    must not miss because a scheduler changed the learning rate."""
-    params = {id(p): name for name, optimizer in kwargs.items() if isinstance(optimizer, torch.optim.Optimizer)
-              for group in optimizer.param_groups for p in group["params"]}
+def stepped_optimizers(record: Record, objects: dict[int, torch.Tensor], optimizers: list[tuple[str, Any]]) -> set[str]:
+    """The optimizers (by expression) whose `step()` ran ops on their parameters in the record. The
+    settings of the others reach no op: the accumulating calls of a gradient-accumulation loop (no
+    step) must not miss because a scheduler changed the learning rate."""
+    params = {id(p): name for name, optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
     stepped = set()
     for op in record.ops:
         if in_optimizer_step(op.regions):
@@ -187,7 +193,7 @@ def stepped_optimizers(record: Record, objects: dict[int, torch.Tensor], kwargs:
     return stepped
 
 
-def setting_guards(kwargs: dict, bindings: list[SettingBinding], src: Any, fail: Any,
+def setting_guards(optimizers: list[tuple[str, Any]], bindings: list[SettingBinding], src: Any, fail: Any,
                    stepped: set[str]) -> list[str]:
     """Every setting of every param group of the keyword optimizers that is not bound (maximize,
     nesterov, amsgrad, dampening, ...) is what the program was built with, and so are the groups
@@ -198,11 +204,9 @@ def setting_guards(kwargs: dict, bindings: list[SettingBinding], src: Any, fail:
     lines = []
     bound: dict[tuple, set] = {}
     for b in bindings:
-        bound.setdefault((b.kwarg, b.group, b.key), set()).add(b.index)
-    for name, optimizer in sorted(kwargs.items()):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            continue
-        groups = f"kw[{name!r}].param_groups"
+        bound.setdefault((b.owner, b.group, b.key), set()).add(b.index)
+    for name, optimizer in optimizers:
+        groups = f"{name}.param_groups"
         lines.append(fail(f"len({groups}) != {len(optimizer.param_groups)}", f"{name} has other param groups"))
         for index, group in enumerate(optimizer.param_groups):
             ids = src.constant(tuple(id(p) for p in group["params"]), "ids")

@@ -1,0 +1,124 @@
+"""The torch-level calls an optimizer's `step()` or `zero_grad()` made, and which optimizer.
+
+torch.optim wraps both methods in a profiler range ("Optimizer.step#Adam.step",
+"Optimizer.zero_grad#Adam.zero_grad"): the range's enter and exit calls, which the API tracer
+sees like any torch call, delimit the calls the method made, and the method's frame holds the
+optimizer. Checked replay at the API level answers such a method call as a whole when the
+optimizer is torch's own and its state is what it was (runtime/stand_ins.py): its Python is most
+of what a checked call costs beyond the program.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+STEP, ZERO_GRAD = "step", "zero_grad"
+# the code of the wrapper torch.optim puts around every optimizer class's step(), and of zero_grad()
+_STEP_WRAPPER = Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+_ZERO_GRAD = inspect.unwrap(Optimizer.zero_grad).__code__
+_FRAMES = 12  # how far up from the range's enter call the method's frame may be
+
+
+@dataclass
+class OptimizerSnapshot:
+    """An optimizer's Python state when one of its methods began: what decides what it dispatches.
+    Shallow copies (the tensors themselves), shaped like the optimizer for
+    runtime/optimizer_settings.py."""
+
+    optimizer_class: type
+    param_groups: list[dict]
+    state: dict  # parameter -> its state
+    defaults: dict
+
+    @classmethod
+    def of(cls, optimizer: Optimizer) -> OptimizerSnapshot:
+        groups = [dict(group, params=list(group["params"])) for group in optimizer.param_groups]
+        state = {p: dict(optimizer.state[p]) for group in groups for p in group["params"] if p in optimizer.state}
+        return cls(type(optimizer), groups, state, dict(optimizer.defaults))
+
+
+@dataclass
+class OptimizerCall:
+    kind: str  # STEP or ZERO_GRAD
+    optimizer: weakref.ref
+    start: int  # the index of the range's enter call among the trace's calls
+    arguments: tuple  # zero_grad: (set_to_none,); step: ()
+    end: int = -1  # one past the range's exit call
+    refused: str | None = None  # why it cannot be answered as a whole
+    snapshot: Any = None  # OptimizerSnapshot when it began, until the stand-in is built
+
+
+def is_stock(optimizer: Optimizer) -> bool:
+    """torch's own optimizer class, not a subclass that may change what step() does."""
+    cls = type(optimizer)
+    step = inspect.unwrap(cls.step)
+    return (cls.__module__.startswith("torch.optim.") and getattr(step, "__module__", "").startswith("torch.optim.")
+            and cls.zero_grad is Optimizer.zero_grad)
+
+
+def step_hooks(optimizer: Optimizer) -> bool:
+    """Hooks around step() run user code there."""
+    from torch.optim import optimizer as module
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks)
+
+
+class OptimizerCalls:
+    """Follows the profiler ranges of a call while the API tracer notes it."""
+
+    def __init__(self) -> None:
+        self.open: list[OptimizerCall | None] = []  # innermost last; None for other ranges
+        self.found: list[OptimizerCall] = []
+
+    def enter(self, name: object, index: int) -> None:
+        kind = None
+        if isinstance(name, str):
+            kind = STEP if name.startswith("Optimizer.step#") else ZERO_GRAD if name.startswith("Optimizer.zero_grad#") else None
+        self.open.append(_method_call(kind, index) if kind is not None else None)
+
+    def exit(self, index: int) -> None:
+        if self.open:  # ranges opened by `with` blocks close innermost first
+            call = self.open.pop()
+            if call is not None:
+                call.end = index + 1
+                self.found.append(call)
+
+
+def _method_call(kind: str, index: int) -> OptimizerCall | None:
+    code = _STEP_WRAPPER if kind == STEP else _ZERO_GRAD
+    frame = sys._getframe(2)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            break
+        frame = frame.f_back
+    else:
+        return None
+    values = frame.f_locals
+    if kind == STEP:
+        args, kwargs = values.get("args", ()), values.get("kwargs", {})
+        optimizer, arguments = args[0] if args else None, ()
+        refused = "step() got arguments (a closure, a scaler's)" if len(args) != 1 or kwargs else None
+    else:
+        optimizer, arguments, refused = values.get("self"), (values.get("set_to_none"),), None
+    if not isinstance(optimizer, Optimizer):
+        return None
+    if not is_stock(optimizer):
+        refused = f"{type(optimizer).__qualname__} is not one of torch.optim's own optimizers"
+    elif kind == STEP and step_hooks(optimizer):
+        refused = "the optimizer has step hooks"
+    snapshot = OptimizerSnapshot.of(optimizer) if refused is None else None
+    return OptimizerCall(kind, weakref.ref(optimizer), index, arguments, refused=refused, snapshot=snapshot)
+
+
+def profiler_enabled() -> bool:
+    """A profiler that records ranges is on: the method's own ranges must appear in its trace."""
+    return torch._C._autograd._profiler_enabled()

@@ -1,0 +1,301 @@
+"""Optimizer methods answered as a whole in checked calls at the API level.
+
+An optimizer's `step()` and `zero_grad()` are most of the Python a training step runs besides
+the model: for `Adam(fused=True)` on a small MLP about 70 us of a 95 us checked call, spent in
+torch.optim's own loops, profiler ranges and tensor-attribute reads, all of which the checker
+matches one by one only to learn that the optimizer did what it did last time. For torch's own
+optimizers (record/optimizer_calls.py) what those methods dispatch is decided by the optimizer's
+Python state alone: its param groups (parameters and settings), its per-parameter state and its
+defaults. So while a checked call runs, each such optimizer gets a stand-in for `step` and
+`zero_grad` as instance attributes (removed when the call ends). A stand-in called where the
+record has the method's span checks that state against a snapshot taken when the span was noted
+(tensors by identity, numbers by type and value) and moves the checker past the span; the
+settings the host-free program binds from `param_groups` (the learning rate, betas, momentum:
+runtime/optimizer_settings.py) are passed as the call's numbers, as the optimizer would have
+passed them. Anything else (another state, arguments, hooks, a profiler recording ranges, a span
+with host reads such as `Adam(foreach=True)`'s `step.item()`) runs the real method, matched call
+by call as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ..record.api import ApiCall, CallKind, RefKind, TensorRef
+from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
+from .optimizer_settings import SettingBinding, find_bindings
+
+_MISSING = object()
+_PRIMITIVES = (bool, int, float, str, type(None))
+
+
+class _Region:
+    """One method call of the record that a stand-in may answer."""
+
+    __slots__ = ("arguments", "check", "end", "source")
+
+    def __init__(self, call: OptimizerCall, check: Any, source: str):
+        self.end = call.end
+        self.arguments = call.arguments
+        self.check = check  # (O, E, A, S) -> bool; binds this call's numbers into S when it passes
+        self.source = source
+
+
+class _StandIn:
+    """The callable put in an optimizer's `__dict__` for one checked call."""
+
+    __slots__ = ("_wrapped_by_lr_sched", "checker", "kind", "optimizer", "real", "regions")
+
+    def __init__(self, kind: str, regions: dict[int, _Region]):
+        self.kind = kind
+        self.regions = regions  # checker position where the method's span starts -> region
+        self.checker = self.optimizer = self.real = None
+        # an LR scheduler wraps step() to note that it was called: the stand-in takes its place
+        self._wrapped_by_lr_sched = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        checker, optimizer = self.checker, self.optimizer
+        region = self.regions.get(checker.position) if checker is not None else None
+        if region is not None and checker.diverged is None and not profiler_enabled() and self._takes(args, kwargs, region):
+            if region.check(optimizer, checker.externals, checker.inputs, checker.scalars):
+                if self._wrapped_by_lr_sched:
+                    optimizer._opt_called = True
+                checker.position = region.end
+                checker.stood_in += 1
+                return None
+        return self.real(*args, **kwargs)
+
+    def _takes(self, args: tuple, kwargs: dict, region: _Region) -> bool:
+        if self.kind == STEP:
+            return not args and not kwargs
+        if args:  # zero_grad(set_to_none): the recorded flag, positional or by name
+            return len(args) == 1 and not kwargs and args[0] is region.arguments[0]
+        return kwargs.keys() <= {"set_to_none"} and kwargs.get("set_to_none", True) is region.arguments[0]
+
+
+class StandIns:
+    """The stand-ins of one API program, per optimizer; `install` before the function runs and
+    `remove` after it."""
+
+    def __init__(self, optimizers: list[tuple[weakref.ref, _StandIn, _StandIn]]):
+        self.optimizers = optimizers
+
+    def install(self, checker: Any) -> list:
+        installed = []
+        for ref, step, zero_grad in self.optimizers:
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            attributes = optimizer.__dict__
+            for name, stand_in, real in (("step", step, type(optimizer).step), ("zero_grad", zero_grad, type(optimizer).zero_grad)):
+                if not stand_in.regions:
+                    continue
+                previous = attributes.get(name, _MISSING)
+                scheduled = getattr(previous, "_wrapped_by_lr_sched", False) is True
+                if previous is not _MISSING and not scheduled:
+                    continue  # the user's own replacement: it runs, checked call by call
+                stand_in.checker, stand_in.optimizer = checker, optimizer
+                stand_in.real = previous if scheduled else real.__get__(optimizer)
+                stand_in._wrapped_by_lr_sched = scheduled
+                attributes[name] = stand_in
+                installed.append((attributes, name, previous, stand_in))
+        return installed
+
+    @staticmethod
+    def remove(installed: list) -> None:
+        for attributes, name, previous, stand_in in installed:
+            stand_in.checker = stand_in.optimizer = stand_in.real = None
+            if attributes.get(name) is stand_in:  # the function may have replaced it meanwhile
+                if previous is _MISSING:
+                    del attributes[name]
+                else:
+                    attributes[name] = previous
+
+
+def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[OptimizerCall],
+                    objects: dict[int, torch.Tensor]) -> tuple[StandIns | None, dict[str, str]]:
+    """The stand-ins of the optimizer calls the record allows, and why the others run for real."""
+    refused: dict[str, str] = {}
+    external_slots = {id(ref()): slot for slot, ref in enumerate(program.external_refs) if ref() is not None}
+    located_at = {index: slot for slot, index in program.located.items()}
+    by_optimizer: dict[int, tuple[weakref.ref, dict, dict]] = {}
+    for call in optimizer_calls:
+        where = f"{call.kind}() at {calls[call.start].source}"
+        optimizer = call.optimizer()
+        reason = call.refused or _span_refusal(calls, call)
+        if optimizer is None or call.snapshot is None:
+            reason = reason or "the optimizer is gone"
+        if reason is not None:
+            refused[where] = reason
+            continue
+        generator = _CheckSource(program, external_slots)
+        try:
+            check, source = generator.build(call, calls, located_at, objects)
+        except _Unsupported as why:
+            refused[where] = str(why)
+            continue
+        _, steps, zero_grads = by_optimizer.setdefault(id(optimizer), (call.optimizer, {}, {}))
+        (steps if call.kind == STEP else zero_grads)[call.start] = _Region(call, check, source)
+    for call in optimizer_calls:
+        call.snapshot = None  # it holds the optimizer's tensors strongly
+    optimizers = [(ref, _StandIn("step", steps), _StandIn("zero_grad", zero_grads))
+                  for ref, steps, zero_grads in by_optimizer.values()]
+    return (StandIns(optimizers) if optimizers else None), refused
+
+
+def _span_refusal(calls: list[ApiCall], call: OptimizerCall) -> str | None:
+    if call.end <= call.start:
+        return "its span did not close"
+    for inner in calls[call.start:call.end]:
+        if inner.kind is CallKind.HOST_READ:
+            return f"it reads a tensor on the host ({inner.name} at {inner.source})"
+        if inner.requires_grad is not None:
+            return f"it calls {inner.name}"
+    return None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class _CheckSource:
+    """Generates `check(O, E, A, S)` for one method call: the optimizer's state is the snapshot's."""
+
+    def __init__(self, program: Any, external_slots: dict[int, int]):
+        self.program = program
+        self.external_slots = external_slots
+        self.namespace: dict[str, Any] = {"HOOKS": step_hooks, "TENSOR": torch.Tensor,
+                                          "NO_TORCH_FUNCTION": torch._C.DisableTorchFunction}
+        self.lines: list[str] = []
+
+    def constant(self, value: Any, prefix: str) -> str:
+        name = f"{prefix}{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def fail_if(self, condition: str) -> None:
+        self.lines.append(f"if {condition}: return False")
+
+    def tensor(self, tensor: torch.Tensor) -> str:
+        """An expression for the recorded object: its external slot, else a weak reference."""
+        slot = self.external_slots.get(id(tensor))
+        return f"E[{slot}]" if slot is not None else f"{self.constant(weakref.ref(tensor), 'w')}()"
+
+    def same(self, expr: str, value: Any, what: str) -> None:
+        if isinstance(value, torch.Tensor):
+            self.fail_if(f"{expr} is not {self.tensor(value)}")
+        elif value is None or type(value) is bool:
+            self.fail_if(f"{expr} is not {value}")
+        elif type(value) in (int, float, str):
+            if type(value) is float and value != value:
+                raise _Unsupported(f"{what} is NaN")
+            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {value!r}")
+        elif type(value) is tuple and all(type(v) in _PRIMITIVES for v in value):
+            local = f"t{len(self.lines)}"
+            self.lines.append(f"{local} = {expr}")
+            self.fail_if(f"type({local}) is not tuple or {local} != {self.constant(value, 'c')} or "
+                         f"tuple(map(type, {local})) != {self.constant(tuple(map(type, value)), 'c')}")
+        else:
+            raise _Unsupported(f"{what} is a {type(value).__name__}")
+
+    def build(self, call: OptimizerCall, calls: list[ApiCall], located_at: dict[int, int],
+              objects: dict[int, torch.Tensor]) -> tuple[Any, str]:
+        snapshot: OptimizerSnapshot = call.snapshot
+        if call.kind == STEP:
+            self.fail_if("HOOKS(O)")
+            bindings = self._bindings(call, calls, snapshot, objects)
+        else:
+            bindings = {}
+        self.lines.append("D = O.defaults")
+        self.fail_if(f"len(D) != {len(snapshot.defaults)}")
+        for key, value in sorted(snapshot.defaults.items()):
+            self.same(f"D.get({key!r})", value, f"defaults[{key!r}]")
+        self.lines.append("G = O.param_groups")
+        self.fail_if(f"len(G) != {len(snapshot.param_groups)}")
+        written = []
+        for index, group in enumerate(snapshot.param_groups):
+            self.lines.append(f"g = G[{index}]")
+            self.fail_if(f"g.keys() != {self.constant(set(group), 'k')}")
+            params = group["params"]
+            self.lines.append("ps = g['params']")
+            self.fail_if(f"len(ps) != {len(params)}")
+            self.fail_if(" or ".join(f"ps[{i}] is not {self.tensor(p)}" for i, p in enumerate(params)) or "False")
+            if call.kind != STEP:
+                continue  # zero_grad() reads nothing else of a group
+            for key, value in sorted(group.items()):
+                if key == "params":
+                    continue
+                bound = bindings.get((index, key))
+                if bound is None:
+                    self.same(f"g[{key!r}]", value, f"{key} of param group {index}")
+                else:
+                    written += self._bound(f"g[{key!r}]", value, bound, key)
+        if call.kind == STEP:
+            self._state(snapshot)
+        located = [(slot, calls[position].args[0]) for position in range(call.start, call.end)
+                   if (slot := located_at.get(position)) is not None]
+        if located:  # gradients read where they are (api_replay._located_externals), not through the checker
+            self.lines.append("with NO_TORCH_FUNCTION():")
+            for slot, template in located:
+                self.lines += [f"    v = {self._template_expr(template)}.grad",
+                               "    if not isinstance(v, TENSOR): return False", f"    E[{slot}] = v"]
+        body = self.lines + written + ["return True"]
+        source = "def check(O, E, A, S):\n" + "".join(f"    {line}\n" for line in body)
+        exec(compile(source, f"<tracejit stand-in {call.kind}>", "exec"), self.namespace)
+        return self.namespace["check"], source
+
+    def _bindings(self, call: OptimizerCall, calls: list[ApiCall], snapshot: OptimizerSnapshot,
+                  objects: dict[int, torch.Tensor]) -> dict[tuple[int, str], list[SettingBinding]]:
+        """The settings whose values reach the program as numbers (runtime/optimizer_settings.py),
+        among the aten ops of the method's span."""
+        span = (calls[call.start].span[0], calls[call.end - 1].span[1])
+        found: dict[tuple[int, str], list[SettingBinding]] = {}
+        for binding in find_bindings(self.program.record, objects, [("O", snapshot)], self.program.scalars, span):
+            found.setdefault((binding.group, binding.key), []).append(binding)
+        return found
+
+    def _bound(self, expr: str, value: Any, bindings: list[SettingBinding], key: str) -> list[str]:
+        """Check a bound setting keeps its kind (a float, and for all but the learning rate the same
+        zeroness: SGD skips its momentum ops at 0) and write it where the program reads it."""
+        elements = {b.index for b in bindings}
+        if isinstance(value, tuple):
+            if elements != set(range(len(value))) or not all(isinstance(v, float) for v in value):
+                self.same(expr, value, key)
+                return []
+            local = f"b{len(self.lines)}"
+            self.lines.append(f"{local} = {expr}")
+            self.fail_if(f"type({local}) is not tuple or len({local}) != {len(value)}")
+            checks = [f"type({local}[{i}]) is not float or {'' if v else 'not '}{local}[{i}] == 0" for i, v in enumerate(value)]
+            self.fail_if(" or ".join(checks))
+            return [f"S[{b.slot}] = {'-' if b.sign < 0 else ''}{local}[{b.index}]" for b in bindings]
+        if elements != {None} or not isinstance(value, float):
+            self.same(expr, value, key)
+            return []
+        local = f"b{len(self.lines)}"
+        self.lines.append(f"{local} = {expr}")
+        zeroness = "" if key == "lr" else f" or {'' if value else 'not '}{local} == 0"
+        self.fail_if(f"type({local}) is not float{zeroness}")
+        return [f"S[{b.slot}] = {'-' if b.sign < 0 else ''}{local}" for b in bindings]
+
+    def _state(self, snapshot: OptimizerSnapshot) -> None:
+        """Each parameter's state holds the recorded tensors and numbers (fused Adam's `step` is a
+        tensor the program increments; a lazily created state would mean other ops)."""
+        self.lines.append("st = O.state")
+        for index, group in enumerate(snapshot.param_groups):
+            for i, param in enumerate(group["params"]):
+                state = snapshot.state.get(param)
+                self.lines.append(f"s = st.get(G[{index}]['params'][{i}])")
+                if not state:
+                    self.fail_if("s")
+                    continue
+                self.fail_if(f"s is None or s.keys() != {self.constant(set(state), 'k')}")
+                for key, value in sorted(state.items()):
+                    self.same(f"s[{key!r}]", value, f"state {key!r}")
+
+    def _template_expr(self, template: Any) -> str:
+        if isinstance(template, TensorRef) and template.kind in (RefKind.EXTERNAL, RefKind.INPUT):
+            return ("E" if template.kind == RefKind.EXTERNAL else "A") + f"[{template.key}]"
+        raise _Unsupported("it reads the gradient of a tensor the trace computes")

@@ -1,0 +1,215 @@
+"""Checked replay at the API level answers torch.optim's step() and zero_grad() as a whole when the
+optimizer's state is the one recorded (runtime/stand_ins.py). Every test compares with eager after
+each step, bit for bit (backend="aten"), and reads `stats.optimizer_stand_ins` to tell a stand-in
+that answered from one that ran the real method."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import assert_same_state, batch, make_model, twin
+
+import tracejit
+
+
+def step(x, y, *, model, opt):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def run(traced, pairs, steps, between=None, start=0):
+    (model_a, opt_a), (model_b, opt_b) = pairs
+    for i in range(start, start + steps):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), step(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+        if between is not None:
+            between(i)
+
+
+def stood_in(traced) -> int:
+    return traced.stats.optimizer_stand_ins
+
+
+OPTIMIZERS = {
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True, weight_decay=0.1),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, weight_decay=0.01),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+}
+
+
+def twins(name):
+    model = make_model("mlp")
+    other = make_model("mlp")
+    other.load_state_dict(model.state_dict())
+    return (model, OPTIMIZERS[name](model.parameters())), (other, OPTIMIZERS[name](other.parameters()))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_cycling_schedule_is_followed_by_the_stand_ins(name):
+    # OneCycleLR changes lr and momentum (betas for Adam) on every step: the stand-in passes the
+    # new values to the program as the optimizer would have passed them
+    pairs = twins(name)
+    schedules = [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50) for _, opt in pairs]
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, pairs, 10, between=lambda i: [s.step() for s in schedules])
+    stats = traced.stats
+    assert stats.records == 1 and stats.api_fallbacks == 0 and stats.api_replays >= 6, stats
+    assert stood_in(traced) == 2 * stats.api_replays  # step() and zero_grad() of every API-level call
+
+
+def test_the_stand_ins_are_gone_after_every_call_and_the_schedulers_wrapper_is_back():
+    pairs = twins("adam_fused")
+    schedules = [torch.optim.lr_scheduler.StepLR(opt, step_size=2) for _, opt in pairs]
+    wrapper = pairs[1][1].__dict__["step"]
+    traced = tracejit.trace(step, backend="aten")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        run(traced, pairs, 6, between=lambda i: [s.step() for s in schedules])
+    opt = pairs[1][1]
+    assert opt.__dict__["step"] is wrapper and "zero_grad" not in opt.__dict__
+    assert stood_in(traced) > 0
+
+    def failing(x, y, *, model, opt):
+        loss = step(x, y, model=model, opt=opt)
+        if loss.item() > -1:  # a host read the record does not have: unwinds the API level
+            raise ValueError("user error")
+        return loss
+
+    traced = tracejit.trace(failing, backend="aten")
+    for i in range(4):
+        with pytest.raises(ValueError, match="user error"):
+            traced(*batch("mlp", i), model=pairs[1][0], opt=opt)
+    assert opt.__dict__["step"] is wrapper and "zero_grad" not in opt.__dict__
+
+
+def change(opt, how):
+    if how == "maximize":
+        opt.param_groups[0]["maximize"] = True
+    elif how == "amsgrad":
+        opt.param_groups[0]["amsgrad"] = True
+    elif how == "add_param_group":
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 0.5})
+    elif how == "reload_state":
+        opt.load_state_dict(opt.state_dict())  # new state tensors with the same values
+    elif how == "defaults":
+        opt.defaults["differentiable"] = False
+        opt.defaults["extra"] = 1
+
+
+def outcome(how, monkeypatch, replay):
+    """What 4 calls after the change give: their losses, or the error they raise."""
+    monkeypatch.setenv("TRACEJIT_REPLAY", replay)
+    pairs = twins("adam_fused")
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, pairs, 5)
+    for _, opt in pairs:
+        change(opt, how)
+    losses = []
+    try:
+        for i in range(5, 9):
+            losses.append(traced(*batch("mlp", i), model=pairs[1][0], opt=pairs[1][1]))
+    except Exception as error:  # noqa: BLE001 - eager raises too (amsgrad turned on: no max_exp_avg_sq)
+        return traced, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    assert torch.is_grad_enabled()  # an exception inside step() left grad mode as it found it
+    return traced, losses
+
+
+@pytest.mark.parametrize("how", ["maximize", "amsgrad", "add_param_group", "reload_state", "defaults"])
+def test_another_optimizer_state_runs_the_real_step(how, monkeypatch):
+    # whatever the snapshot does not hold any more, the stand-in declines and the real step runs,
+    # checked call by call: the calls end as checked calls without stand-ins end (another number
+    # of a structural argument is a TraceMismatchError), never with a stale update
+    traced, got = outcome(how, monkeypatch, "api")
+    assert torch.is_grad_enabled()
+    assert stood_in(traced) > 0
+    _, expected = outcome(how, monkeypatch, "aten")
+    if isinstance(expected, str):
+        assert got == expected
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_step_hook_runs_on_every_call():
+    pairs = twins("sgd_momentum")
+    seen = []
+    pairs[1][1].register_step_pre_hook(lambda opt, args, kwargs: seen.append(len(seen)))
+    pairs[0][1].register_step_pre_hook(lambda opt, args, kwargs: None)
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, pairs, 6)
+    assert len(seen) == 6
+    # zero_grad() is still answered as a whole: only step() has hooks
+    assert stood_in(traced) == traced.stats.api_replays > 0
+
+
+def test_a_subclass_or_a_replaced_step_runs_as_written():
+    class CountingSGD(torch.optim.SGD):
+        steps = 0
+
+        def step(self, closure=None):
+            CountingSGD.steps += 1
+            return super().step(closure)
+
+    model = make_model("mlp")
+    other = make_model("mlp")
+    other.load_state_dict(model.state_dict())
+    pairs = ((model, CountingSGD(model.parameters(), lr=0.1, momentum=0.9)),
+             (other, CountingSGD(other.parameters(), lr=0.1, momentum=0.9)))
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, pairs, 6)
+    assert CountingSGD.steps == 12  # six eager steps and six traced ones
+    assert stood_in(traced) == 0  # zero_grad() is torch's own, but CountingSGD is not torch.optim's class
+
+    pairs = twins("adam_fused")
+    calls = []
+    real = pairs[1][1].step
+    pairs[1][1].step = lambda: (calls.append(1), real())[1]
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, pairs, 6)
+    assert len(calls) == 6
+    assert stood_in(traced) == traced.stats.api_replays > 0  # zero_grad() only
+
+
+def test_host_reads_in_step_keep_the_real_step():
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "adam_foreach")
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, ((model_a, opt_a), (model_b, opt_b)), 6)
+    entry = traced._entries()[0]
+    assert any("reads a tensor on the host" in why for why in entry.api.stand_ins_refused.values())
+    assert stood_in(traced) == traced.stats.api_replays > 0  # zero_grad() only
+
+
+def test_zero_grad_at_the_start_binds_the_gradients_where_they_are():
+    def first(x, y, *, model, opt):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    (model_a, opt_a), (model_b, opt_b) = twins("adam_fused")
+    traced = tracejit.trace(first, backend="aten")
+    for i in range(7):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), first(x, y, model=model_a, opt=opt_a))
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    assert traced.stats.api_fallbacks == 0 and stood_in(traced) == 2 * traced.stats.api_replays > 0
+
+
+def test_a_profiler_sees_the_optimizers_own_ranges():
+    pairs = twins("adam_fused")
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, pairs, 5)
+    before = stood_in(traced)
+    with torch.profiler.profile() as profile:
+        run(traced, pairs, 1, start=5)
+    assert stood_in(traced) == before
+    names = {event.name for event in profile.events()}
+    assert "Optimizer.step#Adam.step" in names and "Optimizer.zero_grad#Adam.zero_grad" in names
