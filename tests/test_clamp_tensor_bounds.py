@@ -35,7 +35,15 @@ def clamp_broadcast_bound(a, b, c):
     return torch.clamp(a, min=b[:1], max=c) * 1
 
 
-FUNCTIONS = [clamp_min, clamp_max, clamp_both, clamp_method, clamp_min_op, clamp_broadcast_bound]
+def clamp_in_place(a, b, c):
+    x = a * 1
+    x.clamp_(min=b, max=c)
+    y = a * 1
+    torch.clamp_min_(y, b)
+    return x + y
+
+
+FUNCTIONS = [clamp_min, clamp_max, clamp_both, clamp_method, clamp_min_op, clamp_broadcast_bound, clamp_in_place]
 MODES = {
     "checked": dict(),
     "without_host_aten": dict(without_host=True, backend="aten"),

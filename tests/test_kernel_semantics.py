@@ -34,6 +34,11 @@ def round_trip_in_where(x):
     return torch.where(x > 0, (x * 2.0).to(torch.uint8), (x - 1.0).to(torch.uint8)).to(torch.float32) * 1.0
 
 
+def round_trip_as_a_branch_of_where(x):
+    # the cast to an integer type and back is one branch: it wraps (300 -> 44) as eager's does
+    return torch.where(x > -1.0, (x * 1.0).to(torch.uint8).to(torch.float32), x * 2.0)
+
+
 def rounded(x):
     return torch.round(x * 1.0, decimals=1) + torch.round(x * 1.0, decimals=-1)
 
@@ -85,6 +90,7 @@ CASES = {
     **{f"to_{str(d).split('.')[1]}": (round_trip(d), lambda: (torch.tensor(SPECIAL * 6),))
        for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)},
     "to_uint8_in_where": (round_trip_in_where, lambda: (torch.tensor(SPECIAL * 6),)),
+    "to_uint8_as_where_branch": (round_trip_as_a_branch_of_where, lambda: (torch.tensor(SPECIAL * 6),)),
     "round_decimals": (rounded, lambda: (torch.tensor([1.26, 2.34, -0.05, 15.0, 25.0, -35.5, 1234.5678] * 9),)),
     # 64 elements: eager's vectorized loops (its scalar tail picks the other zero)
     # number bounds keep x when equal, in every loop of eager (tensor bounds act as maximum/minimum)

@@ -759,3 +759,33 @@ def test_gradient_accumulation_with_the_step_outside_the_call(accumulate):
         assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
     # the accumulating calls read .grad where it is: the new tensor of each cycle binds too
     assert traced.stats.host_free_misses == 0 and traced.stats.host_free_calls >= 4 * accumulate - 3
+
+
+def test_amsgrad_turned_on_raises_as_eager_and_updates_nothing():
+    # amsgrad is guarded like every setting the program does not bind: turning it on makes the call
+    # a checked one, where torch's Adam raises as in eager (its state has no max_exp_avg_sq);
+    # nothing was updated, and turning it off again goes on without the host
+    (model_a, opt_a), (model_b, opt_b) = _mlp_twins(ADAM_FUSED)
+    traced = tracejit.trace(train_step, without_host=True, backend="aten")
+    for i in range(4):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
+    before = [p.detach().clone() for p in model_b.parameters()]
+    for opt in (opt_a, opt_b):
+        opt.param_groups[0]["amsgrad"] = True
+    x, y = batch("mlp", 4)
+    with pytest.raises(KeyError, match="max_exp_avg_sq"):
+        train_step(x, y, model=model_a, opt=opt_a)
+    with pytest.raises(KeyError, match="max_exp_avg_sq"):
+        traced(x, y, model=model_b, opt=opt_b)
+    assert all(torch.equal(p, q) for p, q in zip(before, model_b.parameters()))
+    assert torch.is_grad_enabled()
+    for opt in (opt_a, opt_b):
+        opt.param_groups[0]["amsgrad"] = False
+        opt.zero_grad()
+    calls = traced.stats.host_free_calls
+    for i in range(5, 8):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    assert traced.stats.host_free_calls > calls
