@@ -482,3 +482,51 @@ def test_an_exception_inside_a_grad_mode_block_leaves_grad_mode_as_it_was():
     assert torch.is_grad_enabled()
     state["raise"] = False
     assert torch.equal(traced(x, model=model), forward(x, model=model))
+
+
+def test_the_fast_signature_check_agrees_with_the_signature():
+    # The next checked call first tries the last API-level trace's generated signature check
+    # (HostFreeRunner.admit) instead of computing its signature: what it admits must have the
+    # trace's signature (it may refuse more: another set of keywords goes the slow way).
+    from tracejit.signature import gradient_state, signature
+
+    def forward(x, w, *, model, double):
+        y = model(x) + w
+        return y * 2 if double else y
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))
+    traced = tracejit.trace(forward, backend="aten")
+    x, w = torch.randn(3, 4), torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(4):
+            traced(x, w, model=model, double=True)
+    entry = traced._fast_api
+    assert entry is not None and traced.stats.api_replays >= 1
+    big = torch.randn(6, 8)
+    variants = {
+        "same": lambda: ((torch.randn(3, 4), torch.randn(3, 4)), dict(model=model, double=True)),
+        "shape": lambda: ((torch.randn(2, 4), w), dict(model=model, double=True)),
+        "layout": lambda: ((torch.randn(4, 3).t(), w), dict(model=model, double=True)),
+        "dtype": lambda: ((x.double(), w), dict(model=model, double=True)),
+        "requires_grad": lambda: ((x.requires_grad_(False).clone().requires_grad_(), w), dict(model=model, double=True)),
+        "same_object": lambda: ((x, x), dict(model=model, double=True)),
+        "overlap": lambda: ((big[:3, :4], big[3:, :4]), dict(model=model, double=True)),
+        "flag": lambda: ((x, w), dict(model=model, double=False)),
+        "number_flag": lambda: ((x, w), dict(model=model, double=1)),
+        "missing_keyword": lambda: ((x, w), dict(model=model)),
+        "extra_keyword": lambda: ((x, w), dict(model=model, double=True, scale=2.0)),
+        "not_a_tensor": lambda: ((x, 1.0), dict(model=model, double=True)),
+    }
+    with torch.no_grad():
+        for name, make in variants.items():
+            args, kwargs = make()
+            same = (all(isinstance(a, torch.Tensor) for a in args) and signature(args, kwargs) == entry.key
+                    and (entry.grad_state is None or gradient_state(kwargs) == entry.grad_state))
+            admitted = entry.host_free.admit(args, kwargs) is True
+            assert admitted == same or (same and name == "extra_keyword"), name
+        model[1].eval()
+        args, kwargs = variants["same"]()
+        assert entry.host_free.admit(args, kwargs) is not True and signature(args, kwargs) != entry.key
+        model[1].train()
+    args, kwargs = variants["same"]()
+    assert entry.host_free.admit(args, kwargs) is not True and signature(args, kwargs) != entry.key  # grad mode

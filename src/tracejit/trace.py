@@ -141,6 +141,9 @@ class trace(ProfileAccess):
         self._compile_options = CompileOptions(opt_level, self._fusion, sublinear_memory_config, dtr_config,
                                                fuse_reduce=self.options.fuse_reduce)
         self._fast_call: Callable | None = None
+        # the trace the last checked call at the API level used: the next call tries its signature
+        # first (HostFreeRunner.admit), before computing its own and looking it up
+        self._fast_api: TraceEntry | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
         self.stats = TraceStats()  # what the calls did; see runtime/stats.py
         # Checked replay at the torch API level (docs/design.md); TRACEJIT_REPLAY=aten keeps every
@@ -172,6 +175,9 @@ class trace(ProfileAccess):
             if result is not MISS:
                 self.stats.host_free_calls += 1
                 return result
+        entry = self._fast_api
+        if entry is not None and entry.api is not None and entry.host_free.admit(args, kwargs) is True and not is_tracing():
+            return self._replay_api(entry, args, kwargs)  # the last trace checked at the API level, its signature checked
         if self._profiler is None:
             return self._call(args, kwargs)
         start = CLOCK()
@@ -227,6 +233,8 @@ class trace(ProfileAccess):
         inputs = [*args, *(v for _, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))]
         result, fallback = run_checked(entry.api, self, args, kwargs, inputs)
         if fallback is None:
+            if self._profiler is None and not entry.api.autocast:  # autocast calls need _call's cache switch
+                self._fast_api = entry
             entry.replays += 1
             self.stats.checked_replays += 1
             self.stats.api_replays += 1

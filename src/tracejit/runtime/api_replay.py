@@ -68,6 +68,7 @@ class ApiProgram:
         self.external_objects = {h: weakref.ref(t) for h, t in externals.items()}  # by handle, for run_op_by_op
         self.runner = runner
         self.context = context
+        self.autocast = context[2] or context[4]  # autocast on for cpu or cuda (signature.call_context_key)
         self.external_refs = list(trace.externals)
         # captured constants must not change (the aten level names the one that did)
         self.constants = [(weakref.ref(t), record.constant_versions[h], record.constant_storage.get(h, 0))
@@ -554,9 +555,7 @@ def _short(name: str) -> str:
 def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inputs: list) -> tuple[Any, str | None]:
     """Run `function` under the checker, then the host-free program. Returns (result, None), or
     (None, why) when the call must run at the aten level instead (nothing was computed)."""
-    if call_context_key() != program.context:
-        return None, "the torch context (grad mode, autocast, default dtype, determinism) changed"
-    externals = program.externals()
+    externals = program.externals()  # the call's context is the program's: it is part of the signature
     if program.constants and program.constants_changed():
         return None, "a captured constant changed"
     if externals is None:

@@ -184,6 +184,7 @@ class HostFreeRunner:
         self.function = function
         _, self.initial_scalars = scalar_layout(record)
         self.call = None
+        self.admit = None  # the input signature alone: True or MISS
         self.sources: dict[str, str] = {}
         self.env_template: list = []
 
@@ -205,15 +206,24 @@ class HostFreeRunner:
                              CONTEXT=call_context_key, PARAM_IDS=param_ids,
                              GRAD_STATE=gradient_state, SAME=same_object_key,
                              SHARED=shared_memory)
-        lines = self._signature_checks(args, kwargs, grad_state, src)
+        admission = self._signature_checks(args, kwargs, grad_state, src)
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
-        lines.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
-                           "grad mode, autocast, default dtype or determinism changed"))
-        guards = []  # inside a try: a module or optimizer that lost an attribute is a MISS
-        for name, value in kwargs.items():
-            if isinstance(value, torch.nn.Module):  # a freed submodule is None, without .training
-                guards.append(_fail(_training_flags_differ(f"kw[{name!r}]", value, src),
-                                    f"{name} or one of its submodules switched between train and eval"))
+        admission.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
+                               "grad mode, autocast, default dtype or determinism changed"))
+        training = [_fail(_training_flags_differ(f"kw[{name!r}]", value, src),
+                          f"{name} or one of its submodules switched between train and eval")
+                    for name, value in kwargs.items() if isinstance(value, torch.nn.Module)]
+        # `admit`: the input signature alone (signature.py's facts), for a checked call at the API
+        # level, which comes to `call` after its signature selected this trace and does not check
+        # it there again.
+        # a bool keyword selects a trace of its own (signature.py)
+        admit = admission + [_fail(f"kw[{name!r}] is not {value}", f"{name} is not {value} now")
+                             for name, value in sorted(kwargs.items()) if isinstance(value, bool)]
+        if training:
+            admit += ["try:", *(f"    {line}" for line in training),
+                      "except AttributeError:", "    return MISS  # a freed submodule is None, without .training"]
+        lines = [f"a{i} = args[{i}]" for i in range(len(args))] if self.checked else admission
+        guards = [] if self.checked else training  # inside a try: a module or optimizer that lost an attribute is a MISS
         # Without the host, a keyword number could have decided control flow the program froze.
         # A checked call runs the function, which matches every torch call against the record, and
         # the numbers that reach ops come to the program as `S`: no value guard there.
@@ -260,6 +270,7 @@ class HostFreeRunner:
                   "    return MISS  # a module, optimizer or global no longer has what it had"]
         lines += self._program_lines(objects, kwargs, src)
         self.sources["call"], self.call = src.function("call", "args, kw, S=None", lines)
+        self.sources["admit"], self.admit = src.function("admit", "args, kw", [*admit, "return True"])
 
     def _program_lines(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
         """The program's straight-line body inlined after the guards (they bound its inputs to the
