@@ -27,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
+from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
 from .record import Kind, Record
 from .source import SourceLocation, user_location
@@ -94,6 +95,7 @@ class ApiTrace:
     output_objects: Any = None  # the call's result itself, until the API program is built
     ran_backward: bool = False  # a backward pass ran inside the call (it consumed the outputs' graph)
     optimizer_calls: list[OptimizerCall] = field(default_factory=list)  # step()/zero_grad() spans of calls
+    module_calls: list[ModuleCall] = field(default_factory=list)  # torch.nn module forwards' spans of calls
 
     def refuse(self, reason: str) -> None:
         if self.refused is None:
@@ -157,6 +159,21 @@ class ApiTracer(TorchFunctionMode):
             self.known.setdefault(id(tensor), (TensorRef(RefKind.INPUT, index), weakref.ref(tensor)))
         self._profiling = False
         self._optimizer_calls = OptimizerCalls()
+        self._module_calls = ModuleCalls(self)
+
+    def __enter__(self):
+        self._module_calls.install()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._module_calls.remove()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._module_calls.remove()
 
     # -- the mode -------------------------------------------------------------------------------
 
@@ -226,6 +243,7 @@ class ApiTracer(TorchFunctionMode):
         if not self.trace.calls:
             self.trace.refuse("the function makes no torch call")
         self.trace.optimizer_calls = self._optimizer_calls.found
+        self.trace.module_calls = self._module_calls.found
         return self.trace
 
     # -- references -----------------------------------------------------------------------------

@@ -44,14 +44,12 @@ from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, api_checked_call
 from ..record.record import Kind, Record
 from ..signature import call_context_key
+from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal
 from .codegen import with_recorded_grad_mode
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
 from .realize import _store_outputs
-from .stand_ins import build_stand_ins
-
-FAIL = object()  # what a generated step returns when the call differs from the recorded one
-_PRIMITIVE_CHECKS = {bool: "is", type(None): "is"}
+from .stand_ins import build_module_stand_ins, build_stand_ins
 
 
 class ApiDiverged(BaseException):  # noqa: N818 - control flow, not an error the user sees
@@ -76,7 +74,7 @@ class ApiProgram:
         self.calls = trace.calls
         self.funcs = [call.func for call in trace.calls]
         self.placeholders = _placeholders(record, trace, output)
-        self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": _same_literal,
+        self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": same_literal,
                                           "TENSOR": torch.Tensor}
         self.locals = 0
         self.scalars = list(runner.bound_scalars)
@@ -94,7 +92,10 @@ class ApiProgram:
         self.steps = [self._step(call) for call in trace.calls]
         # optimizer.step()/zero_grad() answered as a whole where the optimizer's state allows
         self.stand_ins, self.stand_ins_refused = build_stand_ins(self, trace.calls, trace.optimizer_calls, externals)
-        self.check_output = self._function("check_output", "value, A, E, P", _match("value", output, self) +
+        # and torch.nn modules' forward, where the modules' state allows
+        self.module_stand_ins, refused = build_module_stand_ins(self, trace.calls, trace.module_calls)
+        self.stand_ins_refused.update(refused)
+        self.check_output = self._function("check_output", "value, A, E, P", match_lines("value", output, self) +
                                            ["return True"])
 
     # -- code generation ------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class ApiProgram:
             # a gradient read where it is: whichever tensor `p.grad` holds now stands for the recorded
             # one in the rest of the call (the host-free program binds gradients by place too)
             slot = call.result.key
-            body = ["if len(args) != 1 or kwargs: return FAIL", *_match("args[0]", call.args[0], self),
+            body = ["if len(args) != 1 or kwargs: return FAIL", *match_lines("args[0]", call.args[0], self),
                     f"v = {self.constant(call.func, 'f')}(args[0])",
                     "if not isinstance(v, TENSOR): return FAIL", f"E[{slot}] = v", "return v"]
             return self._function(name, params, body)
@@ -131,9 +132,9 @@ class ApiProgram:
             # recorded as a no-op: it stays one while the tensor has the flag already
             body = [f"if len(args) != {len(call.args)}: return FAIL"]
             for i, template in enumerate(call.args):
-                body += _match(f"args[{i}]", template, self)
+                body += match_lines(f"args[{i}]", template, self)
             for key, template in call.kwargs.items():
-                body += [f"if {key!r} not in kwargs: return FAIL", *_match(f"kwargs[{key!r}]", template, self)]
+                body += [f"if {key!r} not in kwargs: return FAIL", *match_lines(f"kwargs[{key!r}]", template, self)]
             body += [f"if len(kwargs) != {len(call.kwargs)} or args[0].requires_grad is not {call.requires_grad}: "
                      f"return FAIL", "return args[0]"]
             return self._function(name, params, body)
@@ -141,21 +142,21 @@ class ApiProgram:
             reader = self.constant(_Reader(self, call), "read")
             body = [f"if len(args) != {len(call.args)}: return FAIL"]
             for i, template in enumerate(call.args):
-                body += _match(f"args[{i}]", template, self)
+                body += match_lines(f"args[{i}]", template, self)
             return self._function(name, params, [*body, f"return {reader}(args, kwargs, S)"])
         body = [f"if len(args) != {len(call.args)}: return FAIL"]
         if call.kwargs:
             body.append(f"if kwargs.keys() != {self.constant(set(call.kwargs), 'k')}: return FAIL")
         else:
             body.append("if kwargs: return FAIL")
-        numbers = _Numbers(self._direct_slots(call))
+        numbers = Numbers(self._direct_slots(call))
         for i, template in enumerate(call.args):
             numbers.key = ("arg", i)
-            body += _match(f"args[{i}]", template, self, numbers)
+            body += match_lines(f"args[{i}]", template, self, numbers)
         for key, template in call.kwargs.items():
             numbers.key = ("kw", key)
-            body += _match(f"kwargs[{key!r}]", template, self, numbers)
-        body.append(f"return {_answer(call.result, self)}")
+            body += match_lines(f"kwargs[{key!r}]", template, self, numbers)
+        body.append(f"return {answer_expr(call.result, self)}")
         return self._function(name, params, body)
 
     def _direct_slots(self, call: ApiCall) -> dict:
@@ -335,107 +336,6 @@ class _NotReplayable(Exception):
     """The API level cannot replay this trace (the message says why)."""
 
 
-class _Numbers:
-    """The Python numbers of one call: a top-level argument that reaches a dynamic scalar of the one
-    aten op the call binds directly is passed on to the program (`S[slot] = value`); every other
-    number must equal the recorded one."""
-
-    def __init__(self, slots: dict):
-        self.slots = slots  # ("arg", index) or ("kw", name) -> scalar slot
-        self.key: tuple | None = None  # the top-level argument being matched
-
-    def line(self, expr: str, value: Any) -> str | None:
-        slot = self.slots.get(self.key) if self.key is not None else None
-        if slot is None:
-            return None
-        return f"if type({expr}) is not {type(value).__name__}: return FAIL\nS[{slot}] = {expr}"
-
-
-def _same_literal(tensor: Any, recorded: torch.Tensor) -> bool:
-    """A tensor made from Python data in this call holds what the recorded one held (the program
-    has the recorded value built in)."""
-    return (isinstance(tensor, torch.Tensor) and tensor.dtype == recorded.dtype and tensor.shape == recorded.shape
-            and tensor.device == recorded.device and bool(torch.equal(tensor, recorded)))
-
-
-def _ref_expr(ref: TensorRef) -> str:
-    return {RefKind.INPUT: "A", RefKind.EXTERNAL: "E", RefKind.VALUE: "P"}[ref.kind] + f"[{ref.key}]"
-
-
-def _match(expr: str, template: Any, program: ApiProgram, numbers: _Numbers | None = None) -> list[str]:
-    """Lines that return FAIL unless `expr` matches the recorded `template`."""
-    if isinstance(template, TensorRef):
-        if template.kind is RefKind.LITERAL:
-            literal = program.constant(program.record.constants[template.key], "lit")
-            return [f"if not SAME_LITERAL({expr}, {literal}): return FAIL"]
-        return [f"if {expr} is not {_ref_expr(template)}: return FAIL"]
-    if template is None or type(template) is bool:
-        return [f"if {expr} is not {template}: return FAIL"]
-    if type(template) in (list, tuple) or isinstance(template, torch.Size):
-        mapped = numbers is not None and numbers.key is not None and any(
-            (*numbers.key, j) in numbers.slots for j in range(len(template)))
-        if mapped:
-            local = program.local()
-            lines = [f"{local} = {expr}",
-                     f"if type({local}) not in (list, tuple) or len({local}) != {len(template)}: return FAIL"]
-            for j, item in enumerate(template):
-                slot = numbers.slots.get((*numbers.key, j))
-                if slot is None:
-                    lines += _match(f"{local}[{j}]", item, program)
-                else:
-                    lines += [f"if type({local}[{j}]) is not {type(item).__name__}: return FAIL",
-                              f"S[{slot}] = {local}[{j}]"]
-            return lines
-        if all(not isinstance(t, (TensorRef, list, tuple)) for t in template):
-            if all(type(t) in (int, bool, str, type(None)) for t in template):
-                return [f"if {expr} != {program.constant(tuple(template), 't')} and {expr} != "
-                        f"{program.constant(list(template), 'l')}: return FAIL"]
-        local = program.local()
-        lines = [f"{local} = {expr}", f"if type({local}) not in (list, tuple) or len({local}) != {len(template)}: "
-                                      f"return FAIL"]
-        for i, item in enumerate(template):
-            lines += _match(f"{local}[{i}]", item, program)  # nested numbers are matched exactly
-        return lines
-    if type(template) is dict:
-        local = program.local()
-        lines = [f"{local} = {expr}",
-                 f"if type({local}) is not dict or {local}.keys() != {program.constant(set(template), 'k')}: return FAIL"]
-        for key, item in template.items():
-            lines += _match(f"{local}[{key!r}]", item, program)
-        return lines
-    if type(template) in (int, float) and numbers is not None:
-        line = numbers.line(expr, template)
-        if line is not None:
-            return line.split("\n")
-    if type(template) is float:
-        if template != template:  # nan
-            return [f"if type({expr}) is not float or {expr} == {expr}: return FAIL"]
-        return [f"if type({expr}) is not float or {expr} != {template!r}: return FAIL"]
-    if type(template) in (int, str, complex):
-        return [f"if type({expr}) is not {type(template).__name__} or {expr} != {template!r}: return FAIL"]
-    if isinstance(template, (torch.dtype, torch.layout, torch.memory_format)):
-        return [f"if {expr} is not {program.constant(template, 'd')}: return FAIL"]
-    # devices, slices, Ellipsis and the like compare by value
-    return [f"if {expr} != {program.constant(template, 'x')}: return FAIL"]
-
-
-def _answer(template: Any, program: ApiProgram) -> str:
-    if isinstance(template, TensorRef):
-        if template.kind is RefKind.LITERAL:
-            return program.constant(program.record.constants[template.key], "lit")
-        return _ref_expr(template)
-    if isinstance(template, StructSeq):
-        items = "".join(f"{_answer(t, program)}, " for t in template.items)
-        return f"{program.constant(template.type, 'T')}(({items}))"
-    if type(template) is list:
-        return "[" + ", ".join(_answer(t, program) for t in template) + "]"
-    if type(template) is tuple:
-        return "(" + "".join(f"{_answer(t, program)}, " for t in template) + ")"
-    if template is None or type(template) in (bool, int):
-        return repr(template)
-    return program.constant(template, "r")
-
-
 # dunder methods and the aten ops they bind
 _DUNDERS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub",
             "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
@@ -500,6 +400,7 @@ class ApiChecker(TorchFunctionMode):
         self.position = 0
         self.diverged: str | None = None
         self.stood_in = 0  # optimizer methods answered as a whole (runtime/stand_ins.py)
+        self.stood_in_modules = 0  # torch.nn module calls answered as a whole
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         position = self.position
@@ -565,6 +466,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     program.read_slices = {}
     generator = torch.default_generator.get_state() if program.draws else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
+    module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
     try:
         with api_checked_call(CallContext(trace, checker, trace.options.capture_as_const)):
             with checker:
@@ -578,6 +480,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     finally:
         if stand_ins:
             program.stand_ins.remove(stand_ins)
+        if module_stand_ins:
+            program.module_stand_ins.remove(module_stand_ins)
         program.checking_args = program.checking_kwargs = None
         program.read_slices = {}
     if _restore_generator(generator):
@@ -604,6 +508,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if output is MISS:
         return None, "a guard of the compiled program failed"
     trace.stats.optimizer_stand_ins += checker.stood_in
+    trace.stats.module_stand_ins += checker.stood_in_modules
     return output, None
 
 

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from ..record.api import ApiCall, CallKind, RefKind, TensorRef
+from ..record.module_calls import ModuleCall, ModuleState, global_module_hooks
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
+from .api_match import FAIL, answer_expr, match_lines
 from .optimizer_settings import SettingBinding, find_bindings
 
 _MISSING = object()
@@ -299,3 +301,156 @@ class _CheckSource:
         if isinstance(template, TensorRef) and template.kind in (RefKind.EXTERNAL, RefKind.INPUT):
             return ("E" if template.kind == RefKind.EXTERNAL else "A") + f"[{template.key}]"
         raise _Unsupported("it reads the gradient of a tensor the trace computes")
+
+
+class _ForwardStandIn:
+    """The callable put in a torch.nn module's `__dict__` as `forward` for one checked call."""
+
+    __slots__ = ("checker", "module", "real", "regions")
+
+    def __init__(self, regions: dict[int, tuple[Any, int]]):
+        self.regions = regions  # checker position where the module's span starts -> (answer, end)
+        self.checker = self.module = self.real = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        checker = self.checker
+        region = self.regions.get(checker.position) if checker is not None else None
+        if region is not None and checker.diverged is None and not profiler_enabled():
+            answer, end = region
+            result = answer(self.module, args, kwargs, checker.inputs, checker.externals, checker.placeholders)
+            if result is not FAIL:
+                checker.position = end
+                checker.stood_in_modules += 1
+                return result
+        return self.real(*args, **kwargs)
+
+
+class ModuleStandIns:
+    """The forward stand-ins of one API program, per module; `install` before the function runs
+    and `remove` after it."""
+
+    def __init__(self, modules: list[tuple[weakref.ref, _ForwardStandIn]]):
+        self.modules = modules
+
+    def install(self, checker: Any) -> list:
+        installed = []
+        for ref, stand_in in self.modules:
+            module = ref()
+            if module is None or "forward" in module.__dict__:
+                continue
+            stand_in.checker, stand_in.module = checker, module
+            stand_in.real = type(module).forward.__get__(module)
+            module.__dict__["forward"] = stand_in
+            installed.append((module.__dict__, stand_in))
+        return installed
+
+    @staticmethod
+    def remove(installed: list) -> None:
+        for attributes, stand_in in installed:
+            stand_in.checker = stand_in.module = stand_in.real = None
+            if attributes.get("forward") is stand_in:
+                del attributes["forward"]
+
+
+def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: list[ModuleCall]
+                           ) -> tuple[ModuleStandIns | None, dict[str, str]]:
+    """The forward stand-ins of the module calls the record allows, and why the others run."""
+    refused: dict[str, str] = {}
+    external_slots = {id(ref()): slot for slot, ref in enumerate(program.external_refs) if ref() is not None}
+    by_module: dict[int, tuple[weakref.ref, dict]] = {}
+    for call in module_calls:
+        module = call.module()
+        where = f"{type(module).__qualname__ if module is not None else 'module'} at {calls[call.start].source}" \
+            if call.start < len(calls) else "a module call"
+        reason = call.refused or (_span_refusal(calls, call) if call.end > call.start else "it makes no torch call")
+        if module is None:
+            reason = reason or "the module is gone"
+        if reason is None:
+            try:
+                answer = _ForwardSource(program, external_slots).build(call, len(by_module))
+            except _Unsupported as why:
+                reason = str(why)
+        if reason is not None:
+            refused[where] = reason
+            continue
+        _, regions = by_module.setdefault(id(module), (call.module, {}))
+        regions[call.start] = (answer, call.end)
+    for call in module_calls:
+        call.snapshot = []  # it holds the modules' tensors strongly
+    modules = [(ref, _ForwardStandIn(regions)) for ref, regions in by_module.values()]
+    return (ModuleStandIns(modules) if modules else None), refused
+
+
+class _ForwardSource:
+    """Generates `answer(M, args, kwargs, A, E, P)`: FAIL unless the arguments are the recorded
+    ones and every module of the subtree has the recorded state; else the recorded result."""
+
+    def __init__(self, program: Any, external_slots: dict[int, int]):
+        self.program = program
+        self.external_slots = external_slots
+        self.lines: list[str] = []
+        self.locals = 0
+
+    def tensor(self, tensor: torch.Tensor) -> str:
+        slot = self.external_slots.get(id(tensor))
+        return f"E[{slot}]" if slot is not None else f"{self.program.constant(weakref.ref(tensor), 'w')}()"
+
+    def fail_if(self, condition: str) -> None:
+        self.lines.append(f"if {condition}: return FAIL")
+
+    def same(self, expr: str, value: Any, what: str) -> None:
+        if isinstance(value, torch.Tensor):
+            self.fail_if(f"{expr} is not {self.tensor(value)}")
+        elif value is None or type(value) is bool:
+            self.fail_if(f"{expr} is not {value}")
+        elif type(value) in (int, float, str) and value == value:
+            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {value!r}")
+        elif type(value) in (tuple, list) and all(type(v) in (int, float, str, bool, type(None)) for v in value):
+            constant = self.program.constant(value, "c")
+            types = self.program.constant(tuple(map(type, value)), "c")
+            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {constant} or "
+                         f"tuple(map(type, {expr})) != {types}")
+        else:
+            raise _Unsupported(f"{what} is a {type(value).__name__}")
+
+    def build(self, call: ModuleCall, number: int) -> Any:
+        self.program.namespace.setdefault("MODULE_HOOKS", global_module_hooks)
+        self.fail_if("MODULE_HOOKS()")
+        self.fail_if(f"len(args) != {len(call.args)} or kwargs.keys() != {self.program.constant(set(call.kwargs), 'k')}")
+        for i, template in enumerate(call.args):
+            self.lines += match_lines(f"args[{i}]", template, self.program)
+        for key, template in call.kwargs.items():
+            self.lines += match_lines(f"kwargs[{key!r}]", template, self.program)
+        states = {id(state.module()): state for state in call.snapshot}
+        self._module("M", call.snapshot[0], states, top=True)
+        body = [*self.lines, f"return {answer_expr(call.result, self.program)}"]
+        return self.program._function(f"forward{number}_{call.start}", "M, args, kwargs, A, E, P", body)
+
+    def _module(self, expr: str, state: ModuleState, states: dict, top: bool = False) -> None:
+        self.locals += 1
+        d = f"d{self.locals}"
+        self.lines.append(f"{d} = {expr}.__dict__")
+        self.fail_if(f"type({expr}) is not {self.program.constant(type(state.module()), 'C')}")
+        hooks = " or ".join(f"{d}[{name!r}]" for name in _MODULE_HOOKS)
+        self.fail_if(hooks)
+        if not top:
+            self.fail_if(f"'forward' in {d}")
+        for key, value in sorted(state.attributes.items()):
+            self.same(f"{d}.get({key!r})", value, f"{type(state.module()).__qualname__}.{key}")
+        for kind, named in (("_parameters", state.parameters), ("_buffers", state.buffers)):
+            self.fail_if(f"len({d}[{kind!r}]) != {len(named)}")
+            for name, tensor in named.items():
+                self.same(f"{d}[{kind!r}][{name!r}]", tensor, f"{kind[1:-1]} {name}")
+        # a Sequential runs its children in this order
+        self.fail_if(f"tuple({d}['_modules']) != {tuple(state.children)!r}")
+        for name, ref in state.children.items():
+            child = ref()
+            if child is None or id(child) not in states:
+                raise _Unsupported("a submodule is gone")
+            local = f"m{self.locals}_{len(self.lines)}"
+            self.lines.append(f"{local} = {d}['_modules'][{name!r}]")
+            self.fail_if(f"{local} is not {self.program.constant(ref, 'w')}()")
+            self._module(local, states[id(child)], states)
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

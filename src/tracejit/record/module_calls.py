@@ -1,0 +1,127 @@
+"""The torch-level calls a torch.nn module's forward made, and the modules' state when it began.
+
+While the API tracer notes a call, global forward hooks mark where each module call begins and
+ends among the torch-level calls. For the module classes below (torch.nn's own, whose forward
+is a function of their attributes, parameters and buffers, the input and the call's context),
+checked replay at the API level answers the whole module call when that state is unchanged
+(runtime/stand_ins.py): the module Python of a small model costs as much as its ops.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+# torch.nn's modules whose forward reads nothing but the module's own attributes, parameters,
+# buffers and submodules (no global flags, no Python callables kept as attributes)
+STANDALONE = frozenset({
+    nn.Linear, nn.Bilinear, nn.Identity, nn.Flatten, nn.Unflatten, nn.Embedding,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh,
+    nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Sequential,
+})
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# held separately (parameters, buffers, submodules) or only for state_dict()
+_NOT_FORWARD_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+@dataclass
+class ModuleState:
+    """One module of a subtree: its attributes, with tensors and modules by identity."""
+
+    module: weakref.ref
+    attributes: dict[str, Any]  # name -> value, except the hook dicts
+    parameters: dict[str, Any]
+    buffers: dict[str, Any]
+    children: dict[str, weakref.ref]
+
+
+@dataclass
+class ModuleCall:
+    module: weakref.ref
+    start: int  # the index of the first torch-level call of the module's forward
+    end: int = -1  # one past its last
+    args: Any = None  # templates (record/api.py): tensors as references
+    kwargs: Any = None
+    result: Any = None
+    snapshot: list[ModuleState] = field(default_factory=list)  # the module first, then its submodules
+    refused: str | None = None
+
+
+def global_module_hooks() -> bool:
+    """Hooks registered for every module run user code around each forward."""
+    return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
+                or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks)
+
+
+def _refusal(module: nn.Module) -> str | None:
+    for sub in module.modules():
+        if type(sub) not in STANDALONE:
+            return f"{type(sub).__qualname__} is not one of torch.nn's modules the API level answers whole"
+        if "forward" in sub.__dict__:
+            return "its forward was replaced"
+        if any(getattr(sub, name) for name in _HOOKS):
+            return "it has hooks"
+    return None
+
+
+def _state(module: nn.Module) -> ModuleState:
+    attributes = {k: v for k, v in module.__dict__.items()
+                  if k not in _NOT_FORWARD_STATE and "hooks" not in k}
+    return ModuleState(weakref.ref(module), attributes, dict(module._parameters), dict(module._buffers),
+                       {k: weakref.ref(v) for k, v in module._modules.items() if v is not None})
+
+
+class ModuleCalls:
+    """Global forward hooks that follow module calls while the API tracer notes a call."""
+
+    def __init__(self, tracer: Any) -> None:
+        self.tracer = tracer
+        self.open: list[ModuleCall | None] = []  # None: a call inside one that may be answered, or a user's module
+        self.found: list[ModuleCall] = []
+        self.handles: list = []
+
+    def install(self) -> None:
+        self.handles = [nn.modules.module.register_module_forward_pre_hook(self._begin),
+                        nn.modules.module.register_module_forward_hook(self._end, with_kwargs=True)]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _begin(self, module: nn.Module, args: tuple) -> None:
+        if any(call is not None for call in self.open):
+            self.open.append(None)  # inside a module call that may be answered whole
+            return
+        if _refusal(module) is not None:  # a user's module runs; its torch.nn submodules may be answered
+            self.open.append(None)
+            return
+        call = ModuleCall(weakref.ref(module), len(self.tracer.trace.calls))
+        call.snapshot = [_state(sub) for sub in module.modules()]
+        self.open.append(call)
+
+    def _end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.open:
+            return
+        call = self.open.pop()
+        if call is None or call.module() is not module:
+            return
+        call.end = len(self.tracer.trace.calls)
+        try:
+            call.args = self.tracer._template(args)
+            call.kwargs = {k: self.tracer._template(v) for k, v in kwargs.items()}
+            call.result = self.tracer._template(output)
+        except Exception:  # noqa: BLE001 - a value the templates cannot hold: the call runs for real
+            call.refused = call.refused or "its arguments or result cannot be followed"
+        self.found.append(call)
+
