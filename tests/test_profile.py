@@ -91,8 +91,9 @@ def test_rows_add_up_to_the_step_time_and_name_the_lines():
     assert all(r["calls"] == host_free[0]["calls"] for r in host_free)  # every node timed once per call
     assert sum(r["total_ms"] for r in rows) == pytest.approx(summary["nodes_total_ms"])
     assert summary["outside_nodes_ms"] == pytest.approx(summary["call_total_ms"] - summary["nodes_total_ms"])
-    # the rows account for most of the step: what is outside them is guards, binding and Python
-    assert 0.5 * summary["call_total_ms"] <= summary["nodes_total_ms"] <= summary["call_total_ms"]
+    # what is outside the rows is guards, binding and Python: how much depends on the machine's load
+    # (under load, Python slows down more than the ops), so only the bounds are asserted
+    assert 0 < summary["nodes_total_ms"] <= summary["call_total_ms"]
 
     forward = f"models.py:{_line_of(MLP.forward, 'return self.net(x)')} in forward"
     loss = f"models.py:{_line_of(train_step, 'F.cross_entropy')} in train_step"
