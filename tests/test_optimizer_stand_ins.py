@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_same_state, batch, make_model, twin
+from models import assert_same_state, batch, make_model
 
 import tracejit
 
@@ -38,6 +38,12 @@ def stood_in(traced) -> int:
 
 OPTIMIZERS = {
     "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    # these read each step count with .item(): the stand-in computes their numbers (optimizer_numbers.py)
+    "adam_loop": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
+    "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True, weight_decay=0.01),
+    "adamw_loop": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+    "adamw_foreach_amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True, amsgrad=True),
+    "adam_loop_maximize": lambda p: torch.optim.Adam(p, lr=1e-2, maximize=True, weight_decay=0.1),
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True, weight_decay=0.1),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, weight_decay=0.01),
     "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
@@ -177,13 +183,46 @@ def test_a_subclass_or_a_replaced_step_runs_as_written():
     assert stood_in(traced) == traced.stats.api_replays > 0  # zero_grad() only
 
 
-def test_host_reads_in_step_keep_the_real_step():
-    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "adam_foreach")
+def test_host_reads_without_a_formula_keep_the_real_step():
+    # Adagrad reads its step count too, but tracejit does not compute its numbers: its step() runs
+    pairs = [(model, torch.optim.Adagrad(model.parameters(), lr=0.1)) for model in pair_of_models()]
     traced = tracejit.trace(step, backend="aten")
-    run(traced, ((model_a, opt_a), (model_b, opt_b)), 6)
+    run(traced, pairs, 6)
     entry = traced._entries()[0]
-    assert any("reads a tensor on the host" in why for why in entry.api.stand_ins_refused.values())
+    assert any("does not compute Adagrad" in why for why in entry.api.stand_ins_refused.values())
     assert stood_in(traced) == traced.stats.api_replays > 0  # zero_grad() only
+
+
+def test_numbers_of_parameters_in_two_dtypes_are_not_guessed():
+    # foreach Adam steps each dtype's parameters in a group of their own: not what the formula
+    # computes, so the record's numbers are not reproduced and the real step runs
+    models = pair_of_models()
+    for model in models:
+        model.net[0].double()
+    pairs = [(model, torch.optim.Adam(model.parameters(), lr=0.1, foreach=True)) for model in models]
+
+    def mixed(x, y, *, model, opt):
+        loss = F.cross_entropy(model.net[1:](model.net[0](x.double()).float()), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    traced = tracejit.trace(mixed, backend="aten")
+    (model_a, opt_a), (model_b, opt_b) = pairs
+    for i in range(6):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), mixed(x, y, model=model_a, opt=opt_a))
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    entry = traced._entries()[0]
+    assert any("no formula" in why for why in entry.api.stand_ins_refused.values())
+
+
+def pair_of_models():
+    model = make_model("mlp")
+    other = make_model("mlp")
+    other.load_state_dict(model.state_dict())
+    return model, other
 
 
 def test_zero_grad_at_the_start_binds_the_gradients_where_they_are():

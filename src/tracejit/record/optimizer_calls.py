@@ -36,12 +36,15 @@ class OptimizerSnapshot:
     param_groups: list[dict]
     state: dict  # parameter -> its state
     defaults: dict
+    with_grad: list[list[bool]]  # per group, which parameters have a gradient (step() skips the others)
 
     @classmethod
     def of(cls, optimizer: Optimizer) -> OptimizerSnapshot:
-        groups = [dict(group, params=list(group["params"])) for group in optimizer.param_groups]
-        state = {p: dict(optimizer.state[p]) for group in groups for p in group["params"] if p in optimizer.state}
-        return cls(type(optimizer), groups, state, dict(optimizer.defaults))
+        with torch._C.DisableTorchFunction():  # not calls of the traced function
+            groups = [dict(group, params=list(group["params"])) for group in optimizer.param_groups]
+            state = {p: dict(optimizer.state[p]) for group in groups for p in group["params"] if p in optimizer.state}
+            with_grad = [[p.grad is not None for p in group["params"]] for group in groups]
+        return cls(type(optimizer), groups, state, dict(optimizer.defaults), with_grad)
 
 
 @dataclass

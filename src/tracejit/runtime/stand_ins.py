@@ -12,9 +12,11 @@ record has the method's span checks that state against a snapshot taken when the
 (tensors by identity, numbers by type and value) and moves the checker past the span; the
 settings the host-free program binds from `param_groups` (the learning rate, betas, momentum:
 runtime/optimizer_settings.py) are passed as the call's numbers, as the optimizer would have
-passed them. Anything else (another state, arguments, hooks, a profiler recording ranges, a span
-with host reads such as `Adam(foreach=True)`'s `step.item()`) runs the real method, matched call
-by call as before.
+passed them. Adam and AdamW without `fused`/`capturable` read each step count with `.item()` and
+compute their step sizes in Python: their numbers are computed from the settings and the step
+counts (runtime/optimizer_numbers.py), with a formula that reproduced the record's numbers bit
+for bit. Anything else (another state, arguments, hooks, a profiler recording ranges, host reads
+of another optimizer) runs the real method, matched call by call as before.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..record.api import ApiCall, CallKind, RefKind, TensorRef
 from ..record.module_calls import ModuleCall, ModuleState, global_module_hooks
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
 from .api_match import FAIL, answer_expr, match_lines
+from .optimizer_numbers import MODELS, SETTINGS, numbers, same_numbers
 from .optimizer_settings import SettingBinding, find_bindings
 
 _MISSING = object()
@@ -127,7 +130,8 @@ def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[Op
     for call in optimizer_calls:
         where = f"{call.kind}() at {calls[call.start].source}"
         optimizer = call.optimizer()
-        reason = call.refused or _span_refusal(calls, call)
+        # a step() that reads its step counts on the host may still be answered: see _host_read_numbers
+        reason = call.refused or _span_refusal(calls, call, host_reads=call.kind == STEP)
         if optimizer is None or call.snapshot is None:
             reason = reason or "the optimizer is gone"
         if reason is not None:
@@ -148,11 +152,11 @@ def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[Op
     return (StandIns(optimizers) if optimizers else None), refused
 
 
-def _span_refusal(calls: list[ApiCall], call: OptimizerCall) -> str | None:
+def _span_refusal(calls: list[ApiCall], call: Any, host_reads: bool = False) -> str | None:
     if call.end <= call.start:
         return "its span did not close"
     for inner in calls[call.start:call.end]:
-        if inner.kind is CallKind.HOST_READ:
+        if inner.kind is CallKind.HOST_READ and not host_reads:
             return f"it reads a tensor on the host ({inner.name} at {inner.source})"
         if inner.requires_grad is not None:
             return f"it calls {inner.name}"
@@ -161,6 +165,26 @@ def _span_refusal(calls: list[ApiCall], call: OptimizerCall) -> str | None:
 
 class _Unsupported(Exception):
     pass
+
+
+_EXACT_COUNTS = 2.0**24  # float32 step counts stop counting past this
+
+
+def _step_counts(optimizer: Any, with_grad: list[list[bool]], groups: list[dict], increment: float) -> list[list[float]]:
+    """Per param group, the step count of each parameter with a gradient, plus `increment` (the
+    step about to happen), as step() reads it (`step_t.item()` after `step_t += 1`)."""
+    counts = []
+    with torch._C.DisableTorchFunction():  # not a call of the traced function
+        for group, flags in zip(groups, with_grad, strict=True):
+            found = []
+            for param, flag in zip(group["params"], flags, strict=True):
+                if flag:
+                    count = torch._C.TensorBase.item(optimizer.state[param]["step"]) + increment
+                    if count >= _EXACT_COUNTS:
+                        raise ValueError("step count beyond exact float32 counting")
+                    found.append(count)
+            counts.append(found)
+    return counts
 
 
 class _CheckSource:
@@ -206,9 +230,15 @@ class _CheckSource:
     def build(self, call: OptimizerCall, calls: list[ApiCall], located_at: dict[int, int],
               objects: dict[int, torch.Tensor]) -> tuple[Any, str]:
         snapshot: OptimizerSnapshot = call.snapshot
+        computed = None  # the settings its numbers are computed from, when it reads step counts
         if call.kind == STEP:
             self.fail_if("HOOKS(O)")
-            bindings = self._bindings(call, calls, snapshot, objects)
+            if any(inner.kind is CallKind.HOST_READ for inner in calls[call.start:call.end]):
+                fill = self._host_read_numbers(call, calls, snapshot)
+                self.namespace["FILL"] = fill
+                computed, bindings = SETTINGS, {}
+            else:
+                bindings = self._bindings(call, calls, snapshot, objects)
         else:
             bindings = {}
         self.lines.append("D = O.defaults")
@@ -231,7 +261,9 @@ class _CheckSource:
                 if key == "params":
                     continue
                 bound = bindings.get((index, key))
-                if bound is None:
+                if computed is not None and key in computed:
+                    self._computed_from(f"g[{key!r}]", value, key)
+                elif bound is None:
                     self.same(f"g[{key!r}]", value, f"{key} of param group {index}")
                 else:
                     written += self._bound(f"g[{key!r}]", value, bound, key)
@@ -244,10 +276,65 @@ class _CheckSource:
             for slot, template in located:
                 self.lines += [f"    v = {self._template_expr(template)}.grad",
                                "    if not isinstance(v, TENSOR): return False", f"    E[{slot}] = v"]
+        if computed is not None:
+            written.append("if not FILL(O, S): return False")
         body = self.lines + written + ["return True"]
         source = "def check(O, E, A, S):\n" + "".join(f"    {line}\n" for line in body)
         exec(compile(source, f"<tracejit stand-in {call.kind}>", "exec"), self.namespace)
         return self.namespace["check"], source
+
+    def _computed_from(self, expr: str, value: Any, key: str) -> None:
+        """A setting the numbers are computed from: any value of the recorded kind (weight decay:
+        also its zeroness, at 0 the op that applies it is not there)."""
+        if isinstance(value, tuple) and len(value) == 2 and all(type(v) is float for v in value):
+            local = f"b{len(self.lines)}"
+            self.lines.append(f"{local} = {expr}")
+            self.fail_if(f"type({local}) is not tuple or len({local}) != 2 or type({local}[0]) is not float or "
+                         f"type({local}[1]) is not float")
+        elif type(value) in (float, int):
+            zeroness = f" or {'' if value else 'not '}{expr} == 0" if key == "weight_decay" else ""
+            self.fail_if(f"type({expr}) is not {type(value).__name__}{zeroness}")
+        else:
+            raise _Unsupported(f"{key} is a {type(value).__name__}")
+
+    def _host_read_numbers(self, call: OptimizerCall, calls: list[ApiCall], snapshot: OptimizerSnapshot) -> Any:
+        """`fill(O, S)` for a step() that reads its step counts on the host (Adam without fused or
+        capturable): the numbers of its ops computed from the settings and the step counts
+        (runtime/optimizer_numbers.py) with the model that reproduces, bit for bit, every number
+        this span passed when the trace was noted."""
+        record, program = self.program.record, self.program
+        start, end = calls[call.start].span[0], calls[call.end - 1].span[1]
+        slots = [program.scalar_offsets[op.index] + k for op in record.ops[start:end] for k in range(len(op.scalars))]
+        recorded = [program.scalars[slot] for slot in slots]
+        optimizer = call.optimizer()
+        models = MODELS.get(snapshot.optimizer_class, [])
+        if not models or optimizer is None:
+            raise _Unsupported(f"it reads a tensor on the host, and tracejit does not compute "
+                               f"{snapshot.optimizer_class.__qualname__}'s numbers")
+        try:  # the counts after the noted call's increments: the ones its numbers came from
+            counts = _step_counts(optimizer, snapshot.with_grad, snapshot.param_groups, 0.0)
+        except (KeyError, TypeError) as error:
+            raise _Unsupported(f"its step counts cannot be read ({error})") from None
+        model = next((m for m in models if same_numbers(
+            numbers(m, snapshot.param_groups, counts, snapshot.optimizer_class), recorded)), None)
+        if model is None:
+            raise _Unsupported("it reads a tensor on the host, and no formula of runtime/optimizer_numbers.py "
+                               "gives the numbers it passed")
+        with_grad, kind = snapshot.with_grad, snapshot.optimizer_class
+
+        def fill(optimizer: Any, scalars: list) -> bool:
+            try:
+                counts = _step_counts(optimizer, with_grad, optimizer.param_groups, 1.0)
+            except (KeyError, TypeError, ValueError):
+                return False
+            values = numbers(model, optimizer.param_groups, counts, kind)
+            if len(values) != len(slots):
+                return False
+            for slot, value in zip(slots, values):
+                scalars[slot] = value
+            return True
+
+        return fill
 
     def _bindings(self, call: OptimizerCall, calls: list[ApiCall], snapshot: OptimizerSnapshot,
                   objects: dict[int, torch.Tensor]) -> dict[tuple[int, str], list[SettingBinding]]:
