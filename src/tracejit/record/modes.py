@@ -198,16 +198,17 @@ def _ops_so_far(handler: Any) -> int:
     return len(ops) if ops is not None else getattr(handler, "position", 0)
 
 
-@contextlib.contextmanager
-def api_checked_call(context: CallContext) -> Iterator[CallContext]:
-    """Run a block as a traced call checked at the torch API level: the thread's call context only,
-    no dispatch mode and no hooks (the checker, a TorchFunctionMode, sees every torch call)."""
+def enter_api_checked_call(context: CallContext) -> CallContext | None:
+    """Make `context` the thread's call context for a call checked at the torch API level (no
+    dispatch mode and no hooks: the checker, a TorchFunctionMode, sees every torch call); returns
+    the outer context, for `leave_api_checked_call` (in a `finally`)."""
     outer = check_not_nested(context.function_name)
     _local.context = context
-    try:
-        yield context
-    finally:
-        _local.context = outer
+    return outer
+
+
+def leave_api_checked_call(outer: CallContext | None) -> None:
+    _local.context = outer
 
 
 def check_not_nested(function_name: str) -> CallContext | None:

@@ -41,7 +41,7 @@ from ..record.api import (
     function_name,
 )
 from ..record.calls import rebuild_call, scalar_slot_names
-from ..record.modes import CallContext, api_checked_call
+from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
 from ..record.record import Kind, Record
 from ..signature import call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal
@@ -95,6 +95,7 @@ class ApiProgram:
         # and torch.nn modules' forward, where the modules' state allows
         self.module_stand_ins, refused = build_module_stand_ins(self, trace.calls, trace.module_calls)
         self.stand_ins_refused.update(refused)
+        self.checker = ApiChecker(self)
         self.check_output = self._function("check_output", "value, A, E, P", match_lines("value", output, self) +
                                            ["return True"])
 
@@ -387,20 +388,25 @@ def _placeholders(record: Record, trace: ApiTrace, output: Any) -> dict[int, tor
 class ApiChecker(TorchFunctionMode):
     """Matches and answers the torch-level calls of one call (see module docstring)."""
 
-    def __init__(self, program: ApiProgram, inputs: list, externals: list):
+    def __init__(self, program: ApiProgram):
         super().__init__()
         self.steps = program.steps
         self.funcs = program.funcs
         self.count = len(program.steps)
         self.program = program
+        self.placeholders = program.placeholders
+        self.start([], [])
+
+    def start(self, inputs: list, externals: list) -> ApiChecker:
+        """Ready for one call (the program's one checker serves its calls one after the other)."""
         self.inputs = inputs
         self.externals = externals
-        self.placeholders = program.placeholders
-        self.scalars = list(program.scalars)  # the numbers this call passes to the program
+        self.scalars = list(self.program.scalars)  # the numbers this call passes to the program
         self.position = 0
         self.diverged: str | None = None
         self.stood_in = 0  # optimizer methods answered as a whole (runtime/stand_ins.py)
         self.stood_in_modules = 0  # torch.nn module calls answered as a whole
+        return self
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         position = self.position
@@ -461,16 +467,17 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         return None, "a captured constant changed"
     if externals is None:
         return None, "an object the trace uses was freed"
-    checker = ApiChecker(program, inputs, externals)
+    checker = program.checker.start(inputs, externals)
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
     program.read_slices = {}
     generator = torch.default_generator.get_state() if program.draws else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
+    outer = None
     try:
-        with api_checked_call(CallContext(trace, checker, trace.options.capture_as_const)):
-            with checker:
-                result = trace._function(*args, **kwargs)
+        outer = enter_api_checked_call(CallContext(trace, checker, trace.options.capture_as_const))
+        with checker:
+            result = trace._function(*args, **kwargs)
     except ApiDiverged:
         _restore_generator(generator)
         return None, checker.diverged
@@ -478,6 +485,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         _restore_generator(generator)
         return None, f"the function raised {type(error).__name__}"
     finally:
+        leave_api_checked_call(outer)
         if stand_ins:
             program.stand_ins.remove(stand_ins)
         if module_stand_ins:

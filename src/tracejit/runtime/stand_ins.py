@@ -35,6 +35,7 @@ from .optimizer_settings import SettingBinding, find_bindings
 
 _MISSING = object()
 _PRIMITIVES = (bool, int, float, str, type(None))
+_PLAIN = frozenset({bool, int, str, type(None)})  # compared by value; floats keep the sign of a zero
 
 
 class _Region:
@@ -522,8 +523,17 @@ class _ForwardSource:
         self.fail_if(hooks)
         if not top:
             self.fail_if(f"'forward' in {d}")
+        # its settings (in_features, eps, p, inplace, padding...): values and their types at once
+        plain = {k: v for k, v in state.attributes.items() if type(v) in _PLAIN or type(v) is tuple and all(
+            type(item) in _PLAIN for item in v)}
+        if plain:
+            keys = self.program.constant(tuple(plain), "k")
+            self.lines.append(f"v = tuple(map({d}.get, {keys}))")
+            self.fail_if(f"v != {self.program.constant(tuple(plain.values()), 'c')} or "
+                         f"tuple(map(type, v)) != {self.program.constant(tuple(map(type, plain.values())), 'c')}")
         for key, value in sorted(state.attributes.items()):
-            self.same(f"{d}.get({key!r})", value, f"{type(state.module()).__qualname__}.{key}")
+            if key not in plain:
+                self.same(f"{d}.get({key!r})", value, f"{type(state.module()).__qualname__}.{key}")
         for kind, named in (("_parameters", state.parameters), ("_buffers", state.buffers)):
             self.fail_if(f"len({d}[{kind!r}]) != {len(named)}")
             for name, tensor in named.items():
