@@ -49,7 +49,7 @@ from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.python_state import python_state, refuse_python_state_changes
 from .runtime.realize import Realizer
 from .runtime.replay import Replayer
-from .runtime.shape_traces import ShapeTrace, all_dims, changed_dims, family, input_shapes, union, why_static
+from .runtime.shape_traces import ShapeTrace, all_dims, family, why_static
 from .runtime.stats import TraceStats
 from .runtime.variants import ShapeVariants
 from .signature import call_context_key, describe_signature, gradient_snapshot, gradient_state, signature
@@ -213,6 +213,8 @@ class trace(ProfileAccess):
         entry = self._lookup(key, kwargs)
         if self.options.record_only:  # as MegEngine's: every call is an eager, recording one
             return self._record(key, args, kwargs, replacing=entry)
+        if entry is not None and entry.shape_trace is not None and entry.shape_trace.provisional:
+            entry = None  # its symbolic-shape trace is recorded again (see _specialize), not this size alone
         if entry is None:
             entry = self._specialize(key, args, kwargs)
         if entry is None:
@@ -367,18 +369,16 @@ class trace(ProfileAccess):
         provisional = next((t for t in same if t.provisional), None)
         if mode is True:
             return all_dims(key), provisional
-        # automatic: the sizes in which this call differs from calls of the same family seen before
+        # automatic: a call of a kind seen before at other sizes makes every input size a symbol (not
+        # only those that changed, as torch.compile does): programs run per concrete size, so a symbol
+        # costs nothing at run time, and the size that changes next (the batch after the sequence
+        # length) needs no third trace. Sizes the code relies on stay pinned by their guards.
         relatives = [e for e in self._entries() if family(e.key) == kin]
         if not relatives and not same:
             return None  # a first call of its kind: static, as torch.compile's dynamic=None
         if any(why_static(e.record) for e in relatives if e.shape_trace is None):
             return None
-        dynamic = tuple(tuple(False for _ in shape) for shape in input_shapes(key))
-        for relative in relatives:
-            dynamic = union(dynamic, changed_dims(key, relative.key))
-        for shape_trace in same:
-            dynamic = union(dynamic, shape_trace.dynamic)
-        return (dynamic, provisional) if any(any(d) for d in dynamic) else None
+        return all_dims(key), provisional
 
     def _specialize(self, key: tuple, args: tuple, kwargs: dict) -> TraceEntry | None:
         """A trace entry for this call's sizes from a symbolic-shape trace whose guards hold, or None."""

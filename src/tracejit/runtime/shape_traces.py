@@ -41,18 +41,8 @@ def input_shapes(key: tuple) -> list[tuple[int, ...]]:
     return [tuple(k[0]) for k in positional] + [tuple(k[0]) for _, k in keyword]
 
 
-def changed_dims(key: tuple, other: tuple) -> tuple[tuple[bool, ...], ...]:
-    """Per tensor input, which dims differ in size between two signatures of one family."""
-    return tuple(tuple(a != b for a, b in zip(mine, theirs))
-                 for mine, theirs in zip(input_shapes(key), input_shapes(other)))
-
-
 def all_dims(key: tuple) -> tuple[tuple[bool, ...], ...]:
     return tuple(tuple(True for _ in shape) for shape in input_shapes(key))
-
-
-def union(a: tuple, b: tuple) -> tuple:
-    return tuple(tuple(x or y for x, y in zip(p, q)) for p, q in zip(a, b))
 
 
 def why_static(record: Record) -> str | None:
