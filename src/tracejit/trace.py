@@ -49,7 +49,7 @@ from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.python_state import python_state, refuse_python_state_changes
 from .runtime.realize import Realizer
 from .runtime.replay import Replayer
-from .runtime.shape_traces import ShapeTrace, all_dims, family, why_static
+from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static
 from .runtime.stats import TraceStats
 from .runtime.variants import ShapeVariants
 from .signature import call_context_key, describe_signature, gradient_snapshot, gradient_state, signature
@@ -373,7 +373,8 @@ class trace(ProfileAccess):
         # only those that changed, as torch.compile does): programs run per concrete size, so a symbol
         # costs nothing at run time, and the size that changes next (the batch after the sequence
         # length) needs no third trace. Sizes the code relies on stay pinned by their guards.
-        relatives = [e for e in self._entries() if family(e.key) == kin]
+        shapes = input_shapes(key)
+        relatives = [e for e in self._entries() if family(e.key) == kin and input_shapes(e.key) != shapes]
         if not relatives and not same:
             return None  # a first call of its kind: static, as torch.compile's dynamic=None
         if any(why_static(e.record) for e in relatives if e.shape_trace is None):
@@ -559,6 +560,8 @@ class trace(ProfileAccess):
     def _api_tracer(self, entry: TraceEntry, replayer: Replayer, args: tuple, kwargs: dict) -> ApiTracer | None:
         if not self._api_level or entry.api_refused is not None or replayer.may_rerecord:
             return None
+        if entry.shape_trace is not None and entry.replays == 0:
+            return None  # a size's first call: noting it pays only if the size comes back (cheaper new sizes)
         if entry.record.excluded_blocks:  # it runs the whole program at once; a block cuts the trace
             self._refuse_api(entry, f"an exclude_from_trace() block at {entry.record.excluded_blocks[0].source} "
                                     f"runs eager code in the middle of the call")
