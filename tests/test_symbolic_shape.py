@@ -243,6 +243,29 @@ def test_refusals(case):
         traced(torch.randn(6))
 
 
+@pytest.mark.parametrize("case", ["repeated", "shared", "requires_grad"])
+def test_inputs_that_cannot_have_stand_ins(case):
+    """True refuses; the automatic mode keeps one trace per shape, exact as before."""
+    def inputs(n):
+        x = torch.randn(n, 4)
+        if case == "repeated":
+            return x, x
+        if case == "shared":
+            return x[:, :2], x[:, 2:]
+        return x.requires_grad_(), torch.randn(n, 4)
+
+    def function(a, b):
+        return (a * b).sum(1)
+
+    with pytest.raises(SymbolicTraceError, match="stand-ins"):
+        tracejit.trace(function, symbolic_shape=True)(*inputs(3))
+    traced = tracejit.trace(function)
+    for n in (3, 5, 7, 5):
+        args = inputs(n)
+        assert torch.equal(traced(*args), function(*args))
+    assert traced.stats.records == 3 and traced._shape_traces == []
+
+
 def test_refuses_a_tensor_of_symbolic_size_that_needs_its_graph():
     model = MLP((32, 64, 10))
     traced = tracejit.trace(lambda x, *, model: model(x), symbolic_shape=True)

@@ -49,7 +49,7 @@ from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.python_state import python_state, refuse_python_state_changes
 from .runtime.realize import Realizer
 from .runtime.replay import Replayer
-from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static
+from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
 from .runtime.variants import ShapeVariants
 from .signature import call_context_key, describe_signature, gradient_snapshot, gradient_state, signature
@@ -363,6 +363,14 @@ class trace(ProfileAccess):
         input become symbols, the symbolic-shape trace it replaces), or None to record it static."""
         mode = self.options.symbolic_shape
         if mode is False or self.options.record_only:
+            return None
+        reason = why_static_inputs(key, self._arg_names_for(key[0]))
+        if reason is not None:
+            if mode is True:
+                raise SymbolicTraceError(
+                    f"tracejit: {self.__name__}() cannot be recorded with symbolic sizes (symbolic_shape=True): "
+                    f"{reason}, and the recording runs the function on stand-ins of its inputs. Trace it with "
+                    f"symbolic_shape=None (such calls get one trace per shape) or False.")
             return None
         kin = family(key)
         same = [t for t in self._shape_traces if t.family == kin]

@@ -45,6 +45,24 @@ def all_dims(key: tuple) -> tuple[tuple[bool, ...], ...]:
     return tuple(tuple(True for _ in shape) for shape in input_shapes(key))
 
 
+def why_static_inputs(key: tuple, arg_names: list[str]) -> str | None:
+    """Why calls with this signature cannot get stand-ins for their inputs, or None. A stand-in is
+    another tensor object: one input passed twice, or two inputs sharing memory, would become
+    unrelated tensors, and an input that requires grad would get its `.grad` on the stand-in."""
+    positional, keyword, _, repeated, shared, *_ = key
+    names = arg_names + [name for name, _ in keyword]
+    for i, j in enumerate(repeated):
+        if i != j:
+            return f"input {names[i]} is the same tensor as input {names[j]}"
+    if shared:
+        i, j, _ = shared[0]
+        return f"input {names[i]} lies in the memory of input {names[j]}"
+    for i, tensor_key in enumerate([*positional, *(k for _, k in keyword)]):
+        if tensor_key[4]:
+            return f"input {names[i]} requires grad (its .grad would be set on a stand-in)"
+    return None
+
+
 def why_static(record: Record) -> str | None:
     """Why a call like the one `record` holds cannot be recorded with symbolic sizes, or None.
 
