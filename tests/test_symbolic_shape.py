@@ -54,6 +54,32 @@ def test_mlp_many_batch_sizes_one_trace(without_host):
         assert traced.stats.host_free_calls >= 4
 
 
+@pytest.mark.parametrize("mode", [None, True], ids=["automatic", "symbolic"])
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_dropout_and_sgd_momentum_over_batch_sizes(mode, without_host):
+    """Random ops draw what eager draws from the same seed, at every size (the program draws in
+    recorded order); SGD's momentum buffers are lazy state (the symbolic trace is recorded again)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 4))
+    objects = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+    sizes = [5, 5, 7, 9, 7, 12, 5, 7]
+    traced = tracejit.trace(mlp_step, symbolic_shape=mode, without_host=without_host)
+    side_by_side(traced, mlp_step, objects, lambda i: _batch(sizes[i], width=16, classes=4, seed=i), len(sizes),
+                 records=1 if mode else 2)
+
+
+def test_returns_inputs_and_views_of_them():
+    def views(x):
+        return x, x[1:], x.t()
+
+    traced = tracejit.trace(views, symbolic_shape=True)
+    for n in (3, 4, 4, 5):
+        x = torch.randn(n, 2)
+        assert same_tree(traced(x), views(x))
+    assert traced.stats.records == 1 and traced.stats.shape_specializations == 2
+
+
 def test_mlp_inference_returns_real_tensors_of_each_size():
     model = MLP((32, 64, 10)).eval()
 
