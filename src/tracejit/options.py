@@ -125,7 +125,7 @@ class TraceOptions:
     graph_opt_config: Any = None
     # MegEngine's symbolic_shape: False, one trace per input shape; True, every input size symbolic
     # from the first call; None (automatic dynamic, torch.compile's dynamic=None), the first trace
-    # static and the sizes a later call changes symbolic (see docs/guide.md, "symbolic_shape").
+    # static and, once a call differs only in sizes, a trace of symbolic sizes (docs/guide.md).
     symbolic_shape: bool | None = None
 
     def __post_init__(self) -> None:

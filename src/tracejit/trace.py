@@ -116,7 +116,7 @@ class trace(ProfileAccess):
             its unset fields follow opt_level (on from 3).
         symbolic_shape: False, one trace per input shape; True, every input size is a symbol from
             the first call; None (default), the first trace static and a later call that differs
-            only in sizes records a trace with those sizes symbolic (see docs/guide.md).
+            only in sizes records a trace with every input size symbolic (see docs/guide.md).
     """
 
     def __new__(cls, function: Callable | None = None, **options: Any):
