@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,7 +109,10 @@ def new_shapes(base: torch.nn.Module, make, warm: list, new: list) -> dict[str, 
 
 def torch_compile_recompile(base: torch.nn.Module) -> dict[str, float]:
     """torch.compile(dynamic=None): the first size change recompiles with dynamic sizes; later sizes
-    reuse that graph. Reports the static compile, the recompile, and a later new size."""
+    reuse that graph. Reports the static compile, the recompile, and a later new size. Inductor's
+    on-disk caches start empty (a temporary TORCHINDUCTOR_CACHE_DIR), as tracejit's specializations
+    do in a process: a warm cache from an earlier run would hide the compilation."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     torch._dynamo.reset()
     fn, state = torch.compile(train_step, dynamic=None), objects(base)
     times = []
