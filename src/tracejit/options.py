@@ -123,8 +123,14 @@ class TraceOptions:
     record_only: bool = False
     dtr_config: Any = None
     graph_opt_config: Any = None
+    # MegEngine's symbolic_shape: False, one trace per input shape; True, every input size symbolic
+    # from the first call; None (automatic dynamic, torch.compile's dynamic=None), the first trace
+    # static and, once a call differs only in sizes, a trace of symbolic sizes (docs/guide.md).
+    symbolic_shape: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.symbolic_shape is not None and not isinstance(self.symbolic_shape, bool):
+            raise TypeError(f"tracejit.trace: symbolic_shape must be None, False or True, got {self.symbolic_shape!r}")
         for name in ("symbolic", "capture_as_const", "without_host", "profiling", "record_only"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"tracejit.trace: {name} must be a bool, got {getattr(self, name)!r}")
@@ -143,7 +149,8 @@ class TraceOptions:
             # record_only calls run eagerly and record; these options are about running a program
             for name, why in (("without_host", "skips the function to run the compiled program"),
                               ("symbolic", "runs the recorded program to compute the first call"),
-                              ("profiling", "times the nodes of the compiled program")):
+                              ("profiling", "times the nodes of the compiled program"),
+                              ("symbolic_shape", "records a trace of symbolic sizes and runs it per size")):
                 if getattr(self, name):
                     raise ValueError(f"tracejit.trace: record_only=True never runs the compiled program, but "
                                      f"{name}=True {why}; use one or the other")

@@ -38,7 +38,9 @@ from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
 from .record.source import user_location
+from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
+from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
 from .runtime.api_replay import ApiProgram, NotReplayable, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
@@ -47,6 +49,7 @@ from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.python_state import python_state, refuse_python_state_changes
 from .runtime.realize import Realizer
 from .runtime.replay import Replayer
+from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
 from .runtime.variants import ShapeVariants
 from .signature import call_context_key, describe_signature, gradient_snapshot, gradient_state, signature
@@ -71,6 +74,7 @@ class TraceEntry:
     api_fallbacks: int = 0  # API-level calls that had to run at the aten level instead
     api_last_fallback: str | None = None
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
+    shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
 
     @property
     def serving_program(self) -> CheckedProgram | HostFreeProgram:
@@ -110,6 +114,9 @@ class trace(ProfileAccess):
             compiled program never runs.
         graph_opt_config: fusions beyond elementwise ops (a tracejit.GraphOptimizationConfig);
             its unset fields follow opt_level (on from 3).
+        symbolic_shape: False, one trace per input shape; True, every input size is a symbol from
+            the first call; None (default), the first trace static and a later call that differs
+            only in sizes records a trace with every input size symbolic (see docs/guide.md).
     """
 
     def __new__(cls, function: Callable | None = None, **options: Any):
@@ -121,7 +128,7 @@ class trace(ProfileAccess):
                  capture_as_const: bool = False, opt_level: int = 2, max_traces: int = 8,
                  without_host: bool = False, verify_every: int | None = None, profiling: bool = False,
                  backend: str = "auto", sublinear_memory_config: Any = None, record_only: bool = False,
-                 dtr_config: Any = None, graph_opt_config: Any = None):
+                 dtr_config: Any = None, graph_opt_config: Any = None, symbolic_shape: bool | None = None):
         if not callable(function):
             raise TypeError(f"tracejit.trace: expected a function to trace, got {type(function).__name__}")
         self.options = TraceOptions(
@@ -129,10 +136,12 @@ class trace(ProfileAccess):
             max_traces=max_traces, without_host=without_host, verify_every=verify_every,
             profiling=profiling, backend=backend, sublinear_memory_config=sublinear_memory_config,
             record_only=record_only, dtr_config=dtr_config, graph_opt_config=graph_opt_config,
+            symbolic_shape=symbolic_shape,
         )
         self._function = function
         # signature -> the traces recorded for it, one per gradient state when that matters
         self._traces: dict[tuple, list[TraceEntry]] = {}
+        self._shape_traces: list[ShapeTrace] = []  # symbolic_shape: traces of symbolic sizes, oldest first
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
@@ -140,6 +149,8 @@ class trace(ProfileAccess):
         self._fusion = resolve_backend(backend)
         self._compile_options = CompileOptions(opt_level, self._fusion, sublinear_memory_config, dtr_config,
                                                fuse_reduce=self.options.fuse_reduce)
+        # Fused kernels are generated for fixed sizes: specializations of a symbolic-shape trace run unfused
+        self._unfused_options = replace(self._compile_options, fusion=None, fuse_reduce=False)
         self._fast_call: Callable | None = None
         # the trace the last checked call at the API level used: the next call tries its signature
         # first (HostFreeRunner.admit), before computing its own and looking it up
@@ -208,6 +219,10 @@ class trace(ProfileAccess):
         entry = self._lookup(key, kwargs)
         if self.options.record_only:  # as MegEngine's: every call is an eager, recording one
             return self._record(key, args, kwargs, replacing=entry)
+        if entry is not None and entry.shape_trace is not None and entry.shape_trace.provisional:
+            entry = None  # its symbolic-shape trace is recorded again (see _specialize), not this size alone
+        if entry is None:
+            entry = self._specialize(key, args, kwargs)
         if entry is None:
             return self._record(key, args, kwargs)
         if self.options.without_host:
@@ -260,8 +275,10 @@ class trace(ProfileAccess):
         return [entry for entries in self._traces.values() for entry in entries]
 
     def _trace_count(self) -> int:
-        """Traces held, against max_traces: each variant of a data-dependent output size counts."""
-        return sum(len(e.variants) if e.variants is not None else 1 for e in self._entries())
+        """Traces held, against max_traces: each variant of a data-dependent output size counts, and
+        a symbolic-shape trace counts once, whatever the number of sizes it serves."""
+        return len(self._shape_traces) + sum(len(e.variants) if e.variants is not None else 1
+                                             for e in self._entries() if e.shape_trace is None)
 
     def _check_arguments(self, args: tuple, kwargs: dict) -> None:
         for i, value in enumerate(args):
@@ -284,15 +301,12 @@ class trace(ProfileAccess):
                 )
 
     def _record(self, key: tuple, args: tuple, kwargs: dict, replacing: TraceEntry | None = None) -> Any:
+        plan = self._symbolic_plan(key) if replacing is None else None
+        if plan is not None:
+            return self._record_symbolic(key, args, kwargs, *plan)
         grad_state = gradient_state(kwargs)
         if self._trace_count() - (replacing is not None) >= self.options.max_traces:
-            seen = "\n".join(f"  {describe_signature(e.key, self._arg_names, e.grad_state)}" for e in self._entries())
-            raise TraceCacheFullError(
-                f"{self.__name__}() was called with a new input signature, but max_traces="
-                f"{self.options.max_traces} traces exist already.\n  new: "
-                f"{describe_signature(key, self._arg_names, grad_state)}\nrecorded signatures:\n{seen}\n"
-                f"Pad or bucket inputs to a few shapes, or raise max_traces."
-            )
+            raise self._cache_full(key, args, kwargs, grad_state)
         grads_before = gradient_snapshot(kwargs)
         recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
@@ -326,6 +340,164 @@ class trace(ProfileAccess):
         self._traces[key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
         self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs, result=result)
         self.stats.records += 1
+        return result
+
+    def _cache_full(self, key: tuple, args: tuple, kwargs: dict, grad_state: tuple) -> TraceCacheFullError:
+        seen = "\n".join(f"  {describe_signature(e.key, self._arg_names, e.grad_state)}"
+                         for e in self._entries() if e.shape_trace is None)
+        symbolic = ""
+        tensors = [t for _, t in tensor_inputs(args, kwargs, self._arg_names_for(args))]
+        for shape_trace in self._shape_traces:
+            seen += f"\n  {shape_trace.describe()}"
+            if shape_trace.family == family(key):
+                broken = shape_trace.guards.broken(tensors)
+                if broken:
+                    symbolic += (f"\nthe trace of symbolic sizes {shape_trace.guards.describe()} cannot serve it: "
+                                 f"its sizes break {'; '.join(broken)}")
+        return TraceCacheFullError(
+            f"{self.__name__}() was called with a new input signature, but max_traces="
+            f"{self.options.max_traces} traces exist already.\n  new: "
+            f"{describe_signature(key, self._arg_names, grad_state)}\nrecorded signatures:\n{seen}{symbolic}\n"
+            f"Pad or bucket inputs to a few shapes, or raise max_traces."
+        )
+
+    def _arg_names_for(self, args: tuple) -> list[str]:
+        return [self._arg_name(i) for i in range(len(args))]
+
+    # -- symbolic_shape ---------------------------------------------------------------------------
+
+    def _symbolic_plan(self, key: tuple) -> tuple[tuple, ShapeTrace | None] | None:
+        """Whether a call without a trace records one of symbolic sizes: (which dims of which tensor
+        input become symbols, the symbolic-shape trace it replaces), or None to record it static."""
+        mode = self.options.symbolic_shape
+        if mode is False or self.options.record_only:
+            return None
+        reason = why_static_inputs(key, self._arg_names_for(key[0]))
+        if reason is not None:
+            if mode is True:
+                raise SymbolicTraceError(
+                    f"tracejit: {self.__name__}() cannot be recorded with symbolic sizes (symbolic_shape=True): "
+                    f"{reason}, and the recording runs the function on stand-ins of its inputs. Trace it with "
+                    f"symbolic_shape=None (such calls get one trace per shape) or False.")
+            return None
+        kin = family(key)
+        same = [t for t in self._shape_traces if t.family == kin]
+        provisional = next((t for t in same if t.provisional), None)
+        if mode is True:
+            return all_dims(key), provisional
+        # automatic: a call of a kind seen before at other sizes makes every input size a symbol (not
+        # only those that changed, as torch.compile does): programs run per concrete size, so a symbol
+        # costs nothing at run time, and the size that changes next (the batch after the sequence
+        # length) needs no third trace. Sizes the code relies on stay pinned by their guards.
+        shapes = input_shapes(key)
+        relatives = [e for e in self._entries() if family(e.key) == kin and input_shapes(e.key) != shapes]
+        if not relatives and not same:
+            return None  # a first call of its kind: static, as torch.compile's dynamic=None
+        if any(why_static(e.record) for e in relatives if e.shape_trace is None):
+            return None
+        return all_dims(key), provisional
+
+    def _specialize(self, key: tuple, args: tuple, kwargs: dict) -> TraceEntry | None:
+        """A trace entry for this call's sizes from a symbolic-shape trace whose guards hold, or None."""
+        if not self._shape_traces:
+            return None
+        kin = family(key)
+        tensors = None
+        for shape_trace in reversed(self._shape_traces):  # the newest is the most general
+            if shape_trace.family != kin:
+                continue
+            if shape_trace.grad_state is not None and shape_trace.grad_state != gradient_state(kwargs):
+                continue
+            if tensors is None:
+                tensors = [t for _, t in tensor_inputs(args, kwargs, self._arg_names_for(args))]
+            if not shape_trace.guards.hold(tensors):
+                continue
+            if shape_trace.provisional:
+                return None  # record it again, now that the state it created exists
+            record = specialize(shape_trace.record, shape_trace.guards.binding(tensors))
+            entry = TraceEntry(key, record, self._compile(record, fused=False), shape_trace.grad_state,
+                               shape_trace=shape_trace)
+            self._add_specialization(entry)
+            self.stats.shape_specializations += 1
+            return entry
+        return None
+
+    def _add_specialization(self, entry: TraceEntry) -> None:
+        self._traces.setdefault(entry.key, []).append(entry)
+        self._traces[entry.key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
+        evicted = entry.shape_trace.admit(entry.key)
+        if evicted is not None:
+            kept = [e for e in self._traces.get(evicted, []) if e.shape_trace is not entry.shape_trace]
+            if kept:
+                self._traces[evicted] = kept
+            else:
+                self._traces.pop(evicted, None)
+            self._fast_call = None
+
+    def _drop_shape_trace(self, shape_trace: ShapeTrace) -> None:
+        self._shape_traces.remove(shape_trace)
+        for key in list(self._traces):
+            kept = [e for e in self._traces[key] if e.shape_trace is not shape_trace]
+            if kept:
+                self._traces[key] = kept
+            else:
+                del self._traces[key]
+        self._fast_call = None
+
+    def _record_symbolic(self, key: tuple, args: tuple, kwargs: dict, dynamic: tuple,
+                         replaced: ShapeTrace | None) -> Any:
+        """Record this call with the `dynamic` dims of its tensor inputs as symbols; see
+        record/symbolic_shapes.py. The call's values come from the record specialized for its sizes."""
+        grad_state = gradient_state(kwargs)
+        if replaced is None and self._trace_count() >= self.options.max_traces:
+            raise self._cache_full(key, args, kwargs, grad_state)
+        grads_before = gradient_snapshot(kwargs)
+        arg_names = self._arg_names_for(args)
+        sizes = SymbolicSizes()
+        inputs = tensor_inputs(args, kwargs, arg_names)
+        fakes = [sizes.fake_input(name, tensor, dims) for (name, tensor), dims in zip(inputs, dynamic)]
+        fake_args = tuple(fakes[:len(args)])
+        fake_kwargs = {**kwargs, **{name: fake for (name, _), fake in zip(inputs[len(args):], fakes[len(args):])}}
+        recorder = SymbolicRecorder(self.__name__, capture_as_const=self.options.capture_as_const,
+                                    external_names=ExternalNames(self._function, kwargs), compile=_record_itself,
+                                    runner=Realizer(), sizes=sizes)
+        recorder.bind_inputs(fake_args, fake_kwargs, arg_names)
+        recorder.use_real_inputs(args, kwargs)
+        context = CallContext(self, recorder, self.options.capture_as_const)
+        try:
+            with traced_call(context):
+                result = self._function(*fake_args, **fake_kwargs)
+            record = recorder.finish(result)
+            record.rng_calls = tuple(context.rng_calls)
+            record.rerecorded = replaced is not None
+            dependency = rng_dependency(record, after_first_draw=True)
+            if dependency:
+                raise SymbolicTraceError(
+                    f"tracejit: {self.__name__}() cannot be recorded with symbolic sizes (symbolic_shape): "
+                    f"{dependency}. The recording draws the random numbers only when the program runs, after "
+                    f"the function. Trace it with symbolic_shape=False.")
+            guards = sizes.guards()
+            unbound = record_symbols(record) - {source[3] for source in guards.sources}
+            if unbound:
+                raise SymbolicTraceError(
+                    f"tracejit: {self.__name__}() computes sizes from tensor values ({', '.join(map(str, unbound))}), "
+                    f"which symbolic_shape cannot evaluate from the input sizes. Trace it with symbolic_shape=False.")
+            concrete = specialize(record, guards.binding([t for _, t in inputs]))
+            program = self._compile(concrete, fused=False)
+        except BaseException:
+            recorder.abandon()  # run what was recorded, so side effects match an eager call
+            raise
+        recorder.complete(program)
+        result = recorder.real_result(result)
+        depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
+        shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None)
+        if replaced is not None:
+            self._drop_shape_trace(replaced)
+            self.stats.rerecords += 1
+        else:
+            self.stats.records += 1
+        self._shape_traces.append(shape_trace)
+        self._add_specialization(TraceEntry(key, concrete, program, shape_trace.grad_state, shape_trace=shape_trace))
         return result
 
     def _new_recorder(self, kwargs: dict) -> Recorder:
@@ -378,7 +550,8 @@ class trace(ProfileAccess):
             else:
                 self.stats.shape_variants += 1
         elif new_record is not None:
-            replaced = TraceEntry(entry.key, new_record, self._compile(new_record), entry.grad_state)
+            replaced = TraceEntry(entry.key, new_record, self._compile(new_record, fused=entry.shape_trace is None),
+                                  entry.grad_state, shape_trace=entry.shape_trace)
             entries = self._traces[entry.key]
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result)
@@ -403,6 +576,8 @@ class trace(ProfileAccess):
     def _api_tracer(self, entry: TraceEntry, replayer: Replayer, args: tuple, kwargs: dict) -> ApiTracer | None:
         if not self._api_level or entry.api_refused is not None or replayer.may_rerecord:
             return None
+        if entry.shape_trace is not None and entry.replays == 0:
+            return None  # a size's first call: noting it pays only if the size comes back (cheaper new sizes)
         if entry.record.excluded_blocks:  # it runs the whole program at once; a block cuts the trace
             self._refuse_api(entry, f"an exclude_from_trace() block at {entry.record.excluded_blocks[0].source} "
                                     f"runs eager code in the middle of the call")
@@ -483,7 +658,8 @@ class trace(ProfileAccess):
         """Compile the trace's host-free program (raises HostDependencyError if it has none)."""
         started = CLOCK()
         graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
-        program, entry.history = compile_host_free(graph, self._compile_options, self.__name__, self._profiler)
+        options = self._compile_options if entry.shape_trace is None else self._unfused_options
+        program, entry.history = compile_host_free(graph, options, self.__name__, self._profiler)
         runner = HostFreeRunner(entry.record, program, self._function, checked)
         if self._profiler is not None:
             self._profiler.compiled(CLOCK() - started)
@@ -495,14 +671,17 @@ class trace(ProfileAccess):
         if self._profiler is None and self.options.verify_every is None:
             self._fast_call = entry.host_free.call
 
-    def _compile(self, record: Record) -> CheckedProgram:
+    def _compile(self, record: Record, fused: bool = True) -> CheckedProgram:
+        """The checked program of a record; `fused=False` (symbolic-shape specializations): no fused
+        kernels, which are generated for fixed sizes."""
         started = CLOCK()
         graph = build_graph(record, host_visible=True, capture_as_const=self.options.capture_as_const)
         history = [("record", graph, 0.0)]
-        if self._fusion is not None and not self.options.record_only:  # record_only runs no kernel: build none
-            result = optimize(graph, self._compile_options)
+        options = self._compile_options if fused else self._unfused_options
+        if options.fusion is not None and not self.options.record_only:  # record_only runs no kernel: build none
+            result = optimize(graph, options)
             graph, history = result.graph, result.history
-        kernels = compile_kernels(graph, self._compile_options, self.__name__, "checked", history)
+        kernels = compile_kernels(graph, options, self.__name__, "checked", history)
         program = CheckedProgram(record, graph, self._profiler, kernels)
         if self._profiler is not None:
             self._profiler.compiled(CLOCK() - started)

@@ -19,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
 )
@@ -28,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import SymbolicTraceError
 from .source import user_location
+from .symbolic_shapes import SymbolicSizes, has_symbolic_metadata
 
 
 class _QuietDuringFakeRuns(logging.Filter):
@@ -101,14 +103,22 @@ class PlaceholderExecutor:
     from outside the recording (converting a real tensor costs milliseconds, a lookup nothing).
     """
 
-    def __init__(self) -> None:
-        self._mode: FakeTensorMode | None = None
+    def __init__(self, sizes: SymbolicSizes | None = None) -> None:
+        # symbolic_shape: the fake mode of the recording's ShapeEnv, whose fakes the host holds
+        self._sizes = sizes
+        self._mode: FakeTensorMode | None = sizes.mode if sizes is not None else None
         self._fakes = WeakIdKeyDictionary()  # real tensor -> its fake twin
 
     def forget_metadata(self) -> None:
         """Drop the fake twins: code outside the recording may have changed tensors' metadata."""
-        self._mode = None
+        if self._sizes is None:
+            self._mode = None
         self._fakes = WeakIdKeyDictionary()
+
+    def _hands_out_fake(self, fake: torch.Tensor) -> bool:
+        """symbolic_shape: an output whose sizes are symbols stays a fake tensor for the host (its
+        Python code sees the SymInts); outputs of fixed size get placeholders as usual."""
+        return self._sizes is not None and has_symbolic_metadata(fake)
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
         """The op's result with placeholders for new outputs and the real inputs for aliased ones.
@@ -131,6 +141,8 @@ class PlaceholderExecutor:
                         f"of the right shape, or trace with symbolic=False."
                     )
                 return original
+            if self._hands_out_fake(value):
+                return value
             if id(value) not in allocated:
                 allocated[id(value)] = placeholder = _allocate_like(value)
                 self._fakes[placeholder] = value
@@ -141,6 +153,9 @@ class PlaceholderExecutor:
     def run_view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run a view op for real (it computes only metadata) and on the fakes, pairing the outputs."""
         fake_result, _ = self._run_fake(func, args, kwargs)
+        if self._sizes is not None and (_any_fake((args, kwargs)) or any(
+                self._hands_out_fake(t) for t in tree_leaves(fake_result))):
+            return fake_result  # a view of a fake, or of symbolic size: the fake world only
         result = func(*args, **kwargs)
         for real, fake in zip(tree_leaves(result), tree_leaves(fake_result)):
             if isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor):
@@ -149,7 +164,9 @@ class PlaceholderExecutor:
 
     def change_metadata(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Apply an op that changes only metadata in place (`unsqueeze_`, `t_`) to fake and real tensor."""
-        self._run_fake(func, args, kwargs)
+        fake_result, _ = self._run_fake(func, args, kwargs)
+        if self._sizes is not None and _any_fake((args, kwargs)):
+            return fake_result  # the host's tensor is the fake itself: changed once, by the fake run
         return func(*args, **kwargs)
 
     def _run_fake(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[int, torch.Tensor]]:
@@ -160,10 +177,15 @@ class PlaceholderExecutor:
         mode, fakes = self._mode, self._fakes
         real_of_fake: dict[int, torch.Tensor] = {}
 
+        sizes = self._sizes
+
         def to_fake(tensor: torch.Tensor) -> torch.Tensor:
+            if sizes is not None and isinstance(tensor, FakeTensor):
+                real_of_fake[id(tensor)] = tensor
+                return tensor  # handed out by this recording: it is its own fake
             fake = fakes.get(tensor)
             if fake is None:
-                fakes[tensor] = fake = mode.from_tensor(tensor)
+                fakes[tensor] = fake = mode.from_tensor(tensor) if sizes is None else sizes.static_fake(tensor)
             real_of_fake[id(fake)] = tensor
             return fake
 
@@ -182,6 +204,10 @@ class PlaceholderExecutor:
                 raise explained from error
             finally:
                 _quiet.running.active = False
+
+
+def _any_fake(tree: Any) -> bool:
+    return any(isinstance(t, FakeTensor) for t in tree_leaves(tree))
 
 
 def _allocate_like(fake: torch.Tensor) -> torch.Tensor:

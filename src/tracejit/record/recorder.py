@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .amp import INF_CHECK, in_grad_scaler
@@ -269,7 +270,7 @@ class Recorder:
             handle = self.handles.get(value)
             if handle is None:
                 handle = self._new_handle(value, Kind.INTERNAL, f"op #{index}", producer=index, base=base)
-                if base is None:  # the memory of views is watched through their base
+                if base is None and not isinstance(value, FakeTensor):  # views: watched through their base
                     self.storages[handle] = StorageWeakRef(value.untyped_storage())
             outputs.append(handle)
             metas.append(TensorMeta.of(value))
@@ -348,7 +349,7 @@ def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int
     """
     alive: dict[int, int] = {}  # handle -> storage pointer
     for handle, tensor in handles.live().items():
-        alive[handle] = tensor.untyped_storage().data_ptr()
+        alive[handle] = storage_address(tensor)
     for handle, ref in (storages or {}).items():
         if handle not in alive and not ref.expired():
             alive[handle] = _storage_pointer(ref)
@@ -369,7 +370,7 @@ def _storage_pointer(ref: StorageWeakRef) -> int:
 
 
 def _storages_of(result: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in _tensors_in(result)}
+    return {storage_address(t) for t in _tensors_in(result)}
 
 
 def autograd_saved(result: Any) -> set[int]:
@@ -388,7 +389,7 @@ def autograd_saved(result: Any) -> set[int]:
                     value = getattr(node, name)
                 except RuntimeError:  # already freed by a backward pass
                     continue
-                saved.update(t.untyped_storage().data_ptr() for t in _tensors_in(value))
+                saved.update(storage_address(t) for t in _tensors_in(value))
         pending.extend(next_node for next_node, _ in node.next_functions)
     return saved
 
@@ -422,6 +423,8 @@ def _copy_info(info: TensorInfo) -> TensorInfo:
 
 def storage_address(tensor: torch.Tensor) -> int:
     """Where a tensor's memory is (0 for tensors without real memory: fake, meta)."""
+    if isinstance(tensor, FakeTensor):  # symbolic_shape's stand-ins (asking warns)
+        return 0
     try:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

@@ -18,6 +18,7 @@ symbolic recording promises not to do (see docs/symbolic.md).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import os
 import sys
@@ -25,9 +26,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import SymbolicTraceError
 from .calls import HOST_VALUE_OPS, is_view_op, mutated_tensors
@@ -36,10 +38,19 @@ from .placeholders import DataDependentResult, Placeholder, PlaceholderExecutor,
 from .record import Kind, OpRecord, OutputSpec, Record
 from .recorder import Recorder, mark_escapes, storage_address
 from .source import user_location
+from .specialize import specialize
+from .symbolic_shapes import SymbolicSizes
 
 # In-place ops that give a tensor another storage: a placeholder's storage must stay the one recorded.
 _STORAGE_REPLACING_OPS = frozenset({"resize_", "resize_as_", "set_"})
 _OPTIM_DIR = f"{os.sep}torch{os.sep}optim{os.sep}"
+# What a fake tensor dispatches to answer a metadata query (FakeTensor dispatches its device).
+_FAKE_METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+
+
+def sorted_kwargs(kwarg_handles: dict[str, int]) -> list[int]:
+    """Tensor keyword handles in signature order (by name)."""
+    return [kwarg_handles[name] for name in sorted(kwarg_handles)]
 
 
 class ProgramRunner(Protocol):
@@ -47,16 +58,23 @@ class ProgramRunner(Protocol):
             placeholders: dict[int, Placeholder]) -> list[str]:
         """Run the program's ops not run yet; fill every live placeholder; return stride disagreements."""
 
+    def computed(self, handle: int) -> torch.Tensor:
+        """The value the runs left for an escaped handle."""
+
 
 class SymbolicRecorder(Recorder):
     """A recorder that computes nothing until the call is over (see module docstring)."""
 
     def __init__(self, function_name: str, *, capture_as_const: bool, external_names: ExternalNames,
-                 compile: Callable[[Record], Any], runner: ProgramRunner):
+                 compile: Callable[[Record], Any], runner: ProgramRunner, sizes: SymbolicSizes | None = None):
         super().__init__(function_name, capture_as_const=capture_as_const, external_names=external_names)
         self._compile = compile
         self._runner = runner
-        self._executor = PlaceholderExecutor()
+        # symbolic_shape: the inputs are fakes of symbolic sizes (record/symbolic_shapes.py); a run of
+        # the record so far (a catch-up) evaluates its sizes for this call's inputs first.
+        self._sizes = sizes
+        self._real_inputs: dict[int, torch.Tensor] = {}
+        self._executor = PlaceholderExecutor(sizes)
         # Every tensor the record takes from outside (arguments, externals, constants), held strongly:
         # the program reads them when it runs, after the call may have dropped them.
         self._inputs: dict[int, torch.Tensor] = {}
@@ -78,12 +96,20 @@ class SymbolicRecorder(Recorder):
             self._inputs[handle] = tensor
         return handle
 
+    def use_real_inputs(self, args: tuple, kwargs: dict) -> None:
+        """symbolic_shape: the function got fakes of the inputs; the program reads the real ones."""
+        self._real_inputs = dict(zip(self.arg_handles, args))
+        self._real_inputs.update((self.kwarg_handles[name], kwargs[name]) for name in self.kwarg_handles)
+        self._inputs.update(self._real_inputs)
+
     def held_storages(self) -> set[int]:
         # A tensor from before an excluded block, used after it, is an input of the program (see
         # Recorder._cut) that this recorder holds until the program has run: that keeps no state.
         return {storage_address(t) for h, t in self._inputs.items() if self.tensors[h].cut is not None}
 
     def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func in _FAKE_METADATA_OPS:  # a fake tensor asking for its device: not an op of the function
+            return func(*args, **kwargs)
         if func in HOST_VALUE_OPS:
             for value in args:
                 if isinstance(value, torch.Tensor):
@@ -183,10 +209,25 @@ class SymbolicRecorder(Recorder):
         super()._on_host_read(tensor, what)
 
     def _check_readable(self, tensor: torch.Tensor, what: str) -> None:
+        if isinstance(tensor, FakeTensor):
+            raise SymbolicTraceError(self._fake_read_message(tensor, what))
         key = storage_key(tensor)
         reason = self._stale.get(key) if key is not None else None
         if reason is not None:
             raise SymbolicTraceError(self._host_read_message(tensor, what, reason))
+
+    def _fake_read_message(self, tensor: torch.Tensor, what: str) -> str:
+        source = user_location()
+        code = f": {source.code}" if source.code else ""
+        handle = self.handles.get(tensor)
+        label = f"t{handle} " if handle is not None else ""
+        return (
+            f"tracejit: {self.function_name}() reads the value of a tensor on the host ({what}) at {source}{code}, "
+            f"while it is recorded with symbolic sizes (symbolic_shape). That tensor, {label}of shape "
+            f"{list(tensor.shape)}, is an input or depends on one, and symbolic-shape recording runs the function on "
+            f"stand-ins of the inputs that have sizes but no values. A value read on the host would also make the "
+            f"trace depend on data. Read the value after the call, or trace with symbolic_shape=False."
+        )
 
     def _host_read_message(self, tensor: torch.Tensor, what: str, reason: str) -> str:
         source = user_location()
@@ -221,7 +262,51 @@ class SymbolicRecorder(Recorder):
 
     def catch_up(self) -> None:
         """An excluded block begins: it is eager code, so run the ops recorded so far."""
+        if self._sizes is not None:
+            raise SymbolicTraceError(
+                f"tracejit: {self.function_name}() has an exclude_from_trace() block at {user_location()}, and "
+                f"symbolic_shape records the function on stand-ins of its inputs that have sizes but no values: "
+                f"the block would see no values. Trace it with symbolic_shape=False.")
         self._catch_up()
+
+    def finish(self, result: Any) -> Record:
+        record = super().finish(result)
+        if self._sizes is not None:
+            self._refuse_kept_fakes(record, result)
+        return record
+
+    def _refuse_kept_fakes(self, record: Record, result: Any) -> None:
+        """A tensor of symbolic size exists only as a stand-in: the call's result gets real values in
+        its place, but a stand-in kept anywhere else (a module attribute, the autograd graph of a
+        returned tensor) would stay one."""
+        returned = {id(t) for t in tree_leaves(result) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(result):
+            if isinstance(tensor, FakeTensor) and tensor.requires_grad:
+                raise SymbolicTraceError(
+                    f"tracejit: {self.function_name}() returns a tensor of symbolic size that requires grad "
+                    f"(of shape {list(tensor.shape)}), and runs no backward pass for it. With symbolic_shape the "
+                    f"call returns it computed by the program, without an autograd graph. Trace the whole "
+                    f"training step, call it under torch.no_grad(), or trace with symbolic_shape=False.")
+        gc.collect()  # stand-ins in reference cycles the call left behind
+        for handle, tensor in self.handles.live().items():
+            info = record.tensors[handle]
+            if (isinstance(tensor, FakeTensor) and info.kind is Kind.INTERNAL and id(tensor) not in returned
+                    and not any(t is tensor for t in tree_leaves(result))):
+                producer = record.ops[info.producer]
+                raise SymbolicTraceError(
+                    f"tracejit: {self.function_name}() keeps t{handle}, a tensor of symbolic size made by op "
+                    f"#{producer.index} {producer.name} at {producer.source}, beyond the call (in Python state, "
+                    f"or saved by the autograd graph of a returned tensor) without returning it. With "
+                    f"symbolic_shape such a tensor is a stand-in until the call returns, so it cannot be kept. "
+                    f"Return it, or trace with symbolic_shape=False.")
+
+    def real_result(self, result: Any) -> Any:
+        """The call's result with each stand-in of symbolic size replaced by its computed value."""
+        def real(value: Any) -> Any:
+            if isinstance(value, FakeTensor):
+                return self.computed(self.handles.get(value))
+            return value
+        return tree_map(real, result)
 
     # -- running the record for real --------------------------------------------------------------
 
@@ -242,10 +327,18 @@ class SymbolicRecorder(Recorder):
 
     def _catch_up(self) -> None:
         self._raise_if_reseeded()
-        self._run(self._compile(self._snapshot()))
+        snapshot = self._snapshot()
+        if self._sizes is not None:  # the sizes of this call's inputs
+            inputs = [self._real_inputs[h] for h in (*self.arg_handles, *sorted_kwargs(self.kwarg_handles))]
+            snapshot = specialize(snapshot, self._sizes.guards().binding(inputs))
+        self._run(self._compile(snapshot))
         self._stale.clear()
         self._generator_state = None
         self._executor.forget_metadata()  # the code that follows may change tensors behind the recording
+
+    def computed(self, handle: int) -> torch.Tensor:
+        """The value the program computed for `handle` (a returned tensor of symbolic size)."""
+        return self._runner.computed(handle)
 
     def _run(self, program: Any) -> None:
         disagreements = self._runner.run(program, self._inputs, self._placeholders)

@@ -66,6 +66,13 @@ class Realizer:
         self._redirected.update(targets)
         return disagreements
 
+    def computed(self, handle: int) -> torch.Tensor:
+        """The value the runs left for an escaped handle (kept to the end of the call)."""
+        value = self._env[handle] if handle < len(self._env) else None
+        if value is None:
+            raise RuntimeError(f"tracejit internal error: the program left no value for t{handle}")
+        return value
+
 
 def run_program(program: Any, start: int, carried_env: list, inputs: dict[int, torch.Tensor],
                 targets: dict[int, torch.Tensor]) -> tuple[list, int, list[str]]:

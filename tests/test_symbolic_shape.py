@@ -1,0 +1,341 @@
+"""symbolic_shape: one trace of symbolic sizes serves many input shapes (issue 13.1).
+
+Every test compares with eager call by call (outputs and all state, bitwise: the suite runs
+backend="aten") and proves from `traced.stats` how many traces were recorded and that the other
+calls replayed.
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import MLP
+from side_by_side import assert_replayed, same_tree, side_by_side, state_of
+
+import tracejit
+from benchmarks import models as bench_models
+from benchmarks.workloads import train_step
+from tracejit import SymbolicTraceError, TraceCacheFullError, TraceMismatchError
+from tracejit.record.symbolic_shapes import readable
+
+LENGTHS = (5, 7, 9, 12, 16, 17, 20, 23, 24, 29, 31, 32, 40, 47, 48, 64)  # 16 sequence lengths
+BATCHES = (2, 3, 8, 13)  # 4 batch sizes
+
+
+def mlp_step(x, y, *, model, opt):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _mlp_objects():
+    torch.manual_seed(0)
+    model = MLP((32, 64, 10))
+    return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)}
+
+
+def _batch(n, width=32, classes=10, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=generator), torch.randint(0, classes, (n,), generator=generator)
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_mlp_many_batch_sizes_one_trace(without_host):
+    sizes = [4, 4, 9, 9, 33, 33, 17, 17, 9, 4, 2, 2]
+    traced = tracejit.trace(mlp_step, symbolic_shape=True, without_host=without_host)
+    side_by_side(traced, mlp_step, _mlp_objects(), lambda i: _batch(sizes[i], seed=i), len(sizes))
+    assert traced.stats.records == 1 and len(traced._shape_traces) == 1
+    assert traced.stats.shape_specializations == len(set(sizes)) - 1  # the recorded size is the first
+    if without_host:
+        assert traced.stats.host_free_calls >= 4
+
+
+@pytest.mark.parametrize("mode", [None, True], ids=["automatic", "symbolic"])
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_dropout_and_sgd_momentum_over_batch_sizes(mode, without_host):
+    """Random ops draw what eager draws from the same seed, at every size (the program draws in
+    recorded order); SGD's momentum buffers are lazy state (the symbolic trace is recorded again)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 4))
+    objects = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+    sizes = [5, 5, 7, 9, 7, 12, 5, 7]
+    traced = tracejit.trace(mlp_step, symbolic_shape=mode, without_host=without_host)
+    side_by_side(traced, mlp_step, objects, lambda i: _batch(sizes[i], width=16, classes=4, seed=i), len(sizes),
+                 records=1 if mode else 2)
+
+
+def test_returns_inputs_and_views_of_them():
+    def views(x):
+        return x, x[1:], x.t()
+
+    traced = tracejit.trace(views, symbolic_shape=True)
+    for n in (3, 4, 4, 5):
+        x = torch.randn(n, 2)
+        assert same_tree(traced(x), views(x))
+    assert traced.stats.records == 1 and traced.stats.shape_specializations == 2
+
+
+def test_mlp_inference_returns_real_tensors_of_each_size():
+    model = MLP((32, 64, 10)).eval()
+
+    def infer(x, *, model):
+        with torch.no_grad():
+            return model(x)
+
+    traced = tracejit.trace(infer, symbolic_shape=True, without_host=True)
+    for i, n in enumerate([3, 5, 5, 8, 8, 8, 3]):
+        x = torch.randn(n, 32)
+        got = traced(x, model=model)
+        assert type(got) is torch.Tensor and got.shape == (n, 10)
+        assert torch.equal(got, infer(x, model=model))
+    assert traced.stats.records == 1 and traced.stats.host_free_calls >= 3
+
+
+def _transformer_objects():
+    torch.manual_seed(0)
+    model = bench_models.TransformerBlock()
+    return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)}
+
+
+def _transformer_inputs(shapes):
+    def inputs(i):
+        batch, tokens = shapes[i]
+        generator = torch.Generator().manual_seed(i)
+        return torch.randn(batch, tokens, 64, generator=generator), torch.randint(0, 10, (batch,), generator=generator)
+    return inputs
+
+
+def test_transformer_train_16_lengths_4_batches_checked():
+    """The issue's criterion: 64 shapes, at most 2 traces, every call bitwise eager (loss,
+    parameters, gradients, Adam's state). Automatic mode: the first call is recorded static, the
+    second (a new length) symbolic, and that trace serves every later batch size and length."""
+    shapes = list(itertools.product(BATCHES, LENGTHS))
+    traced = tracejit.trace(train_step)
+    side_by_side(traced, train_step, _transformer_objects(), _transformer_inputs(shapes), len(shapes), records=2)
+    assert traced.stats.shape_specializations == len(shapes) - 2 and len(traced._shape_traces) == 1
+
+
+def test_transformer_train_16_lengths_4_batches_without_host():
+    """symbolic_shape=True: one trace from the first call; each size's first call is checked (it
+    binds the host-free program), later calls at a size run without the host."""
+    shapes = list(itertools.product(BATCHES, LENGTHS))
+    shapes += shapes[-8:]  # sizes seen lately (32 are kept), now host-free
+    traced = tracejit.trace(train_step, symbolic_shape=True, without_host=True)
+    side_by_side(traced, train_step, _transformer_objects(), _transformer_inputs(shapes), len(shapes), records=1)
+    assert traced.stats.host_free_calls == 8 and traced.stats.shape_specializations == 62  # 2 sizes recorded
+
+
+def _sum_or_add(x, y):
+    if x.shape[0] == y.shape[0]:  # a Python branch on sizes: the trace guards the equality
+        return x * 2 + y
+    return x.sum() + y.sum()
+
+
+def test_guard_of_equal_sizes_broken_records_a_new_trace():
+    traced = tracejit.trace(_sum_or_add, symbolic_shape=True)
+    calls = [(5, 5), (7, 7), (9, 9), (7, 4), (3, 8), (6, 6), (4, 7)]
+    for n, m in calls:
+        x, y = torch.randn(n), torch.randn(m)
+        assert torch.equal(traced(x, y), _sum_or_add(x, y))
+    assert traced.stats.records == 2  # equal sizes, then unequal ones
+    assert_replayed(traced, len(calls), records=2)
+
+
+def _scale_rows(x, w):
+    return (x * w).sum(1)  # w broadcasts against x's rows, or is one per row
+
+
+def test_size_becoming_one_breaks_the_zero_one_guard():
+    traced = tracejit.trace(_scale_rows, symbolic_shape=True)
+    calls = [(4, 6, 6), (5, 3, 3), (5, 3, 1), (2, 7, 1), (3, 4, 4)]  # rows, columns, len(w)
+    for rows, columns, width in calls:
+        x, w = torch.randn(rows, columns), torch.randn(width)
+        assert torch.equal(traced(x, w), _scale_rows(x, w))
+    assert traced.stats.records == 2  # w of one element broadcasts: another trace
+    texts = [readable(text) for text in traced._shape_traces[0].guards.texts]
+    assert "w.size()[0] == x.size()[1]" in texts and "2 <= x.size()[1]" in texts
+
+
+def test_cache_full_names_the_sizes_and_the_guards_they_break():
+    traced = tracejit.trace(_scale_rows, symbolic_shape=True, max_traces=1)
+    traced(torch.randn(4, 6), torch.randn(6))
+    traced(torch.randn(3, 5), torch.randn(5))
+    with pytest.raises(TraceCacheFullError) as error:
+        traced(torch.randn(3, 5), torch.randn(1))
+    message = str(error.value)
+    assert "symbolic sizes (x: [" in message
+    assert "its sizes break w.size()[0] == x.size()[1] (with x [3, 5], w [1])" in message
+    assert "max_traces=1" in message
+
+
+def test_symbolic_shape_false_keeps_one_trace_per_shape():
+    traced = tracejit.trace(mlp_step, symbolic_shape=False)
+    sizes = [4, 9, 4, 9, 17]
+    side_by_side(traced, mlp_step, _mlp_objects(), lambda i: _batch(sizes[i], seed=i), len(sizes), records=3)
+    assert traced._shape_traces == [] and traced.stats.shape_specializations == 0
+
+
+def test_automatic_records_the_first_call_static_then_symbolic():
+    traced = tracejit.trace(mlp_step)  # symbolic_shape=None
+    sizes = [4, 4, 9, 17, 33, 4, 9]
+    side_by_side(traced, mlp_step, _mlp_objects(), lambda i: _batch(sizes[i], seed=i), len(sizes), records=2)
+    static = [e for e in traced._entries() if e.shape_trace is None]
+    assert [e.key[0][0][0] for e in static] == [torch.Size([4, 32])]
+    assert len(traced._shape_traces) == 1 and traced.stats.shape_specializations == 2
+
+
+def test_symbolic_shape_true_is_symbolic_from_the_first_call():
+    traced = tracejit.trace(mlp_step, symbolic_shape=True)
+    traced(*_batch(4), **_mlp_objects())
+    assert traced.stats.records == 1 and len(traced._shape_traces) == 1
+    assert not [e for e in traced._entries() if e.shape_trace is None]
+
+
+def test_automatic_stays_static_where_symbolic_recording_cannot_go():
+    """A step that reads a value on the host (foreach Adam reads step.item()) cannot be recorded on
+    stand-ins without values: the automatic mode keeps one trace per shape, exactly as before."""
+    torch.manual_seed(0)
+    model = MLP((32, 64, 10))
+    objects = {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)}
+    traced = tracejit.trace(mlp_step)
+    sizes = [4, 9, 4, 9]
+    side_by_side(traced, mlp_step, objects, lambda i: _batch(sizes[i], seed=i), len(sizes), records=2)
+    assert traced._shape_traces == []
+
+
+def _head(x, *, n):
+    return x[:n] * 2  # `n` comes from the caller, not from x's sizes: the record holds the number
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_size_that_is_not_the_expression_is_a_mismatch(without_host):
+    traced = tracejit.trace(_head, symbolic_shape=True, without_host=without_host)
+    for n, size in ((5, 10), (5, 10), (5, 12), (5, 12)):
+        x = torch.randn(size)
+        assert torch.equal(traced(x, n=n), _head(x, n=n))
+    with pytest.raises(TraceMismatchError, match="different non-tensor arguments"):
+        traced(torch.randn(12), n=6)  # the trace sliced 5, as recorded: 6 is not its value
+
+
+def _view_from_shape(x):
+    return x.view(2, x.shape[0] // 2).sum(0)
+
+
+def test_sizes_computed_in_python_are_expressions():
+    traced = tracejit.trace(_view_from_shape, symbolic_shape=True, without_host=True)
+    for n in (10, 12, 12, 12, 30, 30, 10):
+        x = torch.randn(n)
+        assert torch.equal(traced(x), _view_from_shape(x))
+    assert traced.stats.records == 1 and traced.stats.host_free_calls >= 2
+    view = next(op for op in traced._shape_traces[0].record.ops if op.op is torch.ops.aten.view.default)
+    assert any(isinstance(s, torch.SymInt) for s in view.statics[1])
+    assert "x.size()[0] == (2*(x.size()[0] // 2))" in map(readable, traced._shape_traces[0].guards.texts)
+
+
+def test_an_odd_size_breaks_the_divisibility_guard():
+    def rows_of_two(x):
+        return x.view(-1, 2).sum(1)
+
+    traced = tracejit.trace(rows_of_two, symbolic_shape=True)
+    for n in (8, 10, 12):
+        x = torch.randn(n)
+        assert torch.equal(traced(x), rows_of_two(x))
+    assert traced.stats.records == 1
+    with pytest.raises(RuntimeError, match="invalid for input of size 7|shape"):
+        traced(torch.randn(7))  # eager raises the same error: a new recording reaches it
+
+
+@pytest.mark.parametrize("case", ["data_dependent", "host_read", "excluded"])
+def test_refusals(case):
+    def data_dependent(x):
+        return x[x > 0].sum()
+
+    def host_read(x):
+        return x * float(x.sum())
+
+    def excluded(x):
+        with tracejit.exclude_from_trace():
+            pass
+        return x * 2
+
+    function = {"data_dependent": data_dependent, "host_read": host_read, "excluded": excluded}[case]
+    traced = tracejit.trace(function, symbolic_shape=True)
+    with pytest.raises(SymbolicTraceError, match="symbolic"):
+        traced(torch.randn(6))
+
+
+@pytest.mark.parametrize("case", ["repeated", "shared", "requires_grad"])
+def test_inputs_that_cannot_have_stand_ins(case):
+    """True refuses; the automatic mode keeps one trace per shape, exact as before."""
+    def inputs(n):
+        x = torch.randn(n, 4)
+        if case == "repeated":
+            return x, x
+        if case == "shared":
+            return x[:, :2], x[:, 2:]
+        return x.requires_grad_(), torch.randn(n, 4)
+
+    def function(a, b):
+        return (a * b).sum(1)
+
+    with pytest.raises(SymbolicTraceError, match="stand-ins"):
+        tracejit.trace(function, symbolic_shape=True)(*inputs(3))
+    traced = tracejit.trace(function)
+    for n in (3, 5, 7, 5):
+        args = inputs(n)
+        assert torch.equal(traced(*args), function(*args))
+    assert traced.stats.records == 3 and traced._shape_traces == []
+
+
+def test_refuses_a_tensor_of_symbolic_size_that_needs_its_graph():
+    model = MLP((32, 64, 10))
+    traced = tracejit.trace(lambda x, *, model: model(x), symbolic_shape=True)
+    with pytest.raises(SymbolicTraceError, match="requires grad"):
+        traced(torch.randn(5, 32), model=model)
+
+
+def test_refuses_a_tensor_of_symbolic_size_kept_beyond_the_call():
+    kept = []
+
+    def keep(x):
+        y = x * 2
+        kept.append(y)
+        return y.sum()
+
+    traced = tracejit.trace(keep, symbolic_shape=True)
+    with pytest.raises(SymbolicTraceError, match="beyond the call"):
+        traced(torch.randn(6))
+
+
+def test_option_values():
+    with pytest.raises(TypeError, match="symbolic_shape"):
+        tracejit.trace(mlp_step, symbolic_shape="yes")
+    with pytest.raises(ValueError, match="record_only"):
+        tracejit.trace(mlp_step, symbolic_shape=True, record_only=True)
+
+
+def test_specializations_are_bounded(monkeypatch):
+    from tracejit.runtime import shape_traces
+
+    monkeypatch.setattr(shape_traces, "MAX_SPECIALIZATIONS", 3)
+    traced = tracejit.trace(_view_from_shape, symbolic_shape=True, without_host=True)
+    for n in (4, 6, 8, 10, 12, 4, 4):
+        x = torch.randn(n)
+        assert torch.equal(traced(x), _view_from_shape(x))
+    assert len(traced._entries()) == 3 and traced.stats.records == 1
+
+
+def test_state_after_many_shapes_matches_eager_bitwise():
+    objects = _transformer_objects()
+    twins = copy.deepcopy(objects)
+    traced = tracejit.trace(train_step, symbolic_shape=True, without_host=True)
+    for i, (batch, tokens) in enumerate([(3, 5), (8, 31), (3, 5), (8, 31), (2, 64), (2, 64)]):
+        x, y = torch.randn(batch, tokens, 64), torch.randint(0, 10, (batch,))
+        assert same_tree(traced(x, y, **twins), train_step(x, y, **objects))
+        assert same_tree(state_of(twins["opt"]), state_of(objects["opt"]))
+        assert same_tree(state_of(twins["model"]), state_of(objects["model"]))
