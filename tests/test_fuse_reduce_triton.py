@@ -3,11 +3,12 @@ Triton's interpreter on CPU tensors against eager, and build offline for sm_80 a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton_support as ts
-from fused_support import assert_close_to_eager
-from test_fuse_reduce import CASES, INF, NAN, ON, ROW_OP, member_ops
+from test_fuse_reduce import CASES, INF, NAN, ON, ROW_OP, SPECIAL_ROWS, as_tuple, assert_rows_close, member_ops
 
 import tracejit
 
@@ -24,25 +25,66 @@ def row_launchers(traced) -> list:
     return [(n, k) for n, k in ts.fused_kernels(traced) if n.name.startswith("row") and hasattr(k, "kernel")]
 
 
-def test_row_kernels_match_eager_in_the_interpreter_and_build_for_cuda():
+def loads_per_input(source: str) -> dict[str, int]:
+    """How many times the kernel source loads each input pointer."""
+    counts: dict[str, int] = {}
+    for pointer in re.findall(r"tl\.load\((in\d+)\b", source):
+        counts[pointer] = counts.get(pointer, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_kernels_match_eager_in_the_interpreter_and_build_for_cuda(dtype):
     kernels = []
     for case, (function, inputs) in CASES.items():
         traced = tracejit.trace(function, backend="triton", graph_opt_config=ON, without_host=True)
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
-            args = inputs(g, torch.float32)
+            args = inputs(g, dtype)
             got, want = traced(*args), function(*args)
-            scale = want.abs().amax(dim=-1, keepdim=True) * torch.finfo(want.dtype).eps * 32
             if case.endswith(("backward", "grad")) or case.startswith("layer_norm"):  # see test_fuse_reduce.py
-                assert ((got - want).abs() <= scale).all(), (got - want).abs().max()
+                for got_one, want_one in zip(as_tuple(got), as_tuple(want)):
+                    dims = -1 if got_one.dim() > 1 else None
+                    scale = want_one.abs().amax(dim=dims, keepdim=True) * torch.finfo(dtype).eps * 32
+                    assert ((got_one - want_one).abs() <= scale).all(), (case, (got_one - want_one).abs().max())
             else:
-                assert_close_to_eager(got, want, exact=False)
-        op = ROW_OP[case]
-        found = [k for n, k in row_launchers(traced) if op in member_ops(n) and len(n.members) >= 2]
-        assert found, [n.name for n, _ in ts.fused_kernels(traced)]
-        kernels += [k.kernel for k in found]
-    problems = ts.compile_all(list({k.source: k for k in kernels}.values()))
-    assert not problems, "\n\n".join(problems)
+                assert_rows_close(got, want, case)
+        launchers = row_launchers(traced)
+        for op in ROW_OP[case]:
+            assert any(op in member_ops(n) for n, _ in launchers), (op, [n.name for n, _ in ts.fused_kernels(traced)])
+        assert any(len(n.members) >= 2 for n, _ in launchers)
+        for node, launcher in launchers:
+            # every input is loaded once per row: the whole row is one block
+            counts = loads_per_input(launcher.kernel.source)
+            assert counts and set(counts.values()) == {1}, (node.name, counts, launcher.kernel.source)
+            kernels.append(launcher.kernel)
+            if launcher.kernel.combine is not None:
+                kernels.append(launcher.kernel.combine)
+    if dtype == torch.float32:  # the float64 kernels differ only in their types
+        problems = ts.compile_all(list({k.source: k for k in kernels}.values()))
+        assert not problems, "\n\n".join(problems)
+
+
+@pytest.mark.parametrize("case", ["layer_norm_backward", "cross_entropy", "cross_entropy_sum_and_none", "reductions"])
+def test_special_values_of_the_new_row_ops_in_the_interpreter(case):
+    function, _ = CASES[case]
+    traced = tracejit.trace(function, backend="triton", graph_opt_config=ON, without_host=True)
+    targets = torch.tensor([0, 1, 2, 3, -100, 5, 6, 7])
+    for scale in (1.0, -1.0, 0.5):
+        x = SPECIAL_ROWS * scale
+        if case == "layer_norm_backward":
+            x[3] = x[3].clamp(-1e15, 1e15)  # see test_fuse_reduce.py
+            args = (x[None], torch.linspace(-1, 1, 8), torch.linspace(2, 3, 8))
+        elif case == "reductions":
+            args = (x[None],)
+        else:
+            args = (x, targets)
+        got, want = traced(*args), function(*args)
+        assert_rows_close(got, want, case)
+        for g, w in zip(as_tuple(got), as_tuple(want)):
+            zero = (w == 0) & (g == 0)
+            assert torch.equal(g[zero].signbit(), w[zero].signbit()), (g, w)
+    assert row_launchers(traced)
 
 
 @pytest.mark.parametrize("case", ["softmax", "log_softmax"])

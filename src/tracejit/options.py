@@ -85,9 +85,9 @@ class GraphOptimizationConfig:
     """Which fusions beyond elementwise ops the compiler does (MegEngine's `GraphOptimizationConfig`):
     False for off, True for on, None (the default) to follow `opt_level` (on from opt_level=3).
 
-    jit_fuse_reduce: softmax and log-softmax (forward and backward) and layer norm (forward) over
-        the last dim become one row kernel each, fused with the elementwise ops that feed and
-        consume them.
+    jit_fuse_reduce: reductions (softmax and log-softmax, layer norm, cross-entropy's nll_loss,
+        sum/mean/amax, and their backward) become one row kernel each, fused with the elementwise
+        ops that feed and consume them (docs/kernels.md, "Row kernels").
     jit_fuse_dimshuffle: transposes feeding fused ops read with strides instead of copying (not
         implemented yet: True raises NotImplementedError; None and False change nothing).
     """

@@ -92,7 +92,7 @@ INTERPRETER_NAMES = {"libdevice": libdevice, "f32_to_bf16": f32_to_bf16, "bf16_t
 
 
 def _reduction(function):
-    """A row reduction (`row_max`, `row_sum` of row kernels) in the block's own type; the interpreter
+    """A row reduction (`row_max`, `row_min`, `row_sum` of row kernels) in the block's own type; the interpreter
     cannot run tl.max/tl.sum when triton was imported before TRITON_INTERPRET was set."""
     def apply(x):
         data = x.handle.data
@@ -102,6 +102,7 @@ def _reduction(function):
     return apply
 
 
-row_max = _reduction(np.max)  # NaN propagates, as in eager
+row_max = _reduction(np.max)  # NaN propagates (the kernels test for NaN themselves, as the GPU's does not)
+row_min = _reduction(np.min)
 row_sum = _reduction(lambda data: np.sum(data, dtype=data.dtype))
-INTERPRETER_NAMES.update(row_max=row_max, row_sum=row_sum)
+INTERPRETER_NAMES.update(row_max=row_max, row_min=row_min, row_sum=row_sum)
