@@ -83,6 +83,27 @@ def reductions(x):
     return x.sum(-1) * 2, (x.mean(-1, keepdim=True) - x) * 3, (x * 2).amax((-2, -1)) - 1
 
 
+def batch_norm_pool(x, w, b, running_mean, running_var):
+    """BatchNorm (training: running statistics updated in place), ReLU and 2x2 max pooling, and
+    their backward: BN + ReLU, the pooling, the pooling's backward + ReLU's, BN's backward."""
+    x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
+    y = torch.nn.functional.batch_norm(x * 1.5, running_mean, running_var, w, b, training=True, momentum=0.1, eps=1e-5)
+    y = torch.nn.functional.max_pool2d(torch.relu(y), 2)
+    (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    return y.detach(), x.grad, w.grad, b.grad, running_mean.clone(), running_var.clone()
+
+
+def max_pool(x):
+    values, indices = torch.nn.functional.max_pool2d(x * 2, 2, return_indices=True)
+    return values, indices
+
+
+def _batch_norm_inputs(g, dt):
+    return (torch.randn(3, 4, 8, 6, generator=g, dtype=dt) * 2 + 1, torch.randn(4, generator=g, dtype=dt),
+            torch.randn(4, generator=g, dtype=dt), torch.randn(4, generator=g, dtype=dt),
+            torch.rand(4, generator=g, dtype=dt) + 0.5)
+
+
 def _targets(g, rows, classes):
     t = torch.randint(0, classes, (rows,), generator=g)
     t[1] = -100  # ignore_index: the row counts for nothing
@@ -108,6 +129,8 @@ CASES = {
     "cross_entropy_sum_and_none": (cross_entropy_sum_and_none, lambda g, dt: (
         torch.randn(40, 7, generator=g, dtype=dt), _targets(g, 40, 7))),
     "reductions": (reductions, lambda g, dt: (torch.randn(4, 6, 33, generator=g, dtype=dt),)),
+    "batch_norm_pool": (batch_norm_pool, _batch_norm_inputs),
+    "max_pool": (max_pool, lambda g, dt: (torch.randn(2, 3, 8, 10, generator=g, dtype=dt),)),
 }
 # per case: the ops some row kernel (with at least one more member) must hold
 ROW_OP = {"softmax": ["_softmax"], "log_softmax": ["_log_softmax"], "softmax_backward": ["_softmax_backward_data"],
@@ -116,7 +139,10 @@ ROW_OP = {"softmax": ["_softmax"], "log_softmax": ["_log_softmax"], "softmax_bac
           "layer_norm_backward": ["native_layer_norm", "native_layer_norm_backward"],
           "cross_entropy": ["_log_softmax", "nll_loss_forward", "nll_loss_backward", "_log_softmax_backward_data"],
           "cross_entropy_sum_and_none": ["nll_loss_forward", "nll_loss_backward"],
-          "reductions": ["sum", "mean", "amax"]}
+          "reductions": ["sum", "mean", "amax"],
+          "batch_norm_pool": ["native_batch_norm", "native_batch_norm_backward", "max_pool2d_with_indices",
+                              "max_pool2d_with_indices_backward"],
+          "max_pool": ["max_pool2d_with_indices"]}
 EXACT = ("softmax", "log_softmax")  # within a few ulp of each result; the others sum rows differently
 
 
@@ -130,6 +156,9 @@ def assert_rows_close(got, want, case: str) -> None:
     a gradient summed over rows) adds left to right where eager adds in vector lanes."""
     for g, w in zip(as_tuple(got), as_tuple(want), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape)
+        if not w.dtype.is_floating_point:  # max pooling's indices
+            assert torch.equal(g, w), (g, w)
+            continue
         if case in EXACT:
             assert_close_to_eager(g, w, exact=False)
             continue
@@ -151,7 +180,8 @@ def test_row_kernel_matches_eager(case, dtype, without_host):
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         args = inputs(g, dtype)
-        got, want = traced(*args), function(*args)
+        copies = [a.clone() for a in args]  # batch norm updates its running statistics in place
+        got, want = traced(*args), function(*copies)
         if case.endswith(("backward", "grad")) or case.startswith("layer_norm"):
             # sum(g * y) cancels, and eager's layer norm takes moments by Welford's method; the kernel
             # sums left to right, eager in vector lanes: the error is a few ulp of the row's
@@ -193,27 +223,41 @@ SPECIAL_ROWS = torch.tensor([[-INF] * 8, [0.0, NAN, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
                              [-0.0] * 8, [0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0], [1e-45, -1e-45, 0, 0, 0, 0, 0, 0]])
 
 
+def special_arguments(case: str, x: torch.Tensor) -> tuple:
+    """SPECIAL_ROWS laid out as each case's inputs."""
+    dtype = x.dtype
+    if case == "layer_norm_backward":
+        # the squares of 1e30 overflow float32: eager's Welford moments give NaN or 0 depending
+        # on the order of its updates, the kernel's two passes 0 (docs/kernels.md)
+        x[3] = x[3].clamp(-1e15, 1e15)
+        return x[None], torch.linspace(-1, 1, 8, dtype=dtype), torch.linspace(2, 3, 8, dtype=dtype)
+    if case == "reductions":
+        return (x[None],)
+    if case == "batch_norm_pool":  # channels: one with -inf and NaN, one of zeros and subnormals
+        x = x.clone()
+        x[3] = x[3].clamp(-1e15, 1e15)  # as above
+        return (x.reshape(2, 2, 4, 4).transpose(0, 1).contiguous(), torch.tensor([1.0, -2.0], dtype=dtype),
+                torch.tensor([0.5, 0.0], dtype=dtype), torch.zeros(2, dtype=dtype), torch.ones(2, dtype=dtype))
+    if case == "max_pool":  # windows of -inf, of NaN, of ties, of signed zeros
+        return (x.reshape(1, 1, 8, 8),)
+    return x, torch.tensor([0, 1, 2, 3, -100, 5, 6, 7])
+
+
+NEW_CASES = ["layer_norm_backward", "cross_entropy", "cross_entropy_sum_and_none", "reductions", "batch_norm_pool",
+             "max_pool"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", ["layer_norm_backward", "cross_entropy", "cross_entropy_sum_and_none", "reductions"])
+@pytest.mark.parametrize("case", NEW_CASES)
 def test_special_values_of_the_new_row_ops(case, dtype):
     """NaN, infinities and signed zeros where eager has them (a row of -inf, a NaN in a row, +inf,
     huge and subnormal values, rows of -0.0), the rest as close as the row ops' sums allow."""
     function, _ = CASES[case]
     traced = tracejit.trace(function, backend="c", graph_opt_config=ON, without_host=True)
-    targets = torch.tensor([0, 1, 2, 3, -100, 5, 6, 7])
     for scale in (1.0, -1.0, 0.5):
-        x = (SPECIAL_ROWS * scale).to(dtype)
-        if case == "layer_norm_backward":
-            # the squares of 1e30 overflow float32: eager's Welford moments give NaN or 0 depending
-            # on the order of its updates, the kernel's two passes 0 (docs/kernels.md)
-            x[3] = x[3].clamp(-1e15, 1e15)
-        if case == "reductions":
-            args = (x[None],)
-        elif case == "layer_norm_backward":
-            args = (x[None], torch.linspace(-1, 1, 8, dtype=dtype), torch.linspace(2, 3, 8, dtype=dtype))
-        else:
-            args = (x, targets)
-        got, want = traced(*args), function(*args)
+        args = special_arguments(case, (SPECIAL_ROWS * scale).to(dtype))
+        copies = [a.clone() for a in args]
+        got, want = traced(*args), function(*copies)
         assert_rows_close(got, want, case)
         for g, w in zip(as_tuple(got), as_tuple(want)):
             zero = (w == 0) & (g == 0)
@@ -300,6 +344,15 @@ def train_and_compare(kind: str, steps: int, without_host: bool, backend: str = 
         for (name, a), b in zip(model_a.named_buffers(), model_b.buffers()):
             assert torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5), f"step {step} {name}"
     return traced
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_cnn_training_step_matches_eager(without_host):
+    """BatchNorm + ReLU, max pooling and their backward in row kernels: running statistics too."""
+    traced = train_and_compare("cnn", 4, without_host)
+    kinds = {op for n in row_nodes(traced) for op in member_ops(n)}
+    assert {"native_batch_norm", "native_batch_norm_backward", "max_pool2d_with_indices",
+            "max_pool2d_with_indices_backward", "threshold_backward", "relu"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("without_host", [False, True])

@@ -279,6 +279,39 @@ def _reduce_space(graph, node, values):
     return RowSpace(meta.shape, reduced)
 
 
+def _batch_norm_space(graph, node, values, training_at: int):
+    """Per channel (dim 1) over every other dim; training only (eval is elementwise)."""
+    meta = _meta(graph, values[0])
+    if meta is None or len(meta.shape) < 3 or values[training_at] is not True:
+        raise Unsupported("a batch norm in eval mode, or of an input without spatial dims")
+    reduced = tuple(d for d in range(len(meta.shape)) if d != 1)
+    innermost = min(range(len(meta.shape)), key=lambda d: (meta.shape[d] == 1, abs(meta.stride[d]), -d))
+    if innermost == 1 or not _float_rows(meta, reduced):
+        raise Unsupported("a batch norm of a channels-last input, or not float32/float64")
+    return RowSpace(meta.shape, reduced)
+
+
+def _pool_window(graph, values) -> RowSpace:
+    """Max pooling whose windows tile the input: stride = kernel, no padding or dilation."""
+    meta, kernel, stride, padding, dilation = (_meta(graph, values[0]), *values[1:5])
+    if meta is None or len(meta.shape) not in (3, 4) or meta.dtype not in ROW_DTYPES or 0 in meta.shape:
+        raise Unsupported("max pooling of another input than (N, C, H, W) float32/float64")
+    kernel = list(kernel) * (2 // len(kernel)) if len(kernel) in (1, 2) else None
+    stride = kernel if not stride else list(stride) * (2 // len(stride))
+    if (kernel is None or stride != kernel or any(p != 0 for p in padding) or any(d != 1 for d in dilation)
+            or any(size % k for size, k in zip(meta.shape[-2:], kernel))):
+        raise Unsupported("max pooling with overlapping or partial windows, padding or dilation")
+    return RowSpace(meta.shape, (), tuple(kernel))
+
+
+def _max_pool_space(graph, node, values):
+    return _pool_window(graph, values)
+
+
+def _max_pool_backward_space(graph, node, values):
+    return _pool_window(graph, values[1:])
+
+
 def _nll_space(graph, node, values):
     meta, target, weight = _meta(graph, values[0]), _meta(graph, values[1]), values[2]
     if meta is None or len(meta.shape) != 2 or target is None or target.dtype != torch.int64:
@@ -314,6 +347,7 @@ class _RowLowering(_Lowering):
         self.operand_strides: list[tuple[int, ...]] = []
         self.checks: list[Ref] = []
         self.pinned: dict[int, str] = {}  # value id -> class, for values whose shape is ambiguous
+        self.row_writes: list[tuple[int, int, Ref]] = []  # (position in node.inputs, new version, element)
 
     # -- operands ---------------------------------------------------------------------------------
 
@@ -359,6 +393,19 @@ class _RowLowering(_Lowering):
         self.produced.append((ref, (vid,)))
         self.pinned[vid] = cls
         self.seen[vid] = self._iteration_strides_of_shape(meta.shape, cls)
+
+    def write(self, member: Node, before, ref: Ref, cls: str) -> None:
+        """The member writes `ref` into its argument `before` (batch norm's running statistics)."""
+        if before is None:
+            return
+        handle = self.graph.values[before.value].handle
+        after = [w for w in member.writes if self.graph.values[w].handle == handle]
+        if len(after) != 1 or before.value not in self.input_index:
+            raise Unsupported("an in-place write the row kernel cannot follow")
+        meta = self.graph.values[before.value].meta
+        self.row_writes.append((self.input_index[before.value], after[0], self.builder.cast(ref, meta.dtype)))
+        self.pinned[after[0]] = cls
+        self.env[0][after[0]] = ref
 
     def _iteration_strides_of_shape(self, shape: tuple[int, ...], cls: str) -> tuple[int, ...]:
         strides, step = [], 1
@@ -423,6 +470,21 @@ class _RowLowering(_Lowering):
             stores.append((len(allocations) - 1, strides))
             store_exprs.append((ref, meta.dtype))
             sources[vid] = ("new", len(allocations) - 1)
+        written: list[int] = []
+        for position, vid, ref in self.row_writes:
+            meta = self.graph.values[self.node.inputs[position]].meta
+            strides = self.space.to_iteration(self.pinned[vid], lane_strides(meta, meta.shape))
+            written.append(position)
+            stores.append((-1 - position, strides))
+            store_exprs.append((ref, meta.dtype))
+            sources[vid] = ("input", position)
+        stores = [(t if t >= 0 else len(allocations) + written.index(-1 - t), st) for t, st in stores]
+        for position, (vid, _), (_, strides) in zip(written, [(v, r) for _, v, r in self.row_writes],
+                                                    stores[len(stores) - len(written):]):
+            # a tensor written in place is read only where it is written (its own row's element)
+            if any(p == position and st != strides for p, st in zip(
+                    (self.input_index[v[0]] for v in self.operands), self.operand_strides)):
+                raise Unsupported("a tensor written in place read at other elements")
         missing = [v for v in self.node.outputs if v not in sources]
         if missing:
             raise Unsupported(f"outputs {missing} are not computed by the row kernel")
@@ -438,7 +500,7 @@ class _RowLowering(_Lowering):
             scalar_types=tuple(self.scalar_types),
             lanes=(lane,),
             allocations=tuple(allocations),
-            written_inputs=(),
+            written_inputs=tuple(written),
             output_sources=tuple(sources[v] for v in self.node.outputs),
             input_metas=tuple(self.graph.values[v].meta for v in self.node.inputs),
             device=self.graph.values[self.node.outputs[0]].meta.device,
@@ -725,6 +787,128 @@ def _reduce(kind: str):
 
 for _op, _kind in ((aten.sum.dim_IntList, "sum"), (aten.mean.dim, "mean"), (aten.amax.default, "amax")):
     _row_op(_op, _kind, _reduce_space, alone=False)(_reduce(_kind))
+
+
+@_row_op(aten.native_batch_norm.default, "batch_norm", lambda g, n, v: _batch_norm_space(g, n, v, 5))
+def _batch_norm(L: _RowLowering, member: Node, values: list) -> None:
+    """Eager's CPU batch norm (batch_norm_cpu_collect_stats_contiguous_impl and
+    batch_norm_cpu_update_stats_template): the moments in two passes summed in float64, the mean
+    and the sum of squares rounded to the input's type; invstd = 1 / sqrt(var + eps) in float64;
+    y = x * alpha + beta with alpha = invstd * w, beta = b - mean * alpha; the running statistics
+    updated in float64 with the unbiased variance."""
+    x, weight, bias, running_mean, running_var, _, momentum, eps = values
+    dtype = _meta(L.graph, x).dtype
+    c, c64 = L.compute(dtype), L.compute(torch.float64)
+    n = L.space.cols
+    x = L.operand(x, "element")
+    w, b = (None if t is None else L.operand(t, "row") for t in (weight, bias))
+    for t in (weight, bias, running_mean, running_var):
+        if t is not None and _meta(L.graph, t).dtype != dtype:
+            raise Unsupported("a batch norm with parameters of another type")
+    mean = c.value(c64.div(L.reduce("rowsum", x, torch.float64, 0.0), n))
+    d = c.sub(x, mean)
+    var_sum = c.value(L.reduce("rowsum", c.mul(d, d), torch.float64, 0.0))
+    var = c64.value(c.div(var_sum, n))
+    eps = L.scalar(eps, torch.float64)
+    inverse = c64.where(L.compute(torch.bool).logical("and", c64.eq(var, 0), c64.eq(eps, 0)), 0.0,
+                        c64.div(1, c64.sqrt(c64.add(var, eps))))
+    invstd = c.value(inverse)
+    alpha = invstd if w is None else c.mul(invstd, w)
+    beta = c.sub(0.0 if b is None else b, c.mul(mean, alpha))
+    outputs = list(member.outputs) + [None] * (3 - len(member.outputs))
+    for vid, ref, cls in zip(outputs, (c.add(c.mul(x, alpha), beta), mean, invstd), ("element", "row", "row")):
+        L.define(vid, ref, cls)
+    momentum = L.scalar(momentum, torch.float64)
+    keep = c64.sub(1, momentum)
+    if running_mean is not None:
+        old = L.operand(running_mean, "row")
+        L.write(member, running_mean, c64.add(c64.mul(momentum, mean), c64.mul(keep, old)), "row")
+    if running_var is not None:
+        old = L.operand(running_var, "row")
+        unbiased = c64.value(c.div(var_sum, n - 1))
+        L.write(member, running_var, c64.add(c64.mul(momentum, unbiased), c64.mul(keep, old)), "row")
+
+
+@_row_op(aten.native_batch_norm_backward.default, "batch_norm_backward",
+         lambda g, n, v: _batch_norm_space(g, n, v[1:], 6))
+def _batch_norm_backward(L: _RowLowering, member: Node, values: list) -> None:
+    """Eager's batch_norm_cpu_backward_contiguous_impl (training): sum = sum(dy), dotp =
+    sum((x - mean) * dy); dx = (dy - sum / n - (x - mean) * (dotp * invstd * invstd / n)) * invstd * w;
+    dw = dotp * invstd, db = sum."""
+    dy, x, weight, _, _, mean, invstd, _, _, mask = values
+    dtype = _meta(L.graph, x).dtype
+    _same_type(L, [dy, x], dtype)
+    for t in (weight, mean, invstd):
+        if t is not None and _meta(L.graph, t).dtype != dtype:
+            raise Unsupported("a batch norm backward with parameters of another type")
+    if mean is None or invstd is None:
+        raise Unsupported("a batch norm backward without saved statistics")
+    c = L.compute(dtype)
+    n = L.space.cols
+    dy, x = L.operand(dy, "element"), L.operand(x, "element")
+    mean, invstd = L.operand(mean, "row"), L.operand(invstd, "row")
+    w = None if weight is None else L.operand(weight, "row")
+    total = L.reduce("rowsum", dy, dtype, 0.0)
+    centered = c.sub(x, mean)
+    dotp = L.reduce("rowsum", c.mul(centered, dy), dtype, 0.0)
+    outputs = list(member.outputs) + [None] * (3 - len(member.outputs))
+    if outputs[0] is not None and mask[0]:
+        k = c.div(c.mul(c.mul(dotp, invstd), invstd), n)
+        dx = c.mul(c.sub(c.sub(dy, c.div(total, n)), c.mul(centered, k)), invstd)
+        L.define(outputs[0], dx if w is None else c.mul(dx, w), "element")
+    if outputs[1] is not None and mask[1]:
+        L.define(outputs[1], c.mul(dotp, invstd), "row")
+    if outputs[2] is not None and mask[2]:
+        L.define(outputs[2], total, "row")
+
+
+def _window_position(L: _RowLowering) -> Ref:
+    """Where the element of a pooling window lies in its (H, W) plane: h * W + w, as eager's indices."""
+    i64 = L.compute(torch.int64)
+    lead = len(L.space.element) - 2
+    (kh, kw), width = L.space.window, L.space.element[-1]
+    h = i64.add(i64.mul(L.index(lead), kh), L.index(lead + 2))
+    w = i64.add(i64.mul(L.index(lead + 1), kw), L.index(lead + 3))
+    return i64.add(i64.mul(h, width), w)
+
+
+@_row_op(aten.max_pool2d_with_indices.default, "max_pool2d", _max_pool_space)
+def _max_pool(L: _RowLowering, member: Node, values: list) -> None:
+    """Eager's cpu_max_pool: the maximum propagates NaN; the index is the last NaN's, else the
+    first maximum's (`val > max || isnan(val)` over the window in row-major order)."""
+    dtype = _meta(L.graph, values[0]).dtype
+    x = L.operand(values[0], "element")
+    out, indices = (list(member.outputs) + [None, None])[:2]
+    # the value at the chosen element (not a maximum of the window: with +0.0 and -0.0 it is eager's)
+    L.define(out, L.builder.emit("rowargmax", (x, x), dtype), "row")
+    L.define(indices, L.builder.emit("rowargmax", (x, _window_position(L)), torch.int64), "row")
+
+
+@_row_op(aten.max_pool2d_with_indices_backward.default, "max_pool2d_backward", _max_pool_backward_space)
+def _max_pool_backward(L: _RowLowering, member: Node, values: list) -> None:
+    """Each input element gets its window's gradient where the index points at it, else 0
+    (eager adds the gradient to zeros: 0 + g). An index outside its own window (not from this
+    pooling) makes the C kernel hand the call to aten, and gives NaN in Triton."""
+    grad, indices = values[0], values[7]
+    dtype = _meta(L.graph, values[1]).dtype
+    if _meta(L.graph, grad) is None or _meta(L.graph, grad).dtype != dtype:
+        raise Unsupported("max pooling backward with a gradient of another type")
+    c, i64, logic = L.compute(dtype), L.compute(torch.int64), L.compute(torch.bool)
+    g, index = L.operand(grad, "row"), L.operand(indices, "row")
+    lead = len(L.space.element) - 2
+    (kh, kw), width = L.space.window, L.space.element[-1]
+    # where the index lies relative to its window's first element: inside when it is in one of
+    # the window's kh lines of kw elements
+    corner = i64.add(i64.mul(i64.mul(L.index(lead), kh), width), i64.mul(L.index(lead + 1), kw))
+    offset = i64.sub(index, corner)
+    inside = None
+    for dh in range(kh):
+        line = logic.logical("and", i64.ge(offset, dh * width), i64.lt(offset, dh * width + kw))
+        inside = line if inside is None else logic.logical("or", inside, line)
+    L.checks.append(inside)
+    here = i64.add(i64.mul(L.index(lead + 2), width), L.index(lead + 3))
+    value = c.where(i64.eq(offset, here), c.add(0.0, g), 0.0)
+    L.define(member.outputs[0], c.where(inside, value, math.nan), "element")
 
 
 def _target(L: _RowLowering, target, ignore_index: int, classes: int):

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import math
 
+from ..expr import TRANSCENDENTAL
 from ..lower import KernelSpec
 from ..rows import ALL_ROWS, ROW_REDUCTIONS, RowProgram, merged_space, needed, plan
 from .render import C_TYPES, PARALLEL_MIN_ELEMENTS, _literal, _zero_loads, expression, single_declarations
 
-SCRATCH_BYTES = 1 << 17  # per thread: values kept for a later pass over the row (else recomputed)
+SCRATCH_BYTES = 1 << 15  # per thread: values kept for a later pass over the row (else recomputed)
 CHUNKS = 32  # partial sums of kernels that sum over all rows
 
 
@@ -54,6 +55,7 @@ class _RowRenderer:
         self.cached: dict[int, int] = {}  # expr -> the loop that computes it into scratch t{i}
         self.scratch = 0
         self.in_tail = False
+        self.flat = False  # a loop nest over the whole space (no reductions): every offset in full
 
     # -- addressing -------------------------------------------------------------------------------
 
@@ -72,11 +74,17 @@ class _RowRenderer:
 
     def _element(self, slot: int) -> str:
         pointer, strides = self._tensor(slot)
+        if self.flat:
+            terms = [(f"q{d}" if self.is_reduced[d] else f"k{d}") + ("" if s == 1 else f"*{s}")
+                     for d, s in enumerate(strides) if s]
+            return f"{pointer}[{' + '.join(terms) or '0'}]"
         terms = [f"b{slot}"] + [f"q{d}" if strides[d] == 1 else f"q{d}*{strides[d]}" for d in self.red if strides[d]]
         return f"{pointer}[{' + '.join(terms)}]"
 
     def _row_element(self, slot: int) -> str:
         pointer, _ = self._tensor(slot)
+        if self.flat and not self.in_tail:
+            return self._element(slot)
         return f"{pointer}[0]" if self.in_tail else f"{pointer}[b{slot}]"
 
     # -- expressions ------------------------------------------------------------------------------
@@ -107,21 +115,31 @@ class _RowRenderer:
 
     # -- loops over the row ---------------------------------------------------------------------------
 
-    def _loop(self, body: list[str]) -> list[str]:
-        """Nested loops over the reduced dims around `body`, with j the flat column index."""
+    def _simd(self, reductions: list[int]) -> bool:
+        """Whether a pass sums in vector lanes (`omp simd` reductions, ordered as the compiler
+        vectorizes: eager's CPU sums are lane-wise too). Not for rowargmax, whose order is its
+        result, nor for a sum that starts at -0.0 (OpenMP's lanes start at +0.0)."""
+        return not any(self.spec.exprs[r].op == "rowargmax" or (
+            self.spec.exprs[r].op == "rowsum" and math.copysign(1.0, self.spec.exprs[r].value or 0.0) < 0)
+            for r in reductions)
+
+    def _loop(self, body: list[str], simd: str | None = "") -> list[str]:
+        """Nested loops over the reduced dims around `body`, with j the flat column index; the
+        innermost one under `omp simd` (with `simd`'s reduction clauses) unless simd is None."""
         if not self.red:
             return ["{", "  const int64_t j = 0; (void)j;", *(f"  {line}" for line in body), "}"]
         lines, indent = [], ""
-        for d in self.red:
-            lines.append(f"{indent}for (int64_t q{d} = 0; q{d} < {self.sizes[d]}; q{d}++) {{")
-            indent += "  "
         flat, step = [], 1
         for d in reversed(self.red):
             flat.insert(0, f"q{d}" if step == 1 else f"q{d}*{step}")
             step *= self.sizes[d]
-        lines.append(f"{indent}const int64_t j = {' + '.join(flat)}; (void)j;")
-        lines += [indent + line for line in body]
-        for d in reversed(self.red):
+        for d in self.red:
+            if d == self.red[-1] and simd is not None:
+                lines.append(f"{indent}#pragma omp simd {simd}".rstrip())
+            lines.append(f"{indent}for (int64_t q{d} = 0; q{d} < {self.sizes[d]}; q{d}++) {{")
+            indent += "  "
+        lines += [indent + line for line in [f"const int64_t j = {' + '.join(flat)}; (void)j;", *body]]
+        for _ in self.red:
             indent = indent[:-2]
             lines.append(f"{indent}}}")
         return lines
@@ -142,7 +160,7 @@ class _RowRenderer:
             def stop(i: int, number: int = number) -> bool:
                 if self.levels[i] != "E" or i in self.cached:
                     return True
-                if i in computed_in and self.spec.exprs[i].op not in ("load", "index", "const"):
+                if i in computed_in and self._costly(i):
                     size = self.cols * self.types[i].itemsize
                     if self.scratch + size <= SCRATCH_BYTES:
                         self.cached[i] = computed_in[i]
@@ -157,9 +175,18 @@ class _RowRenderer:
             per_loop.append(found)
         return per_loop
 
+    def _costly(self, index: int) -> bool:
+        """Whether an element value is worth a scratch row rather than computing it again: it takes
+        a transcendental function, a division or a root, or more than a few operations."""
+        ops = [self.spec.exprs[i].op for i in needed(self.spec, [index], lambda i: self.levels[i] != "E")
+               if self.levels[i] == "E" and self.spec.exprs[i].op not in ("load", "index", "const", "cast")]
+        return len(ops) > 3 or any(op in TRANSCENDENTAL or op in ("div", "sqrt", "rsqrt", "reciprocal") for op in ops)
+
     # -- the kernel ----------------------------------------------------------------------------------
 
     def render(self, name: str) -> str:
+        if not self.plan.passes and not self.chunked and not self.plan.stores["R"]:
+            return self._render_flat(name)
         spec = self.spec
         loops = self._element_roots()
         per_loop = self._choose_cached(loops)
@@ -192,12 +219,21 @@ class _RowRenderer:
                 inner.append(self._statement(i, number))
                 if self.cached.get(i) == number:
                     inner.append(f"t{i}[j] = v{i};")
+            simd = self._simd(reductions)
+            clauses, after = [], []
             for r in reductions:
                 expr = spec.exprs[r]
                 value = self._name(expr.args[0], number)
                 if expr.op == "rowsum":
                     body.append(f"{t[r]} v{r} = {_literal(expr.value, expr.dtype)};")
                     inner.append(f"v{r} += {value};")
+                    clauses.append(f"reduction(+:v{r})")
+                elif expr.op == "rowmax" and simd:
+                    # the maximum in vector lanes, NaN noted apart (a vector max does not propagate it)
+                    body += [f"{t[r]} v{r} = {_literal(-math.inf, expr.dtype)};", f"int n{r} = 0;"]
+                    inner += [f"v{r} = {value} > v{r} ? {value} : v{r};", f"n{r} |= {value} != {value};"]
+                    clauses += [f"reduction(max:v{r})", f"reduction(|:n{r})"]
+                    after.append(f"if (n{r}) v{r} = {_literal(math.nan, expr.dtype)};")
                 elif expr.op == "rowmax":
                     body.append(f"{t[r]} v{r} = {_literal(-math.inf, expr.dtype)};")
                     inner.append(f"if ({value} != {value} || {value} > v{r}) v{r} = {value};")
@@ -208,7 +244,7 @@ class _RowRenderer:
                     inner.append(f"if (j == 0 || {value} > m{r} || {value} != {value}) "
                                  f"{{ m{r} = {value}; v{r} = {self._name(expr.args[1], number)}; }}")
                 emitted.add(r)
-            body += self._loop(inner)
+            body += self._loop(inner, " ".join(clauses) if simd else None) + after
         final = len(self.plan.passes)
         found = per_loop[final]
         row_stores = self.plan.stores["R"]
@@ -216,7 +252,7 @@ class _RowRenderer:
         body += row_values(loop_inputs(found) + [spec.store_exprs[k][0] for k in row_stores]
                            + [spec.exprs[i].args[0] for i in allsums] + list(self.row.checks))
         for check in self.row.checks:
-            body.append(f"if (!v{check}) bad = 1;")
+            body.append(f"bad |= !v{check};")
         inner = []
         for i in found:
             if self.cached.get(i, final) == final:
@@ -244,6 +280,41 @@ class _RowRenderer:
             lines += self._chunked(bases + scratch + body)
         else:
             lines += self._rows_loop(bases + scratch + body)
+        self.in_tail = True
+        tail = self._tail()
+        lines += tail + ["return bad;"]
+        decls = single_declarations(spec)
+        return (f"int64_t {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body + tail)
+                + "".join(f"  {line}\n" for line in lines) + "}\n")
+
+    def _render_flat(self, name: str) -> str:
+        """A row program without reductions (max pooling's backward): one loop nest over the whole
+        space in the memory order of the first store, every value computed per element."""
+        spec = self.spec
+        loads = len(self.lane.loads)
+        first = self.strides[loads + self.plan.stores["E"][0]] if self.plan.stores["E"] else None
+        order = sorted(range(len(self.sizes)), key=lambda d: -abs(first[d]) if first else 0)
+        self.flat = True
+        roots = [spec.store_exprs[k][0] for k in self.plan.stores["E"]] + list(self.row.checks)
+        body = [self._statement(i, None) for i in needed(spec, roots)]
+        body += [f"bad |= !v{check};" for check in self.row.checks]
+        for k in self.plan.stores["E"]:
+            ref, dtype = spec.store_exprs[k]
+            body.append(f"{self._element(loads + k)} = (({C_TYPES[dtype]})v{ref});")
+        lines, indent = ["int64_t bad = 0;"], ""
+        numel = math.prod(self.sizes)
+        if order and numel >= PARALLEL_MIN_ELEMENTS and self.sizes[order[0]] > 1:
+            collapse = 2 if len(order) > 1 and self.sizes[order[0]] < 16 else 1
+            lines.append("#pragma omp parallel for schedule(static) reduction(|:bad)"
+                         + (f" collapse({collapse})" if collapse > 1 else ""))
+        for d in order:
+            var = f"q{d}" if self.is_reduced[d] else f"k{d}"
+            lines.append(f"{indent}for (int64_t {var} = 0; {var} < {self.sizes[d]}; {var}++) {{")
+            indent += "  "
+        lines += [indent + line for line in body]
+        for _ in order:
+            indent = indent[:-2]
+            lines.append(f"{indent}}}")
         self.in_tail = True
         tail = self._tail()
         lines += tail + ["return bad;"]

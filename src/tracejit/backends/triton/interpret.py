@@ -104,5 +104,18 @@ def _reduction(function):
 
 row_max = _reduction(np.max)  # NaN propagates (the kernels test for NaN themselves, as the GPU's does not)
 row_min = _reduction(np.min)
-row_sum = _reduction(lambda data: np.sum(data, dtype=data.dtype))
+def _tree_sum(data: np.ndarray) -> np.ndarray:
+    """Neighbours added pairwise, as a GPU's tree reduction over a block (a power of two long) does;
+    numpy's own sum starts at +0.0, which turns a sum of -0.0 into +0.0."""
+    data = data.reshape(-1)
+    if not data.size:
+        return np.zeros((), data.dtype)
+    while data.size > 1:
+        if data.size % 2:
+            data = np.concatenate([data, np.array([-0.0]).astype(data.dtype)])
+        data = data[0::2] + data[1::2]
+    return data[0]
+
+
+row_sum = _reduction(_tree_sum)
 INTERPRETER_NAMES.update(row_max=row_max, row_min=row_min, row_sum=row_sum)

@@ -142,12 +142,14 @@ class _RowRenderer:
         source = TL_TYPES[self.types[expr.args[0]]]
         payload = f"v{expr.args[1]}"
         if not vector[expr.args[1]]:
-            payload = f"({payload} + tl.full([{self.block}], 0, tl.int64))"
+            payload = f"({payload} + tl.full([{self.block}], 0, {TL_TYPES[expr.dtype]}))"
+        # the payload at one element, summed with -0.0 elsewhere (which changes no float, -0.0 included)
+        fill = "-0.0" if expr.dtype.is_floating_point else "0"
         return [f"{out}_m = row_max(tl.where(cmask, {x}, tl.full([], -INF, {source})))",
                 f"{out}_last = row_max(tl.where(cmask & ({x} != {x}), cols, -1))",
                 f"{out}_first = row_min(tl.where(cmask & ({x} == {out}_m), cols, {self.block}))",
                 f"{out}_at = tl.where({out}_last >= 0, {out}_last, {out}_first)",
-                f"{out} = row_sum(tl.where(cols == {out}_at, {payload}, 0))"]
+                f"{out} = row_sum(tl.where(cols == {out}_at, {payload}, {fill}))"]
 
     def _order(self, roots: list[int], stop=lambda i: False) -> list[int]:
         return needed(self.spec, roots, stop)
