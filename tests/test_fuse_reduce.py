@@ -285,8 +285,6 @@ def test_option_is_validated_and_defaults_keep_todays_program():
         tracejit.GraphOptimizationConfig(jit_fuse_reduce=1)
     with pytest.raises(TypeError, match="graph_opt_config must be a tracejit.GraphOptimizationConfig"):
         tracejit.trace(log_probs, graph_opt_config={"jit_fuse_reduce": True})
-    with pytest.raises(NotImplementedError, match="jit_fuse_dimshuffle=True"):
-        tracejit.GraphOptimizationConfig(jit_fuse_dimshuffle=True)
     x = torch.randn(6, 33)
     for options, rows in [({}, 0), ({"graph_opt_config": tracejit.GraphOptimizationConfig()}, 0),
                           ({"opt_level": 3}, 1), ({"opt_level": 3, "graph_opt_config":
@@ -322,13 +320,14 @@ def step_keeping_gradients(x, y, *, model, opt):
     return loss
 
 
-def train_and_compare(kind: str, steps: int, without_host: bool, backend: str = "c"):
+def train_and_compare(kind: str, steps: int, without_host: bool, backend: str = "c", graph_opt_config=ON):
     """Eager and fused training side by side: the loss, every gradient, parameter, buffer and
     momentum buffer after each step within 1e-5 + 1e-4 relative (the row kernels sum rows in
     another order than eager). SGD with momentum: Adam divides tiny noisy gradients by their own
     size (see test_fused_training)."""
     (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), "sgd_momentum")
-    traced = tracejit.trace(step_keeping_gradients, backend=backend, graph_opt_config=ON, without_host=without_host)
+    traced = tracejit.trace(step_keeping_gradients, backend=backend, graph_opt_config=graph_opt_config,
+                            without_host=without_host)
     for step in range(steps):
         x, y = batch(kind, step)
         torch.manual_seed(100 + step)

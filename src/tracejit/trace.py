@@ -139,7 +139,8 @@ class trace(ProfileAccess):
         self._profiler = Profiler(self.__name__) if profiling else None
         self._fusion = resolve_backend(backend)
         self._compile_options = CompileOptions(opt_level, self._fusion, sublinear_memory_config, dtr_config,
-                                               fuse_reduce=self.options.fuse_reduce)
+                                               fuse_reduce=self.options.fuse_reduce,
+                                               fuse_dimshuffle=self.options.fuse_dimshuffle)
         self._fast_call: Callable | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
         self.stats = TraceStats()  # what the calls did; see runtime/stats.py

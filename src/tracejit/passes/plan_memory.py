@@ -30,8 +30,10 @@ DEFAULT_MIN_BYTES = {"cpu": 0}
 OTHER_DEVICES_MIN_BYTES = 1 << 20
 
 
-def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
-    """`min_bytes`: plan only values at least this large (default: per device, see DEFAULT_MIN_BYTES)."""
+def plan_memory(graph: Graph, min_bytes: int | None = None, fused: bool = False) -> Graph:
+    """`min_bytes`: plan only values at least this large (default: per device, see DEFAULT_MIN_BYTES);
+    `fused` (jit_fuse_dimshuffle): the new results of fused kernels too, which their launchers
+    write into the buffers they are handed (`Node.buffers`)."""
     if graph.host_visible:
         return graph
     lifetimes = storage_lifetimes(graph)
@@ -41,6 +43,15 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
     outliving |= _reshaped_in_place(graph)
     candidates = []
     for index, node in enumerate(graph.nodes):
+        if fused and node.op is Op.FUSED:
+            for vid in node.outputs:
+                value = graph.values[vid] if vid is not None else None
+                nbytes = _dense_bytes(value.meta) if value is not None else None
+                if (nbytes is not None and value.version == 0 and value.root == value.handle
+                        and value.root not in outliving and vid not in node.writes
+                        and value.meta.device.type == "cpu"):
+                    candidates.append((nbytes, index, lifetimes[value.handle], value.handle))
+            continue
         if node.op is not Op.CALL or node.out_kind != "tensor" or out_overload(node.target) is None:
             continue
         value = graph.values[node.outputs[0]]
@@ -63,7 +74,12 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
         offsets[handle] = (offset, nbytes)
     nodes = []
     for node in graph.nodes:
-        if node.op is Op.CALL and node.outputs and node.outputs[0] is not None:
+        if node.op is Op.FUSED:
+            buffers = tuple(offsets.get(graph.values[v].handle) if v is not None and graph.values[v].version == 0
+                            else None for v in node.outputs)
+            if any(b is not None for b in buffers):
+                node = replace(node, buffers=buffers)
+        elif node.op is Op.CALL and node.outputs and node.outputs[0] is not None:
             handle = graph.values[node.outputs[0]].handle
             if handle in offsets and graph.values[node.outputs[0]].version == 0:
                 offset, nbytes = offsets[handle]
