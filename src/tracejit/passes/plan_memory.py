@@ -33,12 +33,13 @@ OTHER_DEVICES_MIN_BYTES = 1 << 20
 def plan_memory(graph: Graph, min_bytes: int | None = None, fused: bool = False) -> Graph:
     """`min_bytes`: plan only values at least this large (default: per device, see DEFAULT_MIN_BYTES);
     `fused` (jit_fuse_dimshuffle): the new results of fused kernels too, which their launchers
-    write into the buffers they are handed (`Node.buffers`)."""
+    write into the buffers they are handed (`Node.buffers`), and the inputs of `_unsafe_view` (a
+    reshape of a fresh copy; the record follows its aliasing, so their lifetimes cover its uses)."""
     if graph.host_visible:
         return graph
     lifetimes = storage_lifetimes(graph)
     outliving = observable_roots(graph)  # storage the caller or Python state can still see
-    outliving |= _aliased_without_saying(graph)
+    outliving |= _aliased_without_saying(graph, keep_unsafe_view=fused)
     outliving |= collective_roots(graph)
     outliving |= _reshaped_in_place(graph)
     candidates = []
@@ -102,11 +103,12 @@ def _resizes_out(op) -> bool:
     return schema is not None and any(argument.name == "reduction" for argument in schema.arguments)
 
 
-def _aliased_without_saying(graph: Graph) -> set[int]:
+def _aliased_without_saying(graph: Graph, keep_unsafe_view: bool = False) -> set[int]:
     roots = set()
     for node in graph.nodes:
         if node.op is Op.CALL and getattr(node.target, "_schema", None) is not None:
-            if node.target._schema.name.split("::")[-1] in UNDECLARED_ALIASES:
+            name = node.target._schema.name.split("::")[-1]
+            if name in UNDECLARED_ALIASES and not (keep_unsafe_view and name == "_unsafe_view"):
                 roots.update(graph.values[v].root for v in node.inputs)
     return roots
 
