@@ -265,6 +265,32 @@ def test_special_values_of_the_new_row_ops(case, dtype):
     assert row_nodes(traced)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_long_rows_reduce_in_vector_lanes_with_eager_special_values(dtype):
+    """Rows long enough for the C kernel's vector reductions: a row of -inf (its maximum stays
+    -inf: the lanes start at -inf), a NaN among numbers, +inf, rows of signed zeros."""
+    def reduce_rows(x):
+        return x.amax(-1) * 1, torch.softmax(x * 1, -1), torch.log_softmax(x * 1, -1), x.sum(-1) * 1, x.mean(-1) + 0
+
+    rows = torch.randn(7, 100, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    rows[0] = -INF
+    rows[1, 57] = NAN
+    rows[2, 99] = INF
+    rows[3] = -0.0
+    rows[4, ::3] = -INF
+    rows[5] = 0.0
+    rows[5, 70] = -0.0
+    rows[6, 10], rows[6, 20] = INF, -INF
+    traced = tracejit.trace(reduce_rows, backend="c", graph_opt_config=ON, without_host=True)
+    for _ in range(3):
+        got, want = traced(rows), reduce_rows(rows)
+        assert_rows_close(got, want, "reductions")
+        for g, w in zip(got, want):
+            zero = (w == 0) & (g == 0)
+            assert torch.equal(g[zero].signbit(), w[zero].signbit()), (g, w)
+    assert {"amax", "_softmax", "_log_softmax", "sum", "mean"} <= {op for n in row_nodes(traced) for op in member_ops(n)}
+
+
 def test_a_target_out_of_range_raises_as_eager():
     """The C kernel checks each target: out of range, aten runs the group and raises eager's error."""
     traced = tracejit.trace(cross_entropy, backend="c", graph_opt_config=ON, without_host=True)

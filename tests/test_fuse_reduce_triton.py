@@ -107,3 +107,31 @@ def test_special_values_in_the_interpreter(case):
         assert torch.equal(finite, want.isfinite())
         assert torch.allclose(got[finite], want[finite], rtol=1e-6, atol=1e-30)
     assert row_launchers(traced)
+
+
+def long_rows(x, w, b, running_mean, running_var):
+    """Rows of 16384 elements (BatchNorm's channels over 4 x 64 x 64) and of 24576 (a softmax):
+    longer than one block, each pass walks the row block by block."""
+    x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
+    y = torch.relu(torch.nn.functional.batch_norm(x * 1.5, running_mean, running_var, w, b, training=True))
+    (y * 0.5).sum().backward()
+    return (y.detach(), x.grad, w.grad, b.grad, running_mean.clone(), running_var.clone(),
+            torch.softmax(x.detach().reshape(2, -1) * 2, -1), x.detach().reshape(2, -1).amax(-1) * 1)
+
+
+def test_rows_longer_than_a_block_loop_over_it():
+    traced = tracejit.trace(long_rows, backend="triton", graph_opt_config=ON, without_host=True)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        args = [torch.randn(4, 3, 64, 64, generator=g), torch.randn(3, generator=g), torch.randn(3, generator=g),
+                torch.zeros(3), torch.ones(3)]
+        args[0][1, 2, 3, 4] = NAN  # its channel's statistics, and its softmax row, are NaN
+        copies = [a.clone() for a in args]
+        got, want = traced(*args), long_rows(*copies)
+        assert_rows_close(got, want, "batch_norm_pool")
+    launchers = row_launchers(traced)
+    looped = [k.kernel for _, k in launchers if "for start in range(" in k.kernel.source]
+    assert {"native_batch_norm", "native_batch_norm_backward", "_softmax", "amax"} <= {
+        op for n, k in launchers if "for start in range(" in k.kernel.source for op in member_ops(n)}
+    problems = ts.compile_all(looped)
+    assert not problems, "\n\n".join(problems)

@@ -21,8 +21,11 @@ with sums over all rows (colsum, allsum) runs a fixed number of chunk programs, 
 its rows and storing its partial sums to a scratch buffer, then a second one-program kernel adds
 the partials in chunk order and stores what follows from them (the same numbers for any GPU).
 `row_max`, `row_min` and `row_sum` are `tl.max`, `tl.min` and `tl.sum` over the block on the GPU
-and numpy stand-ins in the interpreter (jit.py). Rows of more than 8192 elements are not rendered
-(their group runs through aten).
+and numpy stand-ins in the interpreter (jit.py); `tl.full` stands where `tl.zeros` would (the
+latter is a @triton.jit function, which the interpreter cannot call once triton was imported
+without it). A row of more than 8192 elements is walked in blocks of 2048, once per pass, with
+per-lane partial results (its inputs are then loaded once per pass); with an argmax or a sum over
+all rows such a group is not rendered and runs through aten.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from ..lower import KernelSpec
 from ..rows import ALL_ROWS, RowProgram, merged_space, needed, plan
 from .expressions import SIGNATURE_TYPES, TL_TYPES, NotRenderable, _literal, convert, expression
 
-MAX_ROW_BLOCK = 8192
+MAX_ROW_BLOCK = 8192  # longer rows are walked in blocks of LOOP_BLOCK, once per pass
+LOOP_BLOCK = 2048
 CHUNKS = 64  # programs of a kernel that sums over all rows
 
 
@@ -56,8 +60,12 @@ class _RowRenderer:
         self.rows = math.prod(self.sizes[d] for d in self.kept)
         self.cols = math.prod(self.sizes[d] for d in self.red)
         self.block = 1 << max(self.cols - 1, 0).bit_length()
-        if self.block > MAX_ROW_BLOCK:
-            raise NotRenderable(f"rows of {self.cols} elements")
+        # a row longer than one block: each pass walks it in blocks, loading its inputs again
+        self.looped = self.block > MAX_ROW_BLOCK
+        if self.looped:
+            self.block = LOOP_BLOCK
+            if any(e.op in ("rowargmax", "colsum", "allsum") for e in spec.exprs):
+                raise NotRenderable(f"rows of {self.cols} elements with an argmax or a sum over all rows")
         self.allocated = len(spec.allocations)
         self.types = [e.dtype for e in spec.exprs]
         self.chunked = any(e.op in ALL_ROWS for e in spec.exprs)
@@ -183,6 +191,11 @@ class _RowRenderer:
             if not last:
                 head.append(f"c{d} = {rest} // {self.sizes[d]}")
                 rest = f"c{d}"
+        if self.looped:
+            lines = [f"r = {'tl.program_id(0).to(tl.int64)' if self.wide else 'tl.program_id(0)'}",
+                     *self._head("r"), *self._looped_body()]
+            name, source = assemble(spec, declared, scalars, lines)
+            return make(name, source, signature, tuple(parameters), self.rows, warps)
         row_roots = [spec.store_exprs[k][0] for k in self.plan.stores["E"] + self.plan.stores["R"]]
         sums = [i for i, e in enumerate(spec.exprs) if e.op in ALL_ROWS]
         row_roots += [spec.exprs[i].args[0] for i in sums]
@@ -223,6 +236,78 @@ class _RowRenderer:
         combined = make(*combine, signature, tuple(parameters), 1, warps)
         return make(name, source, signature, tuple(parameters), chunks, warps,
                     combine=combined, scratch=(chunks * width, self.sum_type))
+
+    def _block_head(self) -> list[str]:
+        """The columns of the block at `start` and their reduced indices (a looped row)."""
+        lines = [f"cols = start + tl.arange(0, {self.block})", f"cmask = cols < {self.cols}"]
+        rest = "cols"
+        for position, d in enumerate(reversed(self.red)):
+            last = position == len(self.red) - 1
+            lines.append(f"q{d} = {rest}" if last else f"q{d} = {rest} % {self.sizes[d]}")
+            if not last:
+                lines.append(f"c{d} = {rest} // {self.sizes[d]}")
+                rest = f"c{d}"
+        return lines
+
+    def _looped_body(self) -> list[str]:
+        """One row longer than a block: each pass over it runs block by block with per-lane partial
+        results (a sum, or a maximum and a NaN flag), added up (compared) after the loop; the row
+        values follow; a last loop stores the element values."""
+        spec = self.spec
+        emitted: set[int] = set()
+        vector = [False] * len(spec.exprs)
+        lines: list[str] = []
+
+        def row_values(roots: list[int]) -> list[str]:
+            out = []
+            for i in needed(spec, roots, lambda i: self.levels[i] not in ("R", "G") or i in emitted):
+                if self.levels[i] in ("R", "G") and i not in emitted:
+                    emitted.add(i)
+                    out += self._statements([i], vector)
+            return out
+
+        def element_values(roots: list[int]) -> tuple[list[int], list[int]]:
+            found = [i for i in needed(spec, roots, lambda i: self.levels[i] != "E") if self.levels[i] == "E"]
+            inputs = [a for i in found for a in spec.exprs[i].args if self.levels[a] in ("R", "G")]
+            return found, inputs + [r for r in roots if self.levels[r] in ("R", "G")]
+
+        loop = f"for start in range(0, {self.cols}, {self.block}):"
+        for reductions in self.plan.passes:
+            found, inputs = element_values([a for r in reductions for a in spec.exprs[r].args])
+            lines += row_values(inputs)
+            body = [*self._block_head(), *self._statements(found, vector)]
+            after = []
+            for r in reductions:
+                expr = spec.exprs[r]
+                t = TL_TYPES[expr.dtype]
+                x = f"v{expr.args[0]}"
+                if expr.op == "rowsum":
+                    init = _literal(0.0 if expr.value is None else expr.value, expr.dtype)
+                    lines.append(f"p{r} = tl.full([{self.block}], 0.0, {t}) + {init}")
+                    body.append(f"p{r} = p{r} + tl.where(cmask, {x}, {init})")
+                    after.append(f"v{r} = {init} + row_sum(p{r})")
+                else:  # rowmax, NaN noted apart (the GPU's maximum ignores it)
+                    lines += [f"p{r} = tl.full([{self.block}], -INF, {t})", f"n{r} = tl.full([{self.block}], 0, tl.int32)"]
+                    body += [f"p{r} = tl.maximum(p{r}, tl.where(cmask, {x}, tl.full([], -INF, {t})))",
+                             f"n{r} = tl.maximum(n{r}, tl.where(cmask & ({x} != {x}), 1, 0))"]
+                    after.append(f"v{r} = tl.where(row_max(n{r}) > 0, tl.full([], NAN, {t}), row_max(p{r}))")
+                emitted.add(r)
+            lines += [loop, *(f"    {line}" for line in body), *after]
+        loads = len(self.lane.loads)
+        stores = self.plan.stores["E"]
+        found, inputs = element_values([spec.store_exprs[k][0] for k in stores])
+        lines += row_values(inputs + [spec.store_exprs[k][0] for k in self.plan.stores["R"]])
+        if stores:
+            body = [*self._block_head(), *self._statements(found, vector)]
+            for k in stores:
+                ref, dtype = spec.store_exprs[k]
+                value = convert(f"v{ref}", self.types[ref], dtype)
+                body.append(f"tl.store({self._address(loads + k, True)}, {value}, mask=cmask)")
+            lines += [loop, *(f"    {line}" for line in body)]
+        for k in self.plan.stores["R"]:
+            ref, dtype = spec.store_exprs[k]
+            lines.append(f"tl.store({self._address(loads + k, False)}, {convert(f'v{ref}', self.types[ref], dtype)})")
+        return lines
 
     def _partial_layout(self, sums: list[int]) -> int:
         """Where each sum's partials sit in a chunk's row of the scratch buffer; the row's width."""
