@@ -291,6 +291,22 @@ def test_long_rows_reduce_in_vector_lanes_with_eager_special_values(dtype):
     assert {"amax", "_softmax", "_log_softmax", "sum", "mean"} <= {op for n in row_nodes(traced) for op in member_ops(n)}
 
 
+def test_a_picked_negative_zero_keeps_eager_sign_in_long_rows():
+    """nll_loss picks x[t] with a sum that starts at -0.0, which a vectorized sum (lanes start at
+    +0.0) would turn into +0.0: eager's loss of a picked -0.0 is +0.0, never -0.0."""
+    def losses(x, t):
+        return (torch.nn.functional.nll_loss(x * 1, t, reduction="none"), torch.nn.functional.nll_loss(x * 1, t),
+                torch.nn.functional.nll_loss(x * 1, t, reduction="sum"))
+
+    traced = tracejit.trace(losses, backend="c", graph_opt_config=ON, without_host=True)
+    for x in (torch.full((4, 64), -0.0), torch.full((4, 64), 0.0)):
+        t = torch.tensor([3, 10, 40, 63])
+        for _ in range(3):
+            got, want = traced(x, t), losses(x, t)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w) and torch.equal(g.signbit(), w.signbit()), (g, w)
+
+
 def test_a_target_out_of_range_raises_as_eager():
     """The C kernel checks each target: out of range, aten runs the group and raises eager's error."""
     traced = tracejit.trace(cross_entropy, backend="c", graph_opt_config=ON, without_host=True)

@@ -35,7 +35,8 @@ each op's formula is eager's (cited where it is defined below).
                          b = (db*mean - ds)*rstd^3/n, c = -b*mean - db*rstd/n, dx = rstd*dy*w + b*x + c;
                          dw = colsum(dy * (rstd*x - rstd*mean)), db = colsum(dy)
     sum, mean, amax      over any dims that include the innermost one; mean = sum / n as eager
-    nll_loss_forward     loss = 0 - x[t0] - x[t1] ... (/ count for mean), rows with t == ignore_index
+    nll_loss_forward     loss = 0 - x[t0] - x[t1] ... (/ count for mean; x[t] selected by an argmax of
+                         j == t, exact), rows with t == ignore_index
                          skipped; a target out of range: the C kernel hands the call to aten (which
                          raises eager's IndexError), Triton gives NaN
     nll_loss_backward    dx[r, j] = -(g / total) where j == t[r] (and t[r] != ignore_index), else 0
@@ -929,7 +930,10 @@ def _nll_loss(L: _RowLowering, member: Node, values: list) -> None:
     c = L.compute(dtype)
     x = L.operand(scores, "element")
     t, taken, bad = _target(L, target, ignore_index, L.space.cols)
-    picked = L.reduce("rowsum", c.where(L.compute(torch.int64).eq(L.index(1), t), x, -0.0), dtype, -0.0)
+    # x[t] selected, not summed (a vectorized sum of where(j == t, x, -0.0) lost the sign of a
+    # picked -0.0 under GCC 12 -O3 -march=native): the value at the first maximum of j == t
+    hit = c.value(L.compute(torch.int64).eq(L.index(1), t))
+    picked = L.builder.emit("rowargmax", (hit, x), dtype)
     loss = c.where(bad, math.nan, c.neg(picked))  # eager raises for a target out of range
     output, total_weight = (list(member.outputs) + [None, None])[:2]
     if reduction == 0:

@@ -119,9 +119,10 @@ class _RowRenderer:
         """Whether a pass sums in vector lanes (`omp simd` reductions, ordered as the compiler
         vectorizes: eager's CPU sums are lane-wise too). Not for rowargmax, whose order is its
         result, nor for a sum that starts at -0.0 (OpenMP's lanes start at +0.0)."""
-        return not any(self.spec.exprs[r].op == "rowargmax" or (
-            self.spec.exprs[r].op == "rowsum" and math.copysign(1.0, self.spec.exprs[r].value or 0.0) < 0)
-            for r in reductions)
+        def starts_negative(expr) -> bool:
+            return expr.op == "rowsum" and expr.value is not None and math.copysign(1.0, expr.value) < 0
+
+        return not any(self.spec.exprs[r].op == "rowargmax" or starts_negative(self.spec.exprs[r]) for r in reductions)
 
     def _loop(self, body: list[str], simd: str | None = "") -> list[str]:
         """Nested loops over the reduced dims around `body`, with j the flat column index; the
