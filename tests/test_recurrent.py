@@ -20,6 +20,9 @@ MODES = {
     "symbolic_without_host": {"symbolic": True, "without_host": True},
     # fused C kernels for the gates' elementwise ops: within a few ulp of eager, not bitwise
     "without_host_c": {"without_host": True, "backend": "c"},
+    # row kernels, views made once, the gates' copies and kernel results in the arena
+    "without_host_graph_opt": {"without_host": True, "backend": "c", "graph_opt_config": tracejit.GraphOptimizationConfig(
+        jit_fuse_reduce=True, jit_fuse_dimshuffle=True)},
 }
 
 

@@ -85,11 +85,14 @@ class GraphOptimizationConfig:
     """Which fusions beyond elementwise ops the compiler does (MegEngine's `GraphOptimizationConfig`):
     False for off, True for on, None (the default) to follow `opt_level` (on from opt_level=3).
 
-    jit_fuse_reduce: softmax and log-softmax (forward and backward) and layer norm (forward) over
-        the last dim become one row kernel each, fused with the elementwise ops that feed and
-        consume them.
-    jit_fuse_dimshuffle: transposes feeding fused ops read with strides instead of copying (not
-        implemented yet: True raises NotImplementedError; None and False change nothing).
+    jit_fuse_reduce: reductions (softmax and log-softmax, layer norm, cross-entropy's nll_loss,
+        sum/mean/amax, and their backward) become one row kernel each, fused with the elementwise
+        ops that feed and consume them (docs/kernels.md, "Row kernels").
+    jit_fuse_dimshuffle: dimshuffles (views: transpose, permute, reshape, expand) cost nothing per
+        call and copies read with strides: a view of a buffer the program keeps is made once when
+        the program is built, and an elementwise op alone (a copy of a transposed tensor, a division
+        of a broadcast one) runs as a strided kernel rather than an aten op.
+    With either on, a lone `_foreach_` op (an optimizer's step count) is one multi-tensor kernel.
     """
 
     jit_fuse_reduce: bool | None = None
@@ -100,13 +103,14 @@ class GraphOptimizationConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"GraphOptimizationConfig: {name} must be None, False or True, got {value!r}")
-        if self.jit_fuse_dimshuffle:
-            raise NotImplementedError("GraphOptimizationConfig: jit_fuse_dimshuffle=True is not implemented yet "
-                                      "(transposes feeding fused kernels are still copied); use None or False")
 
     def fuse_reduce(self, opt_level: int) -> bool:
         """Whether row kernels are on at `opt_level`."""
         return opt_level >= FUSION_OPT_LEVEL if self.jit_fuse_reduce is None else self.jit_fuse_reduce
+
+    def fuse_dimshuffle(self, opt_level: int) -> bool:
+        """Whether views are made once and copies run as strided kernels at `opt_level`."""
+        return opt_level >= FUSION_OPT_LEVEL if self.jit_fuse_dimshuffle is None else self.jit_fuse_dimshuffle
 
 
 @dataclass(frozen=True)
@@ -175,3 +179,8 @@ class TraceOptions:
     def fuse_reduce(self) -> bool:
         """graph_opt_config.jit_fuse_reduce resolved against opt_level."""
         return (self.graph_opt_config or GraphOptimizationConfig()).fuse_reduce(self.opt_level)
+
+    @property
+    def fuse_dimshuffle(self) -> bool:
+        """graph_opt_config.jit_fuse_dimshuffle resolved against opt_level."""
+        return (self.graph_opt_config or GraphOptimizationConfig()).fuse_dimshuffle(self.opt_level)

@@ -148,9 +148,10 @@ class trace(ProfileAccess):
         self._profiler = Profiler(self.__name__) if profiling else None
         self._fusion = resolve_backend(backend)
         self._compile_options = CompileOptions(opt_level, self._fusion, sublinear_memory_config, dtr_config,
-                                               fuse_reduce=self.options.fuse_reduce)
+                                               fuse_reduce=self.options.fuse_reduce,
+                                               fuse_dimshuffle=self.options.fuse_dimshuffle)
         # Fused kernels are generated for fixed sizes: specializations of a symbolic-shape trace run unfused
-        self._unfused_options = replace(self._compile_options, fusion=None, fuse_reduce=False)
+        self._unfused_options = replace(self._compile_options, fusion=None, fuse_reduce=False, fuse_dimshuffle=False)
         self._fast_call: Callable | None = None
         # the trace the last checked call at the API level used: the next call tries its signature
         # first (HostFreeRunner.admit), before computing its own and looking it up

@@ -108,17 +108,30 @@ def _lowering_check(key: tuple, graph: Graph, node: Node) -> bool:
 _LOWERS: dict[tuple, bool] = {}  # a probe per distinct (op, arguments, layouts)
 
 
-def _try_lower(graph: Graph, node: Node) -> bool:
+def lowered_ops(graph: Graph, node: Node) -> set[str] | None:
+    """The primitives the op alone lowers to (None when it cannot be a kernel)."""
+    try:
+        spec = lower_fused(graph, _probe(graph, node))
+    except Unsupported:
+        return None
+    return {e.op for e in spec.exprs}
+
+
+def _probe(graph: Graph, node: Node) -> Node:
+    """A FUSED node of the op alone."""
     produced = {v for v in (*node.outputs, *node.writes) if v is not None}
     inputs = tuple(dict.fromkeys(v for v in node.inputs if v not in produced))
     handed = {graph.values[v].handle for v in node.inputs}
     outputs = tuple(v for v in (*node.outputs, *node.writes)
                     if v is not None and graph.values[v].handle in handed | {graph.values[o].handle for o in
                                                                               node.outputs if o is not None})
-    single = Node(Op.FUSED, FusedGroup("probe", ()), inputs, tuple(dict.fromkeys(outputs)), writes=node.writes,
-                  positions=node.positions, source=node.source, members=(node,))
+    return Node(Op.FUSED, FusedGroup("probe", ()), inputs, tuple(dict.fromkeys(outputs)), writes=node.writes,
+                positions=node.positions, source=node.source, members=(node,))
+
+
+def _try_lower(graph: Graph, node: Node) -> bool:
     try:
-        lower_fused(graph, single)
+        lower_fused(graph, _probe(graph, node))
     except Unsupported:
         return False
     return True

@@ -71,15 +71,17 @@ class ExprBuilder:
 
     def __init__(self) -> None:
         self.exprs: list[Expr] = []
-        self._index: dict[Expr, Ref] = {}
+        self._index: dict[tuple, Ref] = {}
 
     def emit(self, op: str, args: tuple[int, ...], dtype: torch.dtype, value: Any = None) -> Ref:
         expr = Expr(op, tuple(args), dtype, value)
-        found = self._index.get(expr)
+        # floats by their bits: -0.0 == 0.0 in Python, and NaN equals nothing
+        key = (op, expr.args, dtype, value.hex() if isinstance(value, float) else value)
+        found = self._index.get(key)
         if found is None:
             found = Ref(len(self.exprs))
             self.exprs.append(expr)
-            self._index[expr] = found
+            self._index[key] = found
         return found
 
     def dtype(self, ref: Ref) -> torch.dtype:

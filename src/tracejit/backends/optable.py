@@ -353,6 +353,11 @@ def _to_copy(c: Compute, x, dtype=None, layout=None, device=None, pin_memory=Non
     return x  # the store converts to the output's dtype
 
 
+@_op("clone", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.t().clone(memory_format=torch.contiguous_format))
+def _clone(c: Compute, x, memory_format=None):
+    return x  # the store lays the copy out as eager did (the recorded strides)
+
+
 @_op("copy", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.clone().copy_(y))
 def _copy(c: Compute, x, src, non_blocking=False):
     return src

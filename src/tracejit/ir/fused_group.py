@@ -12,6 +12,6 @@ class FusedGroup:
     name: str
     shape: tuple[int, ...]  # iteration space of the first lane
     lanes: int = 1  # list length of `_foreach_` members; 1 for plain groups
-    # a row group (passes/fuse_reduce.py): its row op may also compute one element per row of `shape`
-    # (layer norm's mean and rstd, of shape[:-1] + (1,))
-    rows: bool = False
+    # a row group (passes/fuse_reduce.py): the other shapes its members compute, one value per row
+    # (layer norm's mean and rstd, a sum over the row), per column, or one in all (a loss)
+    rows: tuple[tuple[int, ...], ...] = ()

@@ -73,6 +73,10 @@ class Node:
     hoisted: bool = False
     # plan_memory: (offset, bytes) of its output in the persistent arena
     buffer: tuple[int, int] | None = None
+    # plan_memory for a FUSED node (jit_fuse_dimshuffle): per output its (offset, bytes), or None
+    buffers: tuple[tuple[int, int] | None, ...] = ()
+    # make_views_static (jit_fuse_dimshuffle): a view of arena buffers, made once with the program
+    static_view: bool = False
 
     @property
     def fire_at(self) -> int:

@@ -44,6 +44,10 @@ def _comment(graph: Graph, node: Node) -> str:
     if node.buffer is not None:
         offset, nbytes = node.buffer
         parts.append(f"arena[{offset}:{offset + nbytes}]")
+    if node.static_view:
+        parts.append("static view")
+    if any(b is not None for b in node.buffers):
+        parts.append("arena" + ",".join(f"[{b[0]}:{b[0] + b[1]}]" if b else "-" for b in node.buffers))
     if node.source is not None and node.source.filename:
         parts.append(str(node.source))
     return "  # " + "  ".join(p for p in parts if p)

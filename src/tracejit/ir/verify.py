@@ -128,6 +128,6 @@ def _space_problems(graph: Graph, node: Node, number: int, member: Node) -> list
     shape, lanes = getattr(node.target, "shape", None), getattr(node.target, "lanes", 1)
     if shape is None or lanes != 1:
         return []
-    allowed = {tuple(shape)} | ({tuple(shape[:-1]) + (1,)} if getattr(node.target, "rows", False) and shape else set())
+    allowed = {tuple(shape)} | {tuple(s) for s in getattr(node.target, "rows", ())}
     return [f"member {number} ({member.name}) computes {list(graph.values[v].meta.shape)} in a group over "
             f"{list(shape)}" for v in member.outputs if v is not None and graph.values[v].meta.shape not in allowed]

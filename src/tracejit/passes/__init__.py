@@ -16,6 +16,7 @@ from .bucket_collectives import DEFAULT_BUCKET_BYTES, bucket_all_reduces
 from .cse import eliminate_common_subexpressions
 from .dce import eliminate_dead_code
 from .fold_constants import fold_constants
+from .fuse_dimshuffle import make_views_static, worth_alone
 from .fuse_linear_activation import fuse_linear_activation
 from .fuse_reduce import CanFuseRow, fuse_row_reductions
 from .group import CanFuse, group_elementwise
@@ -50,13 +51,15 @@ PIPELINE: list[tuple[int, Pass]] = [
 
 
 def pipeline(can_fuse: CanFuse | None = None, fusion_fuel: int | None = None, recompute: Pass | None = None,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES, can_fuse_row: CanFuseRow | None = None
-             ) -> list[tuple[int, Pass]]:
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, can_fuse_row: CanFuseRow | None = None,
+             graph_opt: bool = False, dimshuffle: bool = False) -> list[tuple[int, Pass]]:
     """PIPELINE with the trace's choices bound: the fusion backend's `can_fuse` (and the fuel that
     bounds how many groups form) for the grouping pass, the pass that chooses what backward
     recomputes (sublinear memory, dtr_config) after dead code elimination when requested, and the
     all-reduce bucket size. `can_fuse_row` (jit_fuse_reduce) adds fuse_row_reductions before the
-    grouping pass."""
+    grouping pass; with `graph_opt` (any graph_opt_config fusion) lone `_foreach_` ops become kernels,
+    with `dimshuffle` (jit_fuse_dimshuffle) lone ops reading strided tensors too, and views of
+    arena buffers are made once (make_views_static, after plan_memory)."""
     passes = list(PIPELINE)
     if bucket_bytes != DEFAULT_BUCKET_BYTES:
         def bucket_all_reduces_of_size(graph: Graph) -> Graph:
@@ -65,8 +68,10 @@ def pipeline(can_fuse: CanFuse | None = None, fusion_fuel: int | None = None, re
         bucket_all_reduces_of_size.__name__ = "bucket_all_reduces"
         passes = [(level, bucket_all_reduces_of_size if p is bucket_all_reduces else p) for level, p in passes]
     if can_fuse is not None:
+        alone = worth_alone(dimshuffle) if graph_opt else None
+
         def group_elementwise_for_backend(graph: Graph) -> Graph:
-            return group_elementwise(graph, can_fuse, fuel=fusion_fuel)
+            return group_elementwise(graph, can_fuse, fuel=fusion_fuel, alone=alone)
 
         group_elementwise_for_backend.__name__ = "group_elementwise"
         passes = [(level, group_elementwise_for_backend if p is group_elementwise else p) for level, p in passes]
@@ -80,6 +85,13 @@ def pipeline(can_fuse: CanFuse | None = None, fusion_fuel: int | None = None, re
     if recompute is not None:
         at = next(i for i, (_, p) in enumerate(passes) if p is eliminate_dead_code) + 1
         passes.insert(at, (0, recompute))
+    if dimshuffle:
+        def plan_memory_with_kernels(graph: Graph) -> Graph:
+            return plan_memory(graph, fused=True)
+
+        plan_memory_with_kernels.__name__ = "plan_memory"
+        passes = [(level, plan_memory_with_kernels if p is plan_memory else p) for level, p in passes]
+        passes.append((2, make_views_static))
     return passes
 
 

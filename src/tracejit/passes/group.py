@@ -36,15 +36,17 @@ MAX_MEMBERS = 48
 
 
 def group_elementwise(graph: Graph, can_fuse: CanFuse | None = None, max_members: int = MAX_MEMBERS,
-                      min_members: int = 2, fuel: int | None = None) -> Graph:
-    """`fuel` bounds how many groups are formed (bisecting a suspected miscompile)."""
+                      min_members: int = 2, fuel: int | None = None, alone: CanFuse | None = None) -> Graph:
+    """`fuel` bounds how many groups are formed (bisecting a suspected miscompile); a group of one
+    op is a kernel only when `alone` says the op is worth one (graph_opt_config)."""
     if can_fuse is None:
         return graph
     grouping = _Grouping(graph, max_members)
     for index, node in enumerate(grouping.nodes):
         if _candidate(node) and can_fuse(graph, node):
             grouping.add(index, node)
-    fused = [g for g in grouping.groups if len(g) >= min_members]
+    fused = [g for g in grouping.groups if len(g) >= min_members
+             or (len(g) == 1 and alone is not None and alone(graph, grouping.nodes[g[0]]))]
     if fuel is not None:
         fused = fused[:max(fuel, 0)]
     if not fused:

@@ -30,17 +30,29 @@ DEFAULT_MIN_BYTES = {"cpu": 0}
 OTHER_DEVICES_MIN_BYTES = 1 << 20
 
 
-def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
-    """`min_bytes`: plan only values at least this large (default: per device, see DEFAULT_MIN_BYTES)."""
+def plan_memory(graph: Graph, min_bytes: int | None = None, fused: bool = False) -> Graph:
+    """`min_bytes`: plan only values at least this large (default: per device, see DEFAULT_MIN_BYTES);
+    `fused` (jit_fuse_dimshuffle): the new results of fused kernels too, which their launchers
+    write into the buffers they are handed (`Node.buffers`), and the inputs of `_unsafe_view` (a
+    reshape of a fresh copy; the record follows its aliasing, so their lifetimes cover its uses)."""
     if graph.host_visible:
         return graph
     lifetimes = storage_lifetimes(graph)
     outliving = observable_roots(graph)  # storage the caller or Python state can still see
-    outliving |= _aliased_without_saying(graph)
+    outliving |= _aliased_without_saying(graph, keep_unsafe_view=fused)
     outliving |= collective_roots(graph)
     outliving |= _reshaped_in_place(graph)
     candidates = []
     for index, node in enumerate(graph.nodes):
+        if fused and node.op is Op.FUSED:
+            for vid in node.outputs:
+                value = graph.values[vid] if vid is not None else None
+                nbytes = _dense_bytes(value.meta) if value is not None else None
+                if (nbytes is not None and value.version == 0 and value.root == value.handle
+                        and value.root not in outliving and vid not in node.writes
+                        and value.meta.device.type == "cpu"):
+                    candidates.append((nbytes, index, lifetimes[value.handle], value.handle))
+            continue
         if node.op is not Op.CALL or node.out_kind != "tensor" or out_overload(node.target) is None:
             continue
         value = graph.values[node.outputs[0]]
@@ -63,7 +75,12 @@ def plan_memory(graph: Graph, min_bytes: int | None = None) -> Graph:
         offsets[handle] = (offset, nbytes)
     nodes = []
     for node in graph.nodes:
-        if node.op is Op.CALL and node.outputs and node.outputs[0] is not None:
+        if node.op is Op.FUSED:
+            buffers = tuple(offsets.get(graph.values[v].handle) if v is not None and graph.values[v].version == 0
+                            else None for v in node.outputs)
+            if any(b is not None for b in buffers):
+                node = replace(node, buffers=buffers)
+        elif node.op is Op.CALL and node.outputs and node.outputs[0] is not None:
             handle = graph.values[node.outputs[0]].handle
             if handle in offsets and graph.values[node.outputs[0]].version == 0:
                 offset, nbytes = offsets[handle]
@@ -86,11 +103,12 @@ def _resizes_out(op) -> bool:
     return schema is not None and any(argument.name == "reduction" for argument in schema.arguments)
 
 
-def _aliased_without_saying(graph: Graph) -> set[int]:
+def _aliased_without_saying(graph: Graph, keep_unsafe_view: bool = False) -> set[int]:
     roots = set()
     for node in graph.nodes:
         if node.op is Op.CALL and getattr(node.target, "_schema", None) is not None:
-            if node.target._schema.name.split("::")[-1] in UNDECLARED_ALIASES:
+            name = node.target._schema.name.split("::")[-1]
+            if name in UNDECLARED_ALIASES and not (keep_unsafe_view and name == "_unsafe_view"):
                 roots.update(graph.values[v].root for v in node.inputs)
     return roots
 

@@ -70,6 +70,7 @@ class _Emitter:
     def __init__(self, graph: Graph):
         self.graph = graph
         self.namespace: dict[str, Any] = {}
+        self.fixed: dict[int, Any] = {}  # handle -> the tensor it is on every call (arena buffers, static views)
 
     def constant(self, value: Any, prefix: str = "k") -> str:
         name = f"{prefix}{len(self.namespace)}"
@@ -118,11 +119,29 @@ class _Emitter:
             offset, nbytes = buffer
             meta = self.graph.values[node.outputs[0]].meta
             out = arena[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
+            self.fixed[self.graph.values[node.outputs[0]].handle] = out
             args.append(f"out={self.constant(out, 'buf')}")
             function = self.constant(out_callable(node, meta), "f")
         else:
             function = self.constant(callable_for(node), "f")
         return f"{self.targets(node)}{function}({', '.join(args)})  # {node.name}"
+
+    def static_view(self, node: Node) -> str:
+        """A view of arena buffers (make_views_static): made now, bound on every call."""
+        call = f"{self.constant(callable_for(node), 'f')}({', '.join(self.arguments(node))})"
+        scope = {**self.namespace, **{f"h{h}": t for h, t in self.fixed.items()}}
+        with torch.no_grad():
+            result = eval(call, scope)  # noqa: S307 - our own generated call of a view op
+        values = [result] if node.out_kind == "tensor" else list(result)
+        names = []
+        for vid, value in zip(node.outputs, values):
+            if vid is None:
+                names.append("_")
+                continue
+            self.fixed[self.graph.values[vid].handle] = value
+            names.append(self.local(vid))
+        constants = [self.constant(v, "view") for v in values]
+        return f"{', '.join(names)} = {', '.join(constants)}  # {node.name} (static view)"
 
 
 def _profiled(emitter: _Emitter, profiler: Profiler | None, node: Node, line: str, program: str) -> list[str]:
@@ -172,8 +191,14 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
     for index, node in enumerate(graph.nodes):
         if node.op in INPUT_OPS or node.hoisted:
             continue
-        line = _fused_call(emitter, node, kernels[index]) if node.op is Op.FUSED else emitter.call(node, arena)
-        body += _profiled(emitter, profiler, node, line, "without_host")
+        if node.static_view and arena is not None:
+            body.append(emitter.static_view(node))
+        else:
+            if node.op is Op.FUSED:
+                line = _fused_call(emitter, node, kernels[index], arena)
+            else:
+                line = emitter.call(node, arena)
+            body += _profiled(emitter, profiler, node, line, "without_host")
         dead = sorted(h for h, last in last_use.items() if last == index and h not in keep)
         if dead:
             body.append("del " + ", ".join(f"h{h}" for h in dead))
@@ -190,11 +215,24 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
     return GeneratedProgram(source, namespace["run"], namespace["init"], hoisted_handles, arena)
 
 
-def _fused_call(emitter: _Emitter, node: Node, kernel_object: Any) -> str:
+def _fused_call(emitter: _Emitter, node: Node, kernel_object: Any, arena: torch.Tensor | None = None) -> str:
     kernel = emitter.constant(kernel_object, "kernel")
     ins = ", ".join(emitter.local(v) for v in node.inputs)
     outs = [emitter.local(v) for v in node.outputs if v is not None]
-    call = f"{kernel}(({ins}{',' if len(node.inputs) == 1 else ''}), s)  # {node.name}"
+    handed = ""
+    if arena is not None and any(b is not None for b in node.buffers):
+        # planned results (jit_fuse_dimshuffle): the kernel writes into its arena slices
+        buffers = []
+        for vid, buffer in zip(node.outputs, node.buffers):
+            if buffer is None:
+                buffers.append(None)
+                continue
+            meta = emitter.graph.values[vid].meta
+            out = arena[buffer[0]:buffer[0] + buffer[1]].view(meta.dtype).view(meta.shape)
+            emitter.fixed[emitter.graph.values[vid].handle] = out
+            buffers.append(out)
+        handed = f", {emitter.constant(tuple(buffers), 'bufs')}"
+    call = f"{kernel}(({ins}{',' if len(node.inputs) == 1 else ''}), s{handed})  # {node.name}"
     return f"{', '.join(outs)}{',' if len(outs) == 1 else ''} = {call}" if outs else call
 
 

@@ -27,6 +27,7 @@ class CompileOptions:
     sublinear: Any = None  # a SublinearMemoryConfig, or None
     dtr: Any = None  # a DTRConfig, or None
     fuse_reduce: bool = False  # row kernels for reductions (graph_opt_config.jit_fuse_reduce, resolved)
+    fuse_dimshuffle: bool = False  # views made once, strided copies as kernels (jit_fuse_dimshuffle, resolved)
 
 
 def optimize(graph: Graph, options: CompileOptions) -> PipelineResult:
@@ -35,7 +36,8 @@ def optimize(graph: Graph, options: CompileOptions) -> PipelineResult:
     fuel = fusion_fuel()
     can_fuse_row = options.fusion.can_fuse_row if options.fusion is not None and options.fuse_reduce else None
     passes = pipeline(can_fuse, fusion_fuel=fuel, recompute=_recompute_pass(options), bucket_bytes=bucket_bytes(),
-                      can_fuse_row=can_fuse_row)
+                      can_fuse_row=can_fuse_row, graph_opt=options.fuse_reduce or options.fuse_dimshuffle,
+                      dimshuffle=options.fuse_dimshuffle)
     return run_pipeline(graph, options.opt_level, check=verify_passes(), passes=passes)
 
 

@@ -128,6 +128,9 @@ class _GroupRun:
             return None
         results = []
         for vid in member.outputs:
+            if vid is None:  # an optional result the op did not compute (a layer norm backward's)
+                results.append(None)
+                continue
             handle = self.handle_of[vid]
             if vid in member.writes:
                 results.append(self._handed(member, tensors, handle))
@@ -146,7 +149,7 @@ class _GroupRun:
         kind = member.out_kind
         if kind == "none":
             return None
-        results = [env[self.handle_of[v]] for v in member.outputs]
+        results = [None if v is None else env[self.handle_of[v]] for v in member.outputs]
         return results[0] if kind == "tensor" else results
 
     def _run_member(self, k: int, args: tuple, kwargs: dict) -> Any:

@@ -306,15 +306,23 @@ class Replayer:
                 raise mismatch.premature_end(self.record, self.position, user_location())
             self._start_rerecord()
         if self.recorder is not None:
-            return self.recorder.finish(result)
+            return self._rerecorded(result)
         error = self._check_output(self.record.output, result, "output")
         if error is not None:
             if not self.may_rerecord:
                 raise mismatch.output_mismatch(self.record, error, user_location())
             self._start_rerecord()
-            return self.recorder.finish(result)
+            return self._rerecorded(result)
         self.program.finish(self.state, self.scalars)
         return None
+
+    def _rerecorded(self, result: Any) -> Record:
+        """The new record. The abandoned replay lets go of the values it computed first: the record
+        flags every tensor still alive after the call as state the call created (escaped), and a
+        value only this replay held was then stored by its fused kernel on every later call."""
+        self.state.env = [None] * len(self.state.env)
+        self.state.pending.clear()
+        return self.recorder.finish(result)
 
     def _check_output(self, spec, value: Any, path: str) -> str | None:
         if spec.kind == "tensor":

@@ -24,7 +24,9 @@ _SCALAR_CTYPES = {float: ctypes.c_double, int: ctypes.c_int64}
 def make_launcher(spec: KernelSpec, function: Any, fallback: Callable, name: str) -> Callable:
     namespace: dict[str, Any] = {"FALLBACK": fallback, "EMPTY": torch.empty_strided}
     if len(spec.lanes) == 1:
-        function.restype = None
+        # a row kernel returns nonzero when a row broke a check (a target out of range): aten then
+        # runs the group and raises eager's error
+        function.restype = ctypes.c_int64 if spec.row is not None else None
         function.argtypes = [_SCALAR_CTYPES[spec.scalar_types[i]] if kind == "scalar" else ctypes.c_void_p
                              for kind, i in single_parameters(spec)]
         call = _single_call(spec)
@@ -53,6 +55,8 @@ def _single_call(spec: KernelSpec) -> list[str]:
             args.append(f"o{index}.data_ptr()")
         else:
             args.append(f"s[{lane.scalars[index]}]")
+    if spec.row is not None and spec.row.checks:
+        return [f"if FN({', '.join(args)}): return FALLBACK(inputs, s, outs)"]
     return [f"FN({', '.join(args)})"]
 
 

@@ -19,7 +19,6 @@ import torch
 
 from ..expr import TRANSCENDENTAL, Expr
 from ..lower import KernelSpec, live_exprs
-from ..rows import ROW_FUNCTIONS
 from .mathlib import FLOAT_FUNCTIONS, math_source
 
 C_TYPES = {
@@ -38,9 +37,7 @@ def prelude(specs: list[KernelSpec]) -> str:
     """Includes, the zeros of _cast and the math functions the kernels use."""
     used = {FLOAT_FUNCTIONS[e.op][0] for s in specs for e in s.exprs
             if e.op in TRANSCENDENTAL and e.dtype == torch.float32}
-    used |= {FLOAT_FUNCTIONS[f][0] for s in specs if s.row is not None and s.row.dtype == torch.float32
-             for f in ROW_FUNCTIONS[s.row.kind]}
-    return ("#include <stdint.h>\n#include <stdbool.h>\n#include <string.h>\n#include <math.h>\n"
+    return ("#include <stdint.h>\n#include <stdbool.h>\n#include <stdlib.h>\n#include <string.h>\n#include <math.h>\n"
             "static volatile float tj_zero_f_storage = 0.0f;\nstatic volatile double tj_zero_d_storage = 0.0;\n"
             + math_source(used))
 

@@ -1,159 +1,437 @@
-"""Row KernelSpec (backends/rows.py) -> C: one function, OpenMP over rows, three passes per row.
+"""Row KernelSpec (backends/rows.py) -> C: one function, OpenMP over rows, a few passes per row.
 
-    void k(const float* restrict in0, float* restrict out0) {
-      #pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < 512; r++) {
-        const int64_t i0 = r / 16, i1 = r % 16;           // the leading indices of the row
-        float t0[64];                                      // a computed operand, once per element
-        for (int64_t j = 0; j < 64; j++) { ...prologue...; t0[j] = v3; }
-        float m = -INFINITY; ...                           // the reduction, as eager orders it
-        for (int64_t j = 0; j < 64; j++) { ...leaf, epilogue...; out0[...] = v9; }
+    int64_t k(const float* restrict in0, float* restrict out0) {
+      int64_t bad = 0;
+      #pragma omp parallel for schedule(static) reduction(|:bad)
+      for (int64_t k0 = 0; k0 < 512; k0++) {                 // the kept dims: one row each
+        const int64_t bl0 = k0*64, bs0 = k0*64;                // where the row starts in each tensor
+        float t5[64];                                          // a value two passes need, computed once
+        float v3 = -__builtin_inff();                          // pass 1: rowmax
+        for (int64_t q1 = 0; q1 < 64; q1++) { ...; t5[q1] = v5; if (v5 != v5 || v5 > v3) v3 = v5; }
+        const float v7 = ...;                                  // row values, once a row
+        for (int64_t q1 = 0; q1 < 64; q1++) { ...; out0[bs0 + q1] = v9; }   // the store pass
       }
+      return bad;
     }
 
-Plain-load operands are read in place (no scratch). Sums run left to right in the row's type.
+Sums run left to right in the row's type. A kernel with sums over all rows (colsum, allsum) splits
+the rows into a fixed number of chunks: each chunk sums its rows into partials, which are added in
+chunk order at the end (the same numbers for any number of threads).
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
+from ..expr import TRANSCENDENTAL
 from ..lower import KernelSpec
-from ..rows import RowReduction
-from .mathlib import FLOAT_FUNCTIONS
-from .render import C_TYPES, PARALLEL_MIN_ELEMENTS, _zero_loads, expression, single_declarations
+from ..rows import ALL_ROWS, ROW_REDUCTIONS, RowProgram, merged_space, needed, plan
+from .render import C_TYPES, PARALLEL_MIN_ELEMENTS, _literal, _zero_loads, expression, single_declarations
 
-
-def _closure(spec: KernelSpec, roots: list[int], stop: int | None = None) -> list[int]:
-    """The expressions `roots` need, in order (not looking through `stop`, the row leaf)."""
-    needed: set[int] = set()
-    stack = list(roots)
-    while stack:
-        index = stack.pop()
-        if index in needed:
-            continue
-        needed.add(index)
-        if index != stop:
-            stack.extend(spec.exprs[index].args)
-    return sorted(needed)
-
-
-def _math(name: str, dtype: torch.dtype, value: str) -> str:
-    single, double = FLOAT_FUNCTIONS[name]
-    return f"{single}({value})" if dtype == torch.float32 else double.format(value)
+SCRATCH_BYTES = 1 << 15  # per thread: values kept for a later pass over the row (else recomputed)
+CHUNKS = 32  # partial sums of kernels that sum over all rows
 
 
 def render_row_kernel(spec: KernelSpec, name: str) -> str:
-    row: RowReduction = spec.row
-    lane = spec.lanes[0]
-    shape = lane.shape
-    cols, rows = shape[-1], math.prod(shape[:-1])
-    allocated = len(spec.allocations)
-    t = C_TYPES[row.dtype]
-    f = "f" if row.dtype == torch.float32 else ""
-    types = [e.dtype for e in spec.exprs]
-    lead = [f"i{d}" for d in range(len(shape) - 1)]
+    return _RowRenderer(spec).render(name)
 
-    def base(strides: tuple[int, ...]) -> str:
-        terms = [f"{i}*{s}" for i, s in zip(lead, strides[:-1]) if s != 0]
+
+class _RowRenderer:
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.plan = plan(spec)
+        self.lane = spec.lanes[0]
+        self.row: RowProgram = spec.row
+        self.sizes, self.is_reduced, self.strides, self.dim_of = merged_space(spec)
+        self.kept = [d for d, r in enumerate(self.is_reduced) if not r]
+        self.red = [d for d, r in enumerate(self.is_reduced) if r]
+        self.rows = math.prod(self.sizes[d] for d in self.kept)
+        self.cols = math.prod(self.sizes[d] for d in self.red)
+        self.allocated = len(spec.allocations)
+        self.types = [e.dtype for e in spec.exprs]
+        levels = self.plan.levels
+        self.levels = levels
+        self.chunked = any(e.op in ALL_ROWS for e in spec.exprs)
+        self.cached: dict[int, int] = {}  # expr -> the loop that computes it into scratch t{i}
+        self.scratch = 0
+        self.in_tail = False
+        self.flat = False  # a loop nest over the whole space (no reductions): every offset in full
+
+    # -- addressing -------------------------------------------------------------------------------
+
+    def _tensor(self, slot: int) -> tuple[str, list[int]]:
+        loads = len(self.lane.loads)
+        if slot < loads:
+            return f"in{self.lane.loads[slot][0]}", self.strides[slot]
+        target = self.lane.stores[slot - loads][0]
+        pointer = f"out{target}" if target < self.allocated else f"in{self.spec.written_inputs[target - self.allocated]}"
+        return pointer, self.strides[slot]
+
+    def _base(self, slot: int) -> str:
+        _, strides = self._tensor(slot)
+        terms = [f"k{d}*{strides[d]}" for d in self.kept if strides[d]]
         return " + ".join(terms) or "0"
 
-    def at(pointer: str, strides: tuple[int, ...], k: str) -> str:
-        last = strides[-1]
-        column = "" if last == 0 else (" + j" if last == 1 else f" + j*{last}")
-        return f"{pointer}[b{k}{column}]"
+    def _element(self, slot: int) -> str:
+        pointer, strides = self._tensor(slot)
+        if self.flat:
+            terms = [(f"q{d}" if self.is_reduced[d] else f"k{d}") + ("" if s == 1 else f"*{s}")
+                     for d, s in enumerate(strides) if s]
+            return f"{pointer}[{' + '.join(terms) or '0'}]"
+        terms = [f"b{slot}"] + [f"q{d}" if strides[d] == 1 else f"q{d}*{strides[d]}" for d in self.red if strides[d]]
+        return f"{pointer}[{' + '.join(terms)}]"
 
-    load = [at(f"in{i}", st, f"l{k}") for k, (i, st) in enumerate(lane.loads)]
-    store_targets = [f"out{target}" if target < allocated else f"in{spec.written_inputs[target - allocated]}"
-                     for target, _ in lane.stores]
+    def _row_element(self, slot: int) -> str:
+        pointer, _ = self._tensor(slot)
+        if self.flat and not self.in_tail:
+            return self._element(slot)
+        return f"{pointer}[0]" if self.in_tail else f"{pointer}[b{slot}]"
 
-    def statements(indices: list[int], leaf: str | None = None) -> list[str]:
-        names = [f"v{i}" for i in range(len(spec.exprs))]
-        lines = []
-        for index in indices:
-            expr = spec.exprs[index]
-            if index == row.leaf:
-                value = leaf
-            else:
-                value = expression(expr, names, lambda k: load[k], lambda k: f"s{k}", types)
-            lines.append(f"{C_TYPES[expr.dtype]} v{index} = {value};")
+    # -- expressions ------------------------------------------------------------------------------
+
+    def _name(self, index: int, loop: int | None) -> str:
+        if loop is not None and index in self.cached and self.cached[index] != loop:
+            return f"t{index}[j]"
+        return f"v{index}"
+
+    def _value(self, index: int, loop: int | None) -> str:
+        expr = self.spec.exprs[index]
+        if expr.op == "index":
+            d = self.dim_of[expr.value]
+            return f"((int64_t){'q' if self.is_reduced[d] else 'k'}{d})"
+        if expr.op == "load":
+            slot = expr.value
+            return self._element(slot) if self.levels[index] == "E" else self._row_element(slot)
+        names = [self._name(i, loop) for i in range(len(self.spec.exprs))]
+        return expression(expr, names, lambda k: self._value_of_load(k), lambda k: f"s{k}", self.types)
+
+    def _value_of_load(self, k: int) -> str:
+        index = next(i for i, e in enumerate(self.spec.exprs) if e.op == "load" and e.value == k)
+        return self._element(k) if self.levels[index] == "E" else self._row_element(k)
+
+    def _statement(self, index: int, loop: int | None, const: bool = False) -> str:
+        t = C_TYPES[self.types[index]]
+        return f"{'const ' if const else ''}{t} v{index} = {self._value(index, loop)};"
+
+    # -- loops over the row ---------------------------------------------------------------------------
+
+    def _simd(self, reductions: list[int]) -> bool:
+        """Whether a pass sums in vector lanes (`omp simd` reductions, ordered as the compiler
+        vectorizes: eager's CPU sums are lane-wise too). Not for rowargmax, whose order is its
+        result, nor for a sum that starts at -0.0 (OpenMP's lanes start at +0.0)."""
+        def starts_negative(expr) -> bool:
+            return expr.op == "rowsum" and expr.value is not None and math.copysign(1.0, expr.value) < 0
+
+        return not any(self.spec.exprs[r].op == "rowargmax" or starts_negative(self.spec.exprs[r]) for r in reductions)
+
+    def _loop(self, body: list[str], simd: str | None = "") -> list[str]:
+        """Nested loops over the reduced dims around `body`, with j the flat column index; the
+        innermost one under `omp simd` (with `simd`'s reduction clauses) unless simd is None."""
+        if not self.red:
+            return ["{", "  const int64_t j = 0; (void)j;", *(f"  {line}" for line in body), "}"]
+        lines, indent = [], ""
+        flat, step = [], 1
+        for d in reversed(self.red):
+            flat.insert(0, f"q{d}" if step == 1 else f"q{d}*{step}")
+            step *= self.sizes[d]
+        for d in self.red:
+            if d == self.red[-1] and simd is not None:
+                lines.append(f"{indent}#pragma omp simd {simd}".rstrip())
+            lines.append(f"{indent}for (int64_t q{d} = 0; q{d} < {self.sizes[d]}; q{d}++) {{")
+            indent += "  "
+        lines += [indent + line for line in [f"const int64_t j = {' + '.join(flat)}; (void)j;", *body]]
+        for _ in self.red:
+            indent = indent[:-2]
+            lines.append(f"{indent}}}")
         return lines
 
-    # the operands: a plain load is read in place, anything else computed once into a scratch row
-    operand: list[str] = []
-    prologue: list[str] = []
-    scratch: list[str] = []
-    for k, ref in enumerate(row.operands):
-        expr = spec.exprs[ref]
-        if expr.op == "load":
-            operand.append(load[expr.value])
-            continue
-        scratch.append(f"{t} t{k}[{cols}];")
-        prologue += statements(_closure(spec, [ref])) + [f"t{k}[j] = v{ref};"]
-        operand.append(f"t{k}[j]")
-    reduce_lines, leaf = _reduction(row, operand, t, f)
-    epilogue = statements(_closure(spec, [ref for ref, _ in spec.store_exprs], stop=row.leaf), leaf)
-    for k, (ref, dtype) in enumerate(spec.store_exprs):
-        epilogue.append(f"{at(store_targets[k], lane.stores[k][1], f's{k}')} = (({C_TYPES[dtype]})v{ref});")
+    def _element_roots(self) -> list[list[int]]:
+        """Per loop (the passes, then the store pass): the element expressions it must evaluate."""
+        roots = [[a for r in reductions for a in self.spec.exprs[r].args] for reductions in self.plan.passes]
+        final = [self.spec.store_exprs[k][0] for k in self.plan.stores["E"]]
+        final += [self.spec.exprs[i].args[0] for i, e in enumerate(self.spec.exprs) if e.op == "colsum"]
+        return roots + [final]
 
-    body = []
-    for d, size in enumerate(shape[:-1]):
-        inner = math.prod(shape[d + 1:-1])
-        index = "r" if inner == 1 else f"r / {inner}"
-        body.append(f"const int64_t i{d} = ({index}) % {size};" if d else f"const int64_t i{d} = {index};")
-    body += [f"const int64_t bl{k} = {base(st)};" for k, (_, st) in enumerate(lane.loads)]
-    body += [f"const int64_t bs{k} = {base(st)};" for k, (_, st) in enumerate(lane.stores)]
-    body += scratch
-    if prologue:
-        body += [f"for (int64_t j = 0; j < {cols}; j++) {{", *(f"  {s}" for s in prologue), "}"]
-    body += reduce_lines
-    for stat, allocation, strides in row.stats:  # layer norm's mean and rstd, one element a row
-        terms = [f"i{d}*{s}" for d, s in enumerate(strides) if s != 0]
-        body.append(f"out{allocation}[{' + '.join(terms) or '0'}] = {stat};")
-    body += [f"for (int64_t j = 0; j < {cols}; j++) {{", *(f"  {s}" for s in epilogue), "}"]
-    lines = []
-    if rows > 1 and rows * cols >= PARALLEL_MIN_ELEMENTS:
-        lines.append("#pragma omp parallel for schedule(static)")
-    lines += [f"for (int64_t r = 0; r < {rows}; r++) {{", *(f"  {s}" for s in body), "}"]
-    decls = single_declarations(spec)
-    return (f"void {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(prologue + epilogue)
-            + "".join(f"  {line}\n" for line in lines) + "}\n")
+    def _choose_cached(self, loops: list[list[int]]) -> list[list[int]]:
+        """Element expressions of each loop, in order; a computed value a later loop needs again is
+        kept in a scratch row by the loop that computes it (within SCRATCH_BYTES)."""
+        computed_in: dict[int, int] = {}
+        per_loop = []
+        for number, roots in enumerate(loops):
+            def stop(i: int, number: int = number) -> bool:
+                if self.levels[i] != "E" or i in self.cached:
+                    return True
+                if i in computed_in and self._costly(i):
+                    size = self.cols * self.types[i].itemsize
+                    if self.scratch + size <= SCRATCH_BYTES:
+                        self.cached[i] = computed_in[i]
+                        self.scratch += size
+                        return True
+                return False
+            found = [i for i in needed(self.spec, [r for r in roots if self.levels[r] == "E"], stop)
+                     if self.levels[i] == "E"]
+            for i in found:
+                if i not in self.cached:
+                    computed_in.setdefault(i, number)
+            per_loop.append(found)
+        return per_loop
+
+    def _costly(self, index: int) -> bool:
+        """Whether an element value is worth a scratch row rather than computing it again: it takes
+        a transcendental function, a division or a root, or more than a few operations."""
+        ops = [self.spec.exprs[i].op for i in needed(self.spec, [index], lambda i: self.levels[i] != "E")
+               if self.levels[i] == "E" and self.spec.exprs[i].op not in ("load", "index", "const", "cast")]
+        return len(ops) > 3 or any(op in TRANSCENDENTAL or op in ("div", "sqrt", "rsqrt", "reciprocal") for op in ops)
+
+    # -- the kernel ----------------------------------------------------------------------------------
+
+    def render(self, name: str) -> str:
+        if not self.plan.passes and not self.chunked and not self.plan.stores["R"]:
+            return self._render_flat(name)
+        spec = self.spec
+        loops = self._element_roots()
+        per_loop = self._choose_cached(loops)
+        emitted: set[int] = set()
+        body: list[str] = []
+
+        def row_values(roots: list[int]) -> list[str]:
+            """Statements for the row (and kernel-wide) values `roots` need that are not there yet."""
+            lines = []
+            for i in needed(spec, roots, lambda i: self.levels[i] not in ("R", "G") or i in emitted):
+                if self.levels[i] in ("R", "G") and i not in emitted:
+                    if spec.exprs[i].op in ROW_REDUCTIONS:
+                        raise AssertionError(f"row reduction {i} used before its pass")
+                    emitted.add(i)
+                    lines.append(self._statement(i, None, const=True))
+            return lines
+
+        def loop_inputs(found: list[int]) -> list[int]:
+            return [a for i in found for a in spec.exprs[i].args if self.levels[a] in ("R", "G")]
+
+        t = {i: C_TYPES[self.types[i]] for i in range(len(spec.exprs))}
+        for number, reductions in enumerate(self.plan.passes):
+            found = per_loop[number]
+            body += row_values(loop_inputs(found) + [a for r in reductions for a in spec.exprs[r].args
+                                                     if self.levels[a] in ("R", "G")])
+            inner = []
+            for i in found:
+                if self.cached.get(i, number) != number:
+                    continue  # read from scratch
+                inner.append(self._statement(i, number))
+                if self.cached.get(i) == number:
+                    inner.append(f"t{i}[j] = v{i};")
+            simd = self._simd(reductions)
+            clauses, after = [], []
+            for r in reductions:
+                expr = spec.exprs[r]
+                value = self._name(expr.args[0], number)
+                if expr.op == "rowsum":
+                    body.append(f"{t[r]} v{r} = {_literal(expr.value, expr.dtype)};")
+                    inner.append(f"v{r} += {value};")
+                    clauses.append(f"reduction(+:v{r})")
+                elif expr.op == "rowmax" and simd:
+                    # the maximum in vector lanes, NaN noted apart (a vector max does not propagate it)
+                    body += [f"{t[r]} v{r} = {_literal(-math.inf, expr.dtype)};", f"int n{r} = 0;"]
+                    inner += [f"v{r} = {value} > v{r} ? {value} : v{r};", f"n{r} |= {value} != {value};"]
+                    clauses += [f"reduction(max:v{r})", f"reduction(|:n{r})"]
+                    after.append(f"if (n{r}) v{r} = {_literal(math.nan, expr.dtype)};")
+                elif expr.op == "rowmax":
+                    body.append(f"{t[r]} v{r} = {_literal(-math.inf, expr.dtype)};")
+                    inner.append(f"if ({value} != {value} || {value} > v{r}) v{r} = {value};")
+                else:  # rowargmax: eager max pooling's rule, the last NaN or the first maximum
+                    vt = C_TYPES[spec.exprs[expr.args[0]].dtype]
+                    body += [f"{vt} m{r} = {_literal(-math.inf, spec.exprs[expr.args[0]].dtype)};",
+                             f"{t[r]} v{r} = 0;"]
+                    inner.append(f"if (j == 0 || {value} > m{r} || {value} != {value}) "
+                                 f"{{ m{r} = {value}; v{r} = {self._name(expr.args[1], number)}; }}")
+                emitted.add(r)
+            body += self._loop(inner, " ".join(clauses) if simd else None) + after
+        final = len(self.plan.passes)
+        found = per_loop[final]
+        row_stores = self.plan.stores["R"]
+        allsums = [i for i, e in enumerate(spec.exprs) if e.op == "allsum"]
+        body += row_values(loop_inputs(found) + [spec.store_exprs[k][0] for k in row_stores]
+                           + [spec.exprs[i].args[0] for i in allsums] + list(self.row.checks))
+        for check in self.row.checks:
+            body.append(f"bad |= !v{check};")
+        inner = []
+        for i in found:
+            if self.cached.get(i, final) == final:
+                inner.append(self._statement(i, final))
+        loads = len(self.lane.loads)
+        for k in self.plan.stores["E"]:
+            ref, dtype = spec.store_exprs[k]
+            inner.append(f"{self._element(loads + k)} = (({C_TYPES[dtype]}){self._name(ref, final)});")
+        for i, e in enumerate(spec.exprs):
+            if e.op == "colsum":
+                inner.append(f"p{i}[j] += {self._name(e.args[0], final)};")
+        if inner:
+            body += self._loop(inner)
+        for k in row_stores:
+            ref, dtype = spec.store_exprs[k]
+            body.append(f"{self._row_element(loads + k)} = (({C_TYPES[dtype]})v{ref});")
+        for i in allsums:
+            body.append(f"a{i} += v{spec.exprs[i].args[0]};")
+
+        scratch = [f"{t[i]} t{i}[{self.cols}];" for i in sorted(self.cached)]
+        bases = [f"const int64_t b{s} = {self._base(s)}; (void)b{s};"
+                 for s in range(loads + len(self.lane.stores))]
+        lines = ["int64_t bad = 0;"]
+        if self.chunked:
+            lines += self._chunked(bases + scratch + body)
+        else:
+            lines += self._rows_loop(bases + scratch + body)
+        self.in_tail = True
+        tail = self._tail()
+        lines += tail + ["return bad;"]
+        decls = single_declarations(spec)
+        return (f"int64_t {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body + tail)
+                + "".join(f"  {line}\n" for line in lines) + "}\n")
+
+    def _render_flat(self, name: str) -> str:
+        """A row program without reductions (max pooling's backward): one loop nest over the whole
+        space in the memory order of the first store, every value computed per element."""
+        spec = self.spec
+        loads = len(self.lane.loads)
+        first = self.strides[loads + self.plan.stores["E"][0]] if self.plan.stores["E"] else None
+        order = sorted(range(len(self.sizes)), key=lambda d: -abs(first[d]) if first else 0)
+        self.flat = True
+        roots = [spec.store_exprs[k][0] for k in self.plan.stores["E"]] + list(self.row.checks)
+        body = [self._statement(i, None) for i in needed(spec, roots)]
+        body += [f"bad |= !v{check};" for check in self.row.checks]
+        for k in self.plan.stores["E"]:
+            ref, dtype = spec.store_exprs[k]
+            body.append(f"{self._element(loads + k)} = (({C_TYPES[dtype]})v{ref});")
+        lines, indent = ["int64_t bad = 0;"], ""
+        numel = math.prod(self.sizes)
+        if order and numel >= PARALLEL_MIN_ELEMENTS and self.sizes[order[0]] > 1:
+            collapse = 2 if len(order) > 1 and self.sizes[order[0]] < 16 else 1
+            lines.append("#pragma omp parallel for schedule(static) reduction(|:bad)"
+                         + (f" collapse({collapse})" if collapse > 1 else ""))
+        for d in order:
+            var = f"q{d}" if self.is_reduced[d] else f"k{d}"
+            lines.append(f"{indent}for (int64_t {var} = 0; {var} < {self.sizes[d]}; {var}++) {{")
+            indent += "  "
+        lines += [indent + line for line in body]
+        for _ in order:
+            indent = indent[:-2]
+            lines.append(f"{indent}}}")
+        self.in_tail = True
+        tail = self._tail()
+        lines += tail + ["return bad;"]
+        decls = single_declarations(spec)
+        return (f"int64_t {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body + tail)
+                + "".join(f"  {line}\n" for line in lines) + "}\n")
+
+    def _parallel(self) -> bool:
+        return self.rows > 1 and self.rows * self.cols >= PARALLEL_MIN_ELEMENTS
+
+    def _rows_loop(self, body: list[str]) -> list[str]:
+        """Nested loops over the kept dims, the outer ones split across threads."""
+        if not self.kept:
+            return ["{", *(f"  {line}" for line in body), "}"]
+        lines, indent = [], ""
+        if self._parallel():
+            collapse = 2 if len(self.kept) > 1 and self.sizes[self.kept[0]] < 16 else 1
+            lines.append("#pragma omp parallel for schedule(static) reduction(|:bad)"
+                         + (f" collapse({collapse})" if collapse > 1 else ""))
+        for d in self.kept:
+            lines.append(f"{indent}for (int64_t k{d} = 0; k{d} < {self.sizes[d]}; k{d}++) {{")
+            indent += "  "
+        lines += [indent + line for line in body]
+        for _ in self.kept:
+            indent = indent[:-2]
+            lines.append(f"{indent}}}")
+        return lines
+
+    def _chunked(self, body: list[str]) -> list[str]:
+        """Rows in CHUNKS fixed chunks; each sums its rows into partials p{i} (per column) and a{i}."""
+        spec = self.spec
+        chunks = min(self.rows, CHUNKS)
+        colsums = [i for i, e in enumerate(spec.exprs) if e.op == "colsum"]
+        allsums = [i for i, e in enumerate(spec.exprs) if e.op == "allsum"]
+        t = {i: C_TYPES[spec.exprs[i].dtype] for i in colsums + allsums}
+        lines = [f"{t[i]}* P{i} = ({t[i]}*)malloc(sizeof({t[i]}) * {chunks * self.cols});" for i in colsums]
+        lines += [f"{t[i]} A{i}[{chunks}];" for i in allsums]
+        if self._parallel():
+            lines.append("#pragma omp parallel for schedule(static) reduction(|:bad)")
+        lines.append(f"for (int64_t c = 0; c < {chunks}; c++) {{")
+        inner = []
+        for i in colsums:
+            inner += [f"{t[i]}* restrict p{i} = P{i} + c * {self.cols};",
+                      f"for (int64_t j = 0; j < {self.cols}; j++) p{i}[j] = {_init(spec.exprs[i])};"]
+        inner += [f"{t[i]} a{i} = {_init(spec.exprs[i])};" for i in allsums]
+        inner.append(f"for (int64_t r = c * {self.rows} / {chunks}; r < (c + 1) * {self.rows} / {chunks}; r++) {{")
+        decompose = []
+        for position, d in enumerate(self.kept):
+            inner_size = math.prod(self.sizes[e] for e in self.kept[position + 1:])
+            index = "r" if inner_size == 1 else f"r / {inner_size}"
+            decompose.append(f"const int64_t k{d} = ({index}) % {self.sizes[d]};" if position else
+                             f"const int64_t k{d} = {index};")
+        inner += [f"  {line}" for line in decompose + body]
+        inner.append("}")
+        inner += [f"A{i}[c] = a{i};" for i in allsums]
+        lines += [f"  {line}" for line in inner]
+        lines.append("}")
+        return lines
+
+    def _tail(self) -> list[str]:
+        """After all rows: the partials added in chunk order, the values known then, their stores."""
+        spec = self.spec
+        loads = len(self.lane.loads)
+        stores = self.plan.stores["P"] + self.plan.stores["G"]
+        if not stores:
+            return []
+        chunks = min(self.rows, CHUNKS)
+        colsum_of = {i for i, e in enumerate(spec.exprs) if e.op == "colsum"}
+
+        def per_column(i: int) -> bool:
+            return any(j in colsum_of for j in needed(spec, [i]))
+
+        lines: list[str] = []
+        done: set[int] = set()
+
+        def values(roots: list[int], loop: bool) -> list[str]:
+            out = []
+            for i in needed(spec, roots, lambda i: self.levels[i] in ("R", "E") or spec.exprs[i].op in ALL_ROWS):
+                if i in done or self.levels[i] in ("R", "E") or (per_column(i) != loop and self.levels[i] == "P"):
+                    continue
+                e = spec.exprs[i]
+                done.add(i)
+                if e.op == "allsum":
+                    out += [f"{C_TYPES[e.dtype]} v{i} = {_init(e)};",
+                            f"for (int64_t c = 0; c < {chunks}; c++) v{i} += A{i}[c];"]
+                elif e.op == "colsum":
+                    out += [f"{C_TYPES[e.dtype]} v{i} = {_init(e)};",
+                            f"for (int64_t c = 0; c < {chunks}; c++) v{i} += P{i}[c * {self.cols} + j];"]
+                else:
+                    out.append(self._statement(i, None, const=True))
+            return out
+
+        single = [k for k in stores if not per_column(spec.store_exprs[k][0])]
+        column = [k for k in stores if per_column(spec.store_exprs[k][0])]
+        lines += ["{"]
+        lines += [f"  {line}" for line in values([spec.store_exprs[k][0] for k in single + column], False)]
+        for k in single:
+            ref, dtype = spec.store_exprs[k]
+            pointer, _ = self._tensor(loads + k)
+            lines.append(f"  {pointer}[0] = (({C_TYPES[dtype]})v{ref});")
+        if column:
+            inner = values([spec.store_exprs[k][0] for k in column], True)
+            for k in column:
+                ref, dtype = spec.store_exprs[k]
+                pointer, strides = self._tensor(loads + k)
+                terms = [f"q{d}*{strides[d]}" for d in self.red if strides[d]]
+                inner.append(f"{pointer}[{' + '.join(terms) or '0'}] = (({C_TYPES[dtype]})v{ref});")
+            lines += [f"  {line}" for line in self._loop(inner)]
+        lines += ["}"]
+        lines += [f"free(P{i});" for i in sorted(colsum_of)]
+        return lines
 
 
-def _reduction(row: RowReduction, operand: list[str], t: str, f: str) -> tuple[list[str], str]:
-    """Statements reducing the row, and the leaf's value at column j."""
-    cols = row.cols
-    loop = f"for (int64_t j = 0; j < {cols}; j++)"
-    # the maximum propagates NaN (once m is NaN no comparison replaces it)
-    maximum = [f"{t} m = -__builtin_inf{f}();",
-               f"{loop} {{ const {t} x = {operand[0]}; if (x != x || x > m) m = x; }}"]
-    if row.kind == "softmax":
-        lines = maximum + [f"{t} e[{cols}];", f"{t} sum = 0;",
-                           f"{loop} {{ e[j] = {_math('exp', row.dtype, f'{operand[0]} - m')}; sum += e[j]; }}",
-                           f"const {t} inv = ({t})1 / sum;"]
-        return lines, "e[j] * inv"
-    if row.kind == "log_softmax":
-        lines = maximum + [f"{t} sum = 0;",
-                           f"{loop} sum += {_math('exp', row.dtype, f'{operand[0]} - m')};",
-                           f"const {t} lse = {_math('log', row.dtype, 'sum')};"]
-        return lines, f"({operand[0]} - m) - lse"
-    if row.kind == "layer_norm":
-        eps = f"(({t})s{row.eps[1]})" if row.eps[0] == "scalar" else f"(({t}){float(row.eps[1]).hex()})"
-        lines = [f"{t} sum = 0;", f"{loop} sum += {operand[0]};", f"const {t} mean = sum / ({t}){cols};",
-                 f"{t} squares = 0;", f"{loop} {{ const {t} d = {operand[0]} - mean; squares += d * d; }}",
-                 f"const {t} rstd = ({t})1 / sqrt{f}(squares / ({t}){cols} + {eps});"]
-        leaf = f"(({operand[0]} - mean) * rstd)"
-        rest = list(operand[1:])
-        if row.affine[0]:
-            leaf = f"({leaf} * {rest.pop(0)})"
-        if row.affine[1]:
-            leaf = f"({leaf} + {rest.pop(0)})"
-        return lines, leaf
-    g, y = operand
-    if row.kind == "softmax_backward":
-        return [f"{t} sum = 0;", f"{loop} sum += {g} * {y};"], f"{y} * ({g} - sum)"
-    if row.kind == "log_softmax_backward":
-        return [f"{t} sum = 0;", f"{loop} sum += {g};"], f"{g} - {_math('exp', row.dtype, y)} * sum"
-    raise ValueError(f"the C backend cannot render row reduction {row.kind!r}")
+def _init(expr) -> str:
+    """The starting value of a sum (its `value`: 0.0, or -0.0 where a sum must keep -0.0)."""
+    return _literal(0.0 if expr.value is None else expr.value, expr.dtype)
+
+
+__all__ = ["render_row_kernel"]

@@ -92,7 +92,7 @@ INTERPRETER_NAMES = {"libdevice": libdevice, "f32_to_bf16": f32_to_bf16, "bf16_t
 
 
 def _reduction(function):
-    """A row reduction (`row_max`, `row_sum` of row kernels) in the block's own type; the interpreter
+    """A row reduction (`row_max`, `row_min`, `row_sum` of row kernels) in the block's own type; the interpreter
     cannot run tl.max/tl.sum when triton was imported before TRITON_INTERPRET was set."""
     def apply(x):
         data = x.handle.data
@@ -102,6 +102,20 @@ def _reduction(function):
     return apply
 
 
-row_max = _reduction(np.max)  # NaN propagates, as in eager
-row_sum = _reduction(lambda data: np.sum(data, dtype=data.dtype))
-INTERPRETER_NAMES.update(row_max=row_max, row_sum=row_sum)
+row_max = _reduction(np.max)  # NaN propagates (the kernels test for NaN themselves, as the GPU's does not)
+row_min = _reduction(np.min)
+def _tree_sum(data: np.ndarray) -> np.ndarray:
+    """Neighbours added pairwise, as a GPU's tree reduction over a block (a power of two long) does;
+    numpy's own sum starts at +0.0, which turns a sum of -0.0 into +0.0."""
+    data = data.reshape(-1)
+    if not data.size:
+        return np.zeros((), data.dtype)
+    while data.size > 1:
+        if data.size % 2:
+            data = np.concatenate([data, np.array([-0.0]).astype(data.dtype)])
+        data = data[0::2] + data[1::2]
+    return data[0]
+
+
+row_sum = _reduction(_tree_sum)
+INTERPRETER_NAMES.update(row_max=row_max, row_min=row_min, row_sum=row_sum)

@@ -5,8 +5,8 @@ Triton (which reads a kernel's source through `inspect`) finds it. The names a k
 `tl` are bound per mode: on the GPU `libdevice` is CUDA's libdevice and the half-type conversions
 (`f32_to_bf16`, `bf16_to_f32`, `f32_to_f16`, `f16_to_f32`) are one-instruction casts; under
 `TRITON_INTERPRET=1` they are the stand-ins of `interpret.py`, because the interpreter cannot call
-libdevice, nor tl.max/tl.sum once triton was imported without it (`row_max`, `row_sum` of row
-kernels), and mishandles bfloat16 (it truncates instead of rounding, and loses subnormals).
+libdevice, nor tl.max/tl.min/tl.sum once triton was imported without it (`row_max`, `row_min`,
+`row_sum` of row kernels), and mishandles bfloat16 (it truncates instead of rounding, and loses subnormals).
 The source text is the same in both modes: what the interpreter proves is what the GPU compiles.
 
 Kernel objects are cached by (source, mode); Triton compiles a kernel lazily on its first launch
@@ -42,12 +42,17 @@ def _row_max(x):
     return tl.max(x, 0)
 
 
+def _row_min(x):
+    return tl.min(x, 0)
+
+
 def _row_sum(x):
     return tl.sum(x, 0)
 
 
 _GPU_NAMES = {
     "row_max": JITFunction(_row_max),
+    "row_min": JITFunction(_row_min),
     "row_sum": JITFunction(_row_sum),
     "libdevice": libdevice,
     "f32_to_bf16": JITFunction(_f32_to_bf16),

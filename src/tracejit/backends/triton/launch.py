@@ -31,8 +31,11 @@ from .render import OPTIONS, TritonKernel
 
 def make_launcher(spec: KernelSpec, kernel: TritonKernel, function: Any, fallback: Callable,
                   interpret: bool) -> Callable:
+    from .jit import kernel_function
+
     namespace: dict[str, Any] = {"FALLBACK": fallback, "EMPTY": torch.empty_strided, "BROKEN": False}
-    launch = _launch_lines(spec, kernel, function, namespace)
+    launch = _launch_lines(spec, kernel, function, namespace,
+                           lambda k: kernel_function(k.name, k.source, interpret))
     if launch and spec.device.type == "cuda":
         namespace["DEVICE"] = torch.cuda.device(spec.device)
         launch = ["with DEVICE:", *(f"    {line}" for line in launch)]
@@ -73,7 +76,8 @@ def _give_up_on_build_errors(kernel: TritonKernel, namespace: dict, launch: list
 
 
 
-def _launch_lines(spec: KernelSpec, kernel: TritonKernel, function: Any, namespace: dict) -> list[str]:
+def _launch_lines(spec: KernelSpec, kernel: TritonKernel, function: Any, namespace: dict,
+                  combine_function: Callable = lambda kernel: None) -> list[str]:
     if kernel.grid == 0:
         return []  # nothing to compute: every lane is empty
     namespace["KERNEL"] = function[(kernel.grid,)]
@@ -87,10 +91,18 @@ def _launch_lines(spec: KernelSpec, kernel: TritonKernel, function: Any, namespa
             args.append(f"x{index}")
         elif kind == "target":
             args.append(f"o{index}")
+        elif kind == "scratch":
+            args.append("part")
         else:
             convert = "float" if spec.scalar_types[index] is float else "int"
             args.append(f"{convert}(s[{lane.scalars[index]}])")
-    return [f"KERNEL({', '.join(args)}, {options})"]
+    if kernel.combine is None:
+        return [f"KERNEL({', '.join(args)}, {options})"]
+    # a row kernel summing over all rows: chunk partials into a scratch buffer, then their sum
+    namespace["COMBINE"] = combine_function(kernel.combine)[(1,)]
+    namespace["PART"] = (kernel.scratch[0],), kernel.scratch[1], spec.device
+    return ["part = EMPTY(PART[0], (1,), dtype=PART[1], device=PART[2])",
+            f"KERNEL({', '.join(args)}, {options})", f"COMBINE({', '.join(args)}, {options})"]
 
 
 def _table_lines(spec: KernelSpec, kernel: TritonKernel, namespace: dict) -> list[str]:

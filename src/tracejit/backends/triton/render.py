@@ -54,6 +54,10 @@ class TritonKernel:
     grid: int  # programs per launch
     num_warps: int
     work: tuple[tuple[int, int, int], ...] = ()  # multi-lane: (lane, start, end) per program
+    # a row kernel that sums over all rows: the kernel launched after it (same arguments) that adds
+    # the partial sums, and the scratch buffer (elements, dtype) both take as their last argument
+    combine: TritonKernel | None = None
+    scratch: tuple[int, torch.dtype] | None = None
 
 
 def render_kernel(spec: KernelSpec) -> TritonKernel:
@@ -61,9 +65,7 @@ def render_kernel(spec: KernelSpec) -> TritonKernel:
     if spec.row is not None:
         from .rows import render_row
 
-        name, source, signature, parameters, grid, warps = render_row(spec, single_parameters, _pointer_types,
-                                                                      _assemble)
-        return TritonKernel(name, source, signature, parameters, grid, warps)
+        return render_row(spec, single_parameters, _pointer_types, _assemble, _make_row_kernel)
     if len(spec.lanes) == 1:
         name, source, signature, parameters, grid, warps = _render_single(spec)
         work = ()
@@ -187,12 +189,17 @@ def _render_single(spec: KernelSpec):
     return name, source, signature, tuple(parameters), grid, warps
 
 
-def _assemble(spec: KernelSpec, declared: list[str], scalars: list[str], statements: list[str]) -> tuple[str, str]:
+def _assemble(spec: KernelSpec, declared: list[str], scalars: list[str], statements: list[str],
+              suffix: str = "") -> tuple[str, str]:
     decorator = f"@triton.jit(do_not_specialize={scalars!r})" if scalars else "@triton.jit"
     text = "".join(f"    {line}\n" for line in statements)
     signature = ", ".join(declared)
-    name = kernel_name(spec, signature + "\n" + text)
+    name = kernel_name(spec, signature + "\n" + text) + (f"_{suffix}" if suffix else "")
     return name, f"{decorator}\ndef {name}({signature}):\n{text}"
+
+
+def _make_row_kernel(name, source, signature, parameters, grid, warps, combine=None, scratch=None) -> TritonKernel:
+    return TritonKernel(name, source, signature, parameters, grid, warps, combine=combine, scratch=scratch)
 
 
 # -- many lanes -----------------------------------------------------------------------------------------

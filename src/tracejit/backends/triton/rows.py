@@ -5,169 +5,351 @@
         r = tl.program_id(0)
         cols = tl.arange(0, 64)
         cmask = cols < 40
-        i0 = r // 5
-        i1 = r % 5
-        v0 = tl.load(in0 + (i0 * 200 + i1 * 40) + cols, mask=cmask)
+        k0 = r // 5
+        k1 = r % 5
+        q2 = cols
+        v0 = tl.load(in0 + (k0 * 200 + k1 * 40) + q2, mask=cmask)
         ...prologue...
-        m = row_max(tl.where(cmask, v3, -INF))
-        e = libdevice.exp(v3 - m)
-        v4 = e * tl.div_rn(1.0, row_sum(tl.where(cmask, e, 0.0)))
-        ...epilogue...
-        tl.store(out0 + (i0 * 200 + i1 * 40) + cols, v7, mask=cmask)
+        v4 = row_max(tl.where(cmask, v3, -INF))               # rowmax, NaN tested apart
+        ...
+        tl.store(out0 + (k0 * 200 + k1 * 40) + q2, v7, mask=cmask)
 
-Every expression is a row vector (or a scalar, broadcast); expressions are in topological order and
-the row op's operands precede its leaf, so the reduction is emitted where the leaf stands. A NaN
-in a row makes its sum NaN, so every result of that row is NaN whatever `tl.max` does with NaN (the
-GPU's max ignores it, eager's propagates it): the same rows come out NaN. `row_max` and `row_sum`
-are `tl.max(x, 0)` and `tl.sum(x, 0)` on the GPU and numpy stand-ins in the interpreter (jit.py).
+Every element value is a row vector, every row value a scalar; expressions are in topological order,
+so a reduction is emitted where it stands. Every input is loaded once per row. The GPU's `tl.max`
+ignores NaN; eager's maximum propagates it, so each maximum also tests the row for NaN. A kernel
+with sums over all rows (colsum, allsum) runs a fixed number of chunk programs, each looping over
+its rows and storing its partial sums to a scratch buffer, then a second one-program kernel adds
+the partials in chunk order and stores what follows from them (the same numbers for any GPU).
+`row_max`, `row_min` and `row_sum` are `tl.max`, `tl.min` and `tl.sum` over the block on the GPU
+and numpy stand-ins in the interpreter (jit.py); `tl.full` stands where `tl.zeros` would (the
+latter is a @triton.jit function, which the interpreter cannot call once triton was imported
+without it). A row of more than 8192 elements is walked in blocks of 2048, once per pass, with
+per-lane partial results (its inputs are then loaded once per pass); with an argmax or a sum over
+all rows such a group is not rendered and runs through aten.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
 from ..lower import KernelSpec
-from ..rows import RowReduction
-from .expressions import SIGNATURE_TYPES, TL_TYPES, NotRenderable, convert, expression
+from ..rows import ALL_ROWS, RowProgram, merged_space, needed, plan
+from .expressions import SIGNATURE_TYPES, TL_TYPES, NotRenderable, _literal, convert, expression
 
-MAX_ROW_BLOCK = 8192
-
-
-def render_row(spec: KernelSpec, single_parameters, pointer_types, assemble):
-    """(name, source, signature, parameters, grid, warps) of a row kernel; the helpers are render.py's."""
-    row: RowReduction = spec.row
-    lane = spec.lanes[0]
-    shape = lane.shape
-    cols, rows = shape[-1], math.prod(shape[:-1])
-    block = 1 << max(cols - 1, 0).bit_length()
-    if block > MAX_ROW_BLOCK:
-        raise NotRenderable(f"rows of {cols} elements")
-    allocated = len(spec.allocations)
-    spans = [sum((size - 1) * abs(s) for size, s in zip(shape, strides)) for _, strides in (*lane.loads, *lane.stores)]
-    wide = max([rows * cols, *spans]) + block >= 2**31
-    masked = cols != block
-    mask = ", mask=cmask" if masked else ""
-    lines = ["r = tl.program_id(0).to(tl.int64)" if wide else "r = tl.program_id(0)",
-             f"cols = tl.arange(0, {block})"]
-    if masked:
-        lines.append(f"cmask = cols < {cols}")
-    for d, size in enumerate(shape[:-1]):
-        inner = math.prod(shape[d + 1:-1])
-        index = "r" if inner == 1 else f"(r // {inner})"
-        lines.append(f"i{d} = {index} % {size}" if d else f"i{d} = {index}")
-
-    def address(pointer: str, strides: tuple[int, ...]) -> tuple[str, bool]:
-        terms = [f"i{d} * {s}" for d, s in enumerate(strides[:-1]) if s != 0]
-        last = strides[-1]
-        if last:
-            terms.append("cols" if last == 1 else f"cols * {last}")
-        return (f"{pointer} + ({' + '.join(terms)})" if terms else pointer), last != 0
-
-    vector = [False] * len(spec.exprs)
-    needed = _needed(spec, row)
-    for index, expr in enumerate(spec.exprs):
-        if index not in needed:
-            continue
-        if expr.op == "load":
-            where, along = address(f"in{lane.loads[expr.value][0]}", lane.loads[expr.value][1])
-            vector[index] = along
-            lines.append(f"v{index} = tl.load({where}{mask if along else ''})")
-        elif expr.op == "scalar":
-            lines.append(f"v{index} = tl.full([], s{expr.value}, {TL_TYPES[expr.dtype]})")
-        elif index == row.leaf:
-            if not all(vector[o] for o in row.operands):
-                raise NotRenderable("a row operand that is one element per row")
-            lines += _reduction(row, [f"v{o}" for o in row.operands], masked, f"v{index}")
-            vector[index] = True
-        else:
-            vector[index] = any(vector[a] for a in expr.args)
-            args = [f"v{a}" for a in expr.args]
-            lines.append(f"v{index} = {expression(expr, args, [spec.exprs[a].dtype for a in expr.args])}")
-    for stat, allocation, strides in row.stats:  # layer norm's mean and rstd, one element a row
-        where, _ = address(f"out{allocation}", (*strides, 0))
-        lines.append(f"tl.store({where}, v{row.leaf}_{stat})")
-    for k, (ref, dtype) in enumerate(spec.store_exprs):
-        target, strides = lane.stores[k]
-        if not vector[ref]:
-            raise NotRenderable("a store of one element per row")
-        pointer = f"out{target}" if target < allocated else f"in{spec.written_inputs[target - allocated]}"
-        where, _ = address(pointer, strides)
-        lines.append(f"tl.store({where}, {convert(f'v{ref}', spec.exprs[ref].dtype, dtype)}{mask})")
-
-    types = pointer_types(spec)
-    parameters = single_parameters(spec)
-    signature: dict[str, str] = {}
-    for kind, index in parameters:
-        if kind == "input":
-            signature[f"in{index}"] = "*" + SIGNATURE_TYPES[types[index]]
-        elif kind == "target":
-            signature[f"out{index}"] = "*" + SIGNATURE_TYPES[spec.allocations[index].dtype]
-        else:
-            signature[f"s{index}"] = "fp64" if spec.scalar_types[index] is float else "i64"
-    declared = [f"{p}: {'tl.float64' if t == 'fp64' else 'tl.int64'}" if not t.startswith("*") else p
-                for p, t in signature.items()]
-    scalars = [p for p, t in signature.items() if not t.startswith("*")]
-    name, source = assemble(spec, declared, scalars, lines)
-    warps = max(1, min(8, block // 256))
-    return name, source, signature, tuple(parameters), rows, warps
+MAX_ROW_BLOCK = 8192  # longer rows are walked in blocks of LOOP_BLOCK, once per pass
+LOOP_BLOCK = 2048
+CHUNKS = 64  # programs of a kernel that sums over all rows
 
 
-def _needed(spec: KernelSpec, row: RowReduction) -> set[int]:
-    needed: set[int] = set()
-    stack = [ref for ref, _ in spec.store_exprs]
-    while stack:
-        index = stack.pop()
-        if index in needed:
-            continue
-        needed.add(index)
-        stack.extend(spec.exprs[index].args)
-        if index == row.leaf:
-            stack.extend(row.operands)
-    return needed
+def render_row(spec: KernelSpec, single_parameters, pointer_types, assemble, make):
+    """The TritonKernel of a row spec (with its combining kernel when it sums over all rows);
+    the helpers are render.py's."""
+    return _RowRenderer(spec).render(single_parameters, pointer_types, assemble, make)
 
 
-def _reduction(row: RowReduction, operand: list[str], masked: bool, out: str) -> list[str]:
-    t = TL_TYPES[row.dtype]
-    zero, one = f"tl.full([], 0.0, {t})", f"tl.full([], 1.0, {t})"
+class _RowRenderer:
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.plan = plan(spec)
+        self.levels = self.plan.levels
+        self.lane = spec.lanes[0]
+        self.row: RowProgram = spec.row
+        self.sizes, self.is_reduced, self.strides, self.dim_of = merged_space(spec)
+        self.kept = [d for d, r in enumerate(self.is_reduced) if not r]
+        self.red = [d for d, r in enumerate(self.is_reduced) if r]
+        self.rows = math.prod(self.sizes[d] for d in self.kept)
+        self.cols = math.prod(self.sizes[d] for d in self.red)
+        self.block = 1 << max(self.cols - 1, 0).bit_length()
+        # a row longer than one block: each pass walks it in blocks, loading its inputs again
+        self.looped = self.block > MAX_ROW_BLOCK
+        if self.looped:
+            self.block = LOOP_BLOCK
+            if any(e.op in ("rowargmax", "colsum", "allsum") for e in spec.exprs):
+                raise NotRenderable(f"rows of {self.cols} elements with an argmax or a sum over all rows")
+        self.allocated = len(spec.allocations)
+        self.types = [e.dtype for e in spec.exprs]
+        self.chunked = any(e.op in ALL_ROWS for e in spec.exprs)
+        spans = [sum((size - 1) * abs(s) for size, s in zip(self.sizes, strides)) for strides in self.strides]
+        self.wide = max([self.rows * self.cols, *spans]) + self.block >= 2**31
+        sums = {spec.exprs[i].dtype for i, e in enumerate(spec.exprs) if e.op in ALL_ROWS}
+        if len(sums) > 1:
+            raise NotRenderable("sums over all rows of different types")
+        self.sum_type = sums.pop() if sums else None
 
-    def only(value: str, fill: str) -> str:
-        return f"tl.where(cmask, {value}, {fill})" if masked else value
+    # -- addressing -------------------------------------------------------------------------------
 
-    def divide(a: str, b: str) -> str:
-        return f"tl.div_rn({a}, {b})" if row.dtype == torch.float32 else f"({a} / {b})"
+    def _pointer(self, slot: int) -> str:
+        loads = len(self.lane.loads)
+        if slot < loads:
+            return f"in{self.lane.loads[slot][0]}"
+        target = self.lane.stores[slot - loads][0]
+        return f"out{target}" if target < self.allocated else f"in{self.spec.written_inputs[target - self.allocated]}"
 
-    x = operand[0]
-    m, e, s = f"{out}_m", f"{out}_e", f"{out}_s"
-    lowest = f"tl.full([], -INF, {t})"
-    maximum = f"{m} = row_max({only(x, lowest)})"
-    if row.kind == "softmax":
-        total = f"row_sum({only(e, zero)})"
-        return [maximum, f"{e} = libdevice.exp({x} - {m})", f"{out} = {e} * {divide(one, total)}"]
-    if row.kind == "log_softmax":
-        exps = f"libdevice.exp({x} - {m})"
-        return [maximum, f"{s} = row_sum({only(exps, zero)})", f"{out} = ({x} - {m}) - libdevice.log({s})"]
-    if row.kind == "layer_norm":
-        count = f"tl.full([], {float(row.cols)!r}, {t})"
-        eps = f"tl.full([], s{row.eps[1]}, {t})" if row.eps[0] == "scalar" else f"tl.full([], {row.eps[1]!r}, {t})"
-        root = f"tl.sqrt_rn({out}_var + {eps})" if row.dtype == torch.float32 else f"tl.sqrt({out}_var + {eps})"
-        centered = f"tl.where(cmask, {x} - {out}_mean, {zero})" if masked else f"{x} - {out}_mean"
-        lines = [f"{out}_mean = {divide(f'row_sum({only(x, zero)})', count)}",
-                 f"{out}_d = {centered}",
-                 f"{out}_var = {divide(f'row_sum({out}_d * {out}_d)', count)}",
-                 f"{out}_rstd = {divide(one, root)}"]
-        value = f"(({x} - {out}_mean) * {out}_rstd)"
-        rest = list(operand[1:])
-        if row.affine[0]:
-            value = f"({value} * {rest.pop(0)})"
-        if row.affine[1]:
-            value = f"({value} + {rest.pop(0)})"
-        return [*lines, f"{out} = {value}"]
-    g, y = operand
-    if row.kind == "softmax_backward":
-        product = f"{g} * {y}"
-        return [f"{s} = row_sum({only(product, zero)})", f"{out} = {y} * ({g} - {s})"]
-    if row.kind == "log_softmax_backward":
-        return [f"{s} = row_sum({only(g, zero)})", f"{out} = {g} - libdevice.exp({y}) * {s}"]
-    raise NotRenderable(f"row reduction {row.kind!r}")
+    def _address(self, slot: int, along: bool) -> str:
+        strides = self.strides[slot]
+        terms = [f"k{d} * {strides[d]}" for d in self.kept if strides[d]]
+        if along:
+            terms += [f"q{d}" if strides[d] == 1 else f"q{d} * {strides[d]}" for d in self.red if strides[d]]
+        pointer = self._pointer(slot)
+        return f"{pointer} + ({' + '.join(terms)})" if terms else pointer
+
+    def _head(self, row: str) -> list[str]:
+        """The kept indices of row `row` (the program's, or the chunk loop's)."""
+        lines = []
+        for position, d in enumerate(self.kept):
+            inner = math.prod(self.sizes[e] for e in self.kept[position + 1:])
+            index = row if inner == 1 else f"({row} // {inner})"
+            lines.append(f"k{d} = {index} % {self.sizes[d]}" if position else f"k{d} = {index}")
+        return lines
+
+    # -- expressions --------------------------------------------------------------------------------
+
+    def _statements(self, order: list[int], vector: list[bool]) -> list[str]:
+        lines = []
+        spec = self.spec
+        for index in order:
+            expr = spec.exprs[index]
+            level = self.levels[index]
+            out = f"v{index}"
+            if expr.op == "load":
+                along = level == "E"
+                vector[index] = along
+                where = self._address(expr.value, along)
+                lines.append(f"{out} = tl.load({where}{', mask=cmask' if along else ''})")
+            elif expr.op == "scalar":
+                lines.append(f"{out} = tl.full([], s{expr.value}, {TL_TYPES[expr.dtype]})")
+            elif expr.op == "index":
+                d = self.dim_of[expr.value]
+                along = self.is_reduced[d]
+                vector[index] = along
+                lines.append(f"{out} = {'q' if along else 'k'}{d}.to(tl.int64)")
+            elif expr.op in ("rowsum", "rowmax", "rowargmax"):
+                lines += self._reduction(index, vector)
+            elif expr.op in ALL_ROWS:
+                continue  # accumulated by the chunk loop, known to the combining kernel
+            else:
+                vector[index] = any(vector[a] for a in expr.args)
+                args = [f"v{a}" for a in expr.args]
+                lines.append(f"{out} = {expression(expr, args, [self.types[a] for a in expr.args])}")
+        return lines
+
+    def _reduction(self, index: int, vector: list[bool]) -> list[str]:
+        expr = self.spec.exprs[index]
+        t = TL_TYPES[expr.dtype]
+        x = f"v{expr.args[0]}"
+        out = f"v{index}"
+        if expr.op == "rowsum":
+            init = _literal(0.0 if expr.value is None else expr.value, expr.dtype)
+            # init + sum: 0.0 + (-0.0) is 0.0 as eager's sum from zero; -0.0 + x is x
+            return [f"{out} = {init} + row_sum(tl.where(cmask, {x}, {init}))"]
+        nan = (f"{out}_n = row_max(tl.where(cmask & ({x} != {x}), 1, 0))")
+        if expr.op == "rowmax":
+            return [f"{out}_m = row_max(tl.where(cmask, {x}, tl.full([], -INF, {t})))", nan,
+                    f"{out} = tl.where({out}_n > 0, tl.full([], NAN, {t}), {out}_m)"]
+        # rowargmax: the last NaN, else the first maximum (eager max pooling's rule)
+        source = TL_TYPES[self.types[expr.args[0]]]
+        payload = f"v{expr.args[1]}"
+        if not vector[expr.args[1]]:
+            payload = f"({payload} + tl.full([{self.block}], 0, {TL_TYPES[expr.dtype]}))"
+        # the payload at one element, summed with -0.0 elsewhere (which changes no float, -0.0 included)
+        fill = "-0.0" if expr.dtype.is_floating_point else "0"
+        return [f"{out}_m = row_max(tl.where(cmask, {x}, tl.full([], -INF, {source})))",
+                f"{out}_last = row_max(tl.where(cmask & ({x} != {x}), cols, -1))",
+                f"{out}_first = row_min(tl.where(cmask & ({x} == {out}_m), cols, {self.block}))",
+                f"{out}_at = tl.where({out}_last >= 0, {out}_last, {out}_first)",
+                f"{out} = row_sum(tl.where(cols == {out}_at, {payload}, {fill}))"]
+
+    def _order(self, roots: list[int], stop=lambda i: False) -> list[int]:
+        return needed(self.spec, roots, stop)
+
+    # -- the kernels ---------------------------------------------------------------------------------
+
+    def render(self, single_parameters, pointer_types, assemble, make):
+        spec = self.spec
+        parameters = list(single_parameters(spec))
+        types = pointer_types(spec)
+        signature: dict[str, str] = {}
+        for kind, index in parameters:
+            if kind == "input":
+                signature[f"in{index}"] = "*" + SIGNATURE_TYPES[types[index]]
+            elif kind == "target":
+                signature[f"out{index}"] = "*" + SIGNATURE_TYPES[spec.allocations[index].dtype]
+            else:
+                signature[f"s{index}"] = "fp64" if spec.scalar_types[index] is float else "i64"
+        if self.chunked:
+            signature["part"] = "*" + SIGNATURE_TYPES[self.sum_type]
+            parameters.append(("scratch", 0))
+        declared = [f"{p}: {'tl.float64' if t == 'fp64' else 'tl.int64'}" if not t.startswith("*") else p
+                    for p, t in signature.items()]
+        scalars = [p for p, t in signature.items() if not t.startswith("*")]
+        warps = max(1, min(8, self.block // 256))
+        head = [f"cols = tl.arange(0, {self.block})", f"cmask = cols < {self.cols}"]
+        rest = "cols"
+        for position, d in enumerate(reversed(self.red)):
+            last = position == len(self.red) - 1
+            head.append(f"q{d} = {rest}" if last else f"q{d} = {rest} % {self.sizes[d]}")
+            if not last:
+                head.append(f"c{d} = {rest} // {self.sizes[d]}")
+                rest = f"c{d}"
+        if self.looped:
+            lines = [f"r = {'tl.program_id(0).to(tl.int64)' if self.wide else 'tl.program_id(0)'}",
+                     *self._head("r"), *self._looped_body()]
+            name, source = assemble(spec, declared, scalars, lines)
+            return make(name, source, signature, tuple(parameters), self.rows, warps)
+        row_roots = [spec.store_exprs[k][0] for k in self.plan.stores["E"] + self.plan.stores["R"]]
+        sums = [i for i, e in enumerate(spec.exprs) if e.op in ALL_ROWS]
+        row_roots += [spec.exprs[i].args[0] for i in sums]
+        vector = [False] * len(spec.exprs)
+        body = self._statements(self._order(row_roots, lambda i: self.levels[i] == "P"), vector)
+        loads = len(self.lane.loads)
+        for k in self.plan.stores["E"]:
+            ref, dtype = spec.store_exprs[k]
+            value = convert(f"v{ref}", self.types[ref], dtype)
+            body.append(f"tl.store({self._address(loads + k, True)}, {value}, mask=cmask)")
+        for k in self.plan.stores["R"]:
+            ref, dtype = spec.store_exprs[k]
+            body.append(f"tl.store({self._address(loads + k, False)}, {convert(f'v{ref}', self.types[ref], dtype)})")
+        pid = "tl.program_id(0).to(tl.int64)" if self.wide else "tl.program_id(0)"
+        if not self.chunked:
+            lines = [f"r = {pid}", *head, *self._head("r"), *body]
+            name, source = assemble(spec, declared, scalars, lines)
+            return make(name, source, signature, tuple(parameters), self.rows, warps)
+        chunks = min(self.rows, CHUNKS)
+        width = self._partial_layout(sums)
+        t = TL_TYPES[self.sum_type]
+        lines = [f"c = {pid}", *head,
+                 *[f"a{i} = tl.full([{self.block}], 0.0, {t})" if spec.exprs[i].op == "colsum"
+                   else f"a{i} = tl.full([], 0.0, {t})" for i in sums],
+                 f"for r in range(c * {self.rows} // {chunks}, (c + 1) * {self.rows} // {chunks}):"]
+        loop = [*self._head("r"), *body]
+        for i in sums:
+            value = f"v{spec.exprs[i].args[0]}"
+            loop.append(f"a{i} = a{i} + tl.where(cmask, {value}, 0.0)" if spec.exprs[i].op == "colsum"
+                        else f"a{i} = a{i} + {value}")
+        lines += [f"    {line}" for line in loop]
+        for i in sums:
+            offset = f"c * {width} + {self.offsets[i]}"
+            lines.append(f"tl.store(part + {offset} + cols, a{i}, mask=cmask)" if spec.exprs[i].op == "colsum"
+                         else f"tl.store(part + {offset}, a{i})")
+        name, source = assemble(spec, declared, scalars, lines)
+        combine = self._combine(declared, scalars, head, sums, chunks, width, assemble)
+        combined = make(*combine, signature, tuple(parameters), 1, warps)
+        return make(name, source, signature, tuple(parameters), chunks, warps,
+                    combine=combined, scratch=(chunks * width, self.sum_type))
+
+    def _block_head(self) -> list[str]:
+        """The columns of the block at `start` and their reduced indices (a looped row)."""
+        lines = [f"cols = start + tl.arange(0, {self.block})", f"cmask = cols < {self.cols}"]
+        rest = "cols"
+        for position, d in enumerate(reversed(self.red)):
+            last = position == len(self.red) - 1
+            lines.append(f"q{d} = {rest}" if last else f"q{d} = {rest} % {self.sizes[d]}")
+            if not last:
+                lines.append(f"c{d} = {rest} // {self.sizes[d]}")
+                rest = f"c{d}"
+        return lines
+
+    def _looped_body(self) -> list[str]:
+        """One row longer than a block: each pass over it runs block by block with per-lane partial
+        results (a sum, or a maximum and a NaN flag), added up (compared) after the loop; the row
+        values follow; a last loop stores the element values."""
+        spec = self.spec
+        emitted: set[int] = set()
+        vector = [False] * len(spec.exprs)
+        lines: list[str] = []
+
+        def row_values(roots: list[int]) -> list[str]:
+            out = []
+            for i in needed(spec, roots, lambda i: self.levels[i] not in ("R", "G") or i in emitted):
+                if self.levels[i] in ("R", "G") and i not in emitted:
+                    emitted.add(i)
+                    out += self._statements([i], vector)
+            return out
+
+        def element_values(roots: list[int]) -> tuple[list[int], list[int]]:
+            found = [i for i in needed(spec, roots, lambda i: self.levels[i] != "E") if self.levels[i] == "E"]
+            inputs = [a for i in found for a in spec.exprs[i].args if self.levels[a] in ("R", "G")]
+            return found, inputs + [r for r in roots if self.levels[r] in ("R", "G")]
+
+        loop = f"for start in range(0, {self.cols}, {self.block}):"
+        for reductions in self.plan.passes:
+            found, inputs = element_values([a for r in reductions for a in spec.exprs[r].args])
+            lines += row_values(inputs)
+            body = [*self._block_head(), *self._statements(found, vector)]
+            after = []
+            for r in reductions:
+                expr = spec.exprs[r]
+                t = TL_TYPES[expr.dtype]
+                x = f"v{expr.args[0]}"
+                if expr.op == "rowsum":
+                    init = _literal(0.0 if expr.value is None else expr.value, expr.dtype)
+                    lines.append(f"p{r} = tl.full([{self.block}], 0.0, {t}) + {init}")
+                    body.append(f"p{r} = p{r} + tl.where(cmask, {x}, {init})")
+                    after.append(f"v{r} = {init} + row_sum(p{r})")
+                else:  # rowmax, NaN noted apart (the GPU's maximum ignores it)
+                    lines += [f"p{r} = tl.full([{self.block}], -INF, {t})", f"n{r} = tl.full([{self.block}], 0, tl.int32)"]
+                    body += [f"p{r} = tl.maximum(p{r}, tl.where(cmask, {x}, tl.full([], -INF, {t})))",
+                             f"n{r} = tl.maximum(n{r}, tl.where(cmask & ({x} != {x}), 1, 0))"]
+                    after.append(f"v{r} = tl.where(row_max(n{r}) > 0, tl.full([], NAN, {t}), row_max(p{r}))")
+                emitted.add(r)
+            lines += [loop, *(f"    {line}" for line in body), *after]
+        loads = len(self.lane.loads)
+        stores = self.plan.stores["E"]
+        found, inputs = element_values([spec.store_exprs[k][0] for k in stores])
+        lines += row_values(inputs + [spec.store_exprs[k][0] for k in self.plan.stores["R"]])
+        if stores:
+            body = [*self._block_head(), *self._statements(found, vector)]
+            for k in stores:
+                ref, dtype = spec.store_exprs[k]
+                value = convert(f"v{ref}", self.types[ref], dtype)
+                body.append(f"tl.store({self._address(loads + k, True)}, {value}, mask=cmask)")
+            lines += [loop, *(f"    {line}" for line in body)]
+        for k in self.plan.stores["R"]:
+            ref, dtype = spec.store_exprs[k]
+            lines.append(f"tl.store({self._address(loads + k, False)}, {convert(f'v{ref}', self.types[ref], dtype)})")
+        return lines
+
+    def _partial_layout(self, sums: list[int]) -> int:
+        """Where each sum's partials sit in a chunk's row of the scratch buffer; the row's width."""
+        self.offsets: dict[int, int] = {}
+        width = 0
+        for i in sums:
+            self.offsets[i] = width
+            width += self.cols if self.spec.exprs[i].op == "colsum" else 1
+        return width
+
+    def _combine(self, declared, scalars, head, sums, chunks, width, assemble) -> tuple[str, str]:
+        """The one-program kernel that adds the chunks' partials and stores what follows from them."""
+        spec = self.spec
+        t = TL_TYPES[self.sum_type]
+        lines = list(head)
+        for i in sums:
+            e = spec.exprs[i]
+            init = _literal(0.0 if e.value is None else e.value, e.dtype)
+            if e.op == "colsum":
+                lines += [f"v{i} = tl.full([{self.block}], 0.0, {t}) + {init}", f"for c in range({chunks}):",
+                          f"    v{i} = v{i} + tl.load(part + c * {width} + {self.offsets[i]} + cols, mask=cmask)"]
+            else:
+                lines += [f"v{i} = {init}", f"for c in range({chunks}):",
+                          f"    v{i} = v{i} + tl.load(part + c * {width} + {self.offsets[i]})"]
+        stores = self.plan.stores["P"] + self.plan.stores["G"]
+        roots = [spec.store_exprs[k][0] for k in stores]
+        vector = [spec.exprs[i].op == "colsum" if i in sums else False for i in range(len(spec.exprs))]
+        order = [i for i in self._order(roots, lambda i: i in sums) if i not in sums]
+        if any(self.levels[i] in ("R", "E") for i in order):
+            raise NotRenderable("a value known after all rows that reads one row")
+        lines += self._statements(order, vector)
+        loads = len(self.lane.loads)
+        for k in stores:
+            ref, dtype = spec.store_exprs[k]
+            value = convert(f"v{ref}", self.types[ref], dtype)
+            strides = self.strides[loads + k]
+            terms = [f"q{d}" if strides[d] == 1 else f"q{d} * {strides[d]}" for d in self.red if strides[d]]
+            if vector[ref]:
+                lines.append(f"tl.store({self._pointer(loads + k)} + ({' + '.join(terms) or '0'}), {value}, mask=cmask)")
+            else:
+                lines.append(f"tl.store({self._pointer(loads + k)}, {value})")
+        return assemble(spec, declared, scalars, lines, suffix="combine")
+
+
+__all__ = ["render_row"]
