@@ -1,4 +1,4 @@
-"""The speed targets of issues 4 and 5, checked against a results document (suite.json).
+"""The speed targets of issues 4, 5, 10 and 13, checked against a results document (suite.json).
 
     python -m benchmarks.targets [benchmarks/results/suite.json]
 
@@ -67,6 +67,23 @@ def first_call_s(row: str, key: str) -> Callable[[dict], float]:
     return measure
 
 
+def peak_steady_mb(row: str, key: str) -> Callable[[dict], float]:
+    """Peak resident memory of three steady calls above the resident set before them (fresh process)."""
+    def measure(document: dict) -> float:
+        first = _system(document, row, key).get("first_call") or {}
+        if "peak_steady_mb" not in first:
+            raise Missing(first.get("error", "peak memory not measured"))
+        return first["peak_steady_mb"]
+    return measure
+
+
+def excess_over(row: str, key: str, over: str = "eager") -> Callable[[dict], float]:
+    """How much more steady peak memory `key` takes than `over` (MB; at most 0 means no more)."""
+    def measure(document: dict) -> float:
+        return peak_steady_mb(row, key)(document) - peak_steady_mb(row, over)(document)
+    return measure
+
+
 def bound_fraction(row: str, key: str) -> Callable[[dict], float]:
     def measure(document: dict) -> float:
         workload = _workload(document, row)
@@ -100,11 +117,24 @@ TARGETS = [
            speedup("adam_only_large[foreach=True]", "tj-c-checked"), 4.0),
     Target(5, "adam_only_large[fused=True]: backend=c at least as fast as eager fused Adam",
            speedup("adam_only_large[fused=True]", "tj-c"), 1.0),
+    # issue 10: checked replay (the default mode, default backend) faster than eager
+    *(Target(10, f"mlp_train_small[{variant}]: checked replay >= 1.3x eager",
+             speedup(f"mlp_train_small[{variant}]", "tj-checked"), 1.3)
+      for variant in ("foreach=False", "foreach=True", "fused=True")),
+    Target(10, f"{INFER}: checked replay >= 1.0x eager", speedup(INFER, "tj-checked"), 1.0),
+    *(target for row in ("mlp_train_medium", "cnn_train", "transformer_train") for target in (
+        Target(10, f"{row}: checked replay >= 1.1x eager", speedup(row, "tj-checked"), 1.1),
+        Target(10, f"{row}: checked replay within 10% of without_host", speedup(row, "tj-checked", over="tj-host-free"), 0.9),
+        Target(10, f"{row}: steady peak RSS of checked replay <= eager's (MB more)", excess_over(row, "tj-checked"), 0.0,
+               unit=" MB", at_most=True))),
+    # issue 13: graph_opt_config (both fields) without the host
+    *(Target(13, f"{row}: without_host with graph_opt_config >= 1.5x eager", speedup(row, "tj-c-graph-opt"), 1.5)
+      for row in ("transformer_train", "cnn_train")),
 ]
 
 
 def table(document: dict) -> str:
-    lines = ["### targets of issues 4 and 5 (this run)", "", "| issue | target | measured | met |", "|---|---|---:|---|"]
+    lines = ["### targets of issues 4, 5, 10 and 13 (this run)", "", "| issue | target | measured | met |", "|---|---|---:|---|"]
     for target in TARGETS:
         try:
             value = target.measure(document)

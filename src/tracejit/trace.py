@@ -608,11 +608,17 @@ class trace(ProfileAccess):
         if trace.refused is not None:
             self._refuse_api(entry, trace.refused)
             return
+        live = replayer.handles.live()
+        # the externals the checker holds (API-level references, verified by every matched call):
+        # the program takes them from there instead of reaching them again
+        slot_of = {id(ref()): slot for slot, ref in enumerate(trace.externals) if ref() is not None}
+        external_slots = {h: slot_of[id(t)] for h, t in live.items()
+                          if entry.record.tensors[h].kind is Kind.EXTERNAL and id(t) in slot_of}
         try:
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry, checked=True)
-            entry.host_free.bind(replayer.handles.live(), args, kwargs, replayer.names, entry.grad_state,
-                                 replayer.scalars)
+            entry.host_free.bind(live, args, kwargs, replayer.names, entry.grad_state, replayer.scalars,
+                                 external_slots=external_slots)
         except HostDependencyError as error:
             self._refuse_api(entry, f"the compiled program cannot run without the function: {error}")
             entry.host_free = None

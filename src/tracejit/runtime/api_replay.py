@@ -512,7 +512,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
                 f"{trace.__name__}() kept {', '.join(f't{h}' for h in kept)} beyond the call, which the "
                 f"traced call did not, and an object the trace uses is gone: the call cannot be completed")
         return output, None
-    output = program.runner.call(args, kwargs, checker.scalars)
+    output = program.runner.call(args, kwargs, checker.scalars, externals)
     if output is MISS:
         return None, "a guard of the compiled program failed"
     trace.stats.optimizer_stand_ins += checker.stood_in

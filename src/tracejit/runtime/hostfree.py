@@ -185,13 +185,17 @@ class HostFreeRunner:
         _, self.initial_scalars = scalar_layout(record)
         self.call = None
         self.admit = None  # the input signature alone: True or MISS
+        self.external_slots: dict[int, int] = {}
         self.sources: dict[str, str] = {}
         self.env_template: list = []
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
-             grad_state: tuple | None, scalars: list | None = None) -> None:
+             grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None) -> None:
         """Specialize the call to the inputs' signature and the objects and scalar values a host-run
-        call just used (`scalars`: its dynamic scalars; None: the record's own)."""
+        call just used (`scalars`: its dynamic scalars; None: the record's own). A checked runner
+        gets the externals the API-level checker holds as `E` (`external_slots`: handle -> slot):
+        the function's calls matched them, so they are not reached through modules again."""
+        self.external_slots = external_slots or {}
         scalars = list(self.initial_scalars if scalars is None else scalars)
         for info in self.record.tensors:
             # An external the call read and then freed (a `.grad` that `zero_grad()` set to None, a
@@ -269,7 +273,7 @@ class HostFreeRunner:
                   "except (KeyError, AttributeError, IndexError, TypeError):",
                   "    return MISS  # a module, optimizer or global no longer has what it had"]
         lines += self._program_lines(objects, kwargs, src)
-        self.sources["call"], self.call = src.function("call", "args, kw, S=None", lines)
+        self.sources["call"], self.call = src.function("call", "args, kw, S=None, E=None", lines)
         self.sources["admit"], self.admit = src.function("admit", "args, kw", [*admit, "return True"])
 
     def _program_lines(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
@@ -335,7 +339,15 @@ class HostFreeRunner:
         recorded shape, dtype and device, and the same storage when views of it are kept."""
         local, ref = f"h{info.handle}", src.constant(weakref.ref(obj), "r")
         locator = names.locator_of(obj)
-        if locator is not None:
+        slot = self.external_slots.get(info.handle)
+        is_grad = locator is not None and bool(locator.steps) and locator.steps[-1][0] == "grad"
+        if slot is not None and not is_grad:  # gradients are read where they are, below
+            lines = [f"{local} = E[{slot}]"]
+            if locator is not None:
+                src.resolved[locator] = local  # state reached through it (`opt.state[param]`) uses it
+            same = "False"  # the checker matched it: the object the function used
+            what = f"{info.name} (matched by the checked call)"
+        elif locator is not None:
             expr = src.locator(locator)
             lines = [*src.pending, f"{local} = {expr}"]
             src.pending.clear()
@@ -343,7 +355,6 @@ class HostFreeRunner:
             # a freed object's reference returns None, which the located tensor is not either
             same = f"{local} is not {ref}()"
             what = f"{locator.describe()} is another tensor now"
-            is_grad = bool(locator.steps) and locator.steps[-1][0] == "grad"
             if is_grad and obj._base is None and info.handle not in self.program.hoisted_roots:
                 # A gradient is read where it is: zero_grad() and the first backward after it give
                 # the parameter a new one every few calls (gradient accumulation), which the program
@@ -357,7 +368,8 @@ class HostFreeRunner:
             same = f"{local} is None"
             what = f"{info.name} was freed"
         meta = info.meta
-        checks = [same, f"{local}.shape != {src.constant(meta.shape, 's')}",
+        checks = [] if same == "False" else [same]
+        checks += [f"{local}.shape != {src.constant(meta.shape, 's')}",
                   f"{local}.dtype is not {src.constant(meta.dtype, 'd')}", _other_device(local, meta.device, src)]
         changed = f"{what}, or is not {meta} anymore"
         if info.handle in self.program.hoisted_roots:  # views of it are kept: its storage must stay
