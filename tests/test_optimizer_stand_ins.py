@@ -9,17 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_same_state, batch, make_model
+from models import assert_same_state, batch, make_model, train_step
 
 import tracejit
 
-
-def step(x, y, *, model, opt):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+step = train_step  # forward, backward, opt.step(), opt.zero_grad()
 
 
 def run(traced, pairs, steps, between=None, start=0):
@@ -52,10 +46,7 @@ OPTIMIZERS = {
 
 
 def twins(name):
-    model = make_model("mlp")
-    other = make_model("mlp")
-    other.load_state_dict(model.state_dict())
-    return (model, OPTIMIZERS[name](model.parameters())), (other, OPTIMIZERS[name](other.parameters()))
+    return tuple((model, OPTIMIZERS[name](model.parameters())) for model in pair_of_models())
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -622,6 +622,23 @@ def needed(spec: KernelSpec, roots: list[int], stop: Callable[[int], bool] = lam
     return sorted(found)
 
 
+class RowRendering:
+    """What every backend's row kernel renderer starts from: the plan and the merged iteration
+    space, split into the dims a row keeps (one program or loop iteration each) and the ones it
+    reduces (walked inside the row)."""
+
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.plan = plan(spec)
+        self.lane = spec.lanes[0]
+        self.row: RowProgram = spec.row
+        self.sizes, self.is_reduced, self.strides, self.dim_of = merged_space(spec)
+        self.kept = [d for d, r in enumerate(self.is_reduced) if not r]
+        self.red = [d for d, r in enumerate(self.is_reduced) if r]
+        self.rows = math.prod(self.sizes[d] for d in self.kept)
+        self.cols = math.prod(self.sizes[d] for d in self.red)
+
+
 def merged_space(spec: KernelSpec) -> tuple[list[int], list[bool], list[list[int]], dict[int, int]]:
     """The iteration space with size-1 dims dropped and neighbouring dims of one kind (kept or
     reduced) merged where every tensor walks them as one: (sizes, reduced flags, strides per tensor

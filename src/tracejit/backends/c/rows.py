@@ -25,7 +25,7 @@ import math
 
 from ..expr import TRANSCENDENTAL
 from ..lower import KernelSpec
-from ..rows import ALL_ROWS, ROW_REDUCTIONS, RowProgram, merged_space, needed, plan
+from ..rows import ALL_ROWS, ROW_REDUCTIONS, RowRendering, needed
 from .render import C_TYPES, PARALLEL_MIN_ELEMENTS, _literal, _zero_loads, expression, single_declarations
 
 SCRATCH_BYTES = 1 << 15  # per thread: values kept for a later pass over the row (else recomputed)
@@ -36,17 +36,9 @@ def render_row_kernel(spec: KernelSpec, name: str) -> str:
     return _RowRenderer(spec).render(name)
 
 
-class _RowRenderer:
+class _RowRenderer(RowRendering):
     def __init__(self, spec: KernelSpec):
-        self.spec = spec
-        self.plan = plan(spec)
-        self.lane = spec.lanes[0]
-        self.row: RowProgram = spec.row
-        self.sizes, self.is_reduced, self.strides, self.dim_of = merged_space(spec)
-        self.kept = [d for d, r in enumerate(self.is_reduced) if not r]
-        self.red = [d for d, r in enumerate(self.is_reduced) if r]
-        self.rows = math.prod(self.sizes[d] for d in self.kept)
-        self.cols = math.prod(self.sizes[d] for d in self.red)
+        super().__init__(spec)
         self.allocated = len(spec.allocations)
         self.types = [e.dtype for e in spec.exprs]
         levels = self.plan.levels

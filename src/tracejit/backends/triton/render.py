@@ -65,7 +65,7 @@ def render_kernel(spec: KernelSpec) -> TritonKernel:
     if spec.row is not None:
         from .rows import render_row
 
-        return render_row(spec, single_parameters, _pointer_types, _assemble, _make_row_kernel)
+        return render_row(spec, single_signature, declarations, _assemble, _make_row_kernel)
     if len(spec.lanes) == 1:
         name, source, signature, parameters, grid, warps = _render_single(spec)
         work = ()
@@ -97,6 +97,28 @@ def single_parameters(spec: KernelSpec) -> list[tuple[str, int]]:
     params += [("target", k) for k in range(len(spec.allocations))]
     params += [("scalar", k) for k in range(len(spec.scalar_types))]
     return params
+
+
+def single_signature(spec: KernelSpec) -> tuple[list[tuple[str, int]], dict[str, str]]:
+    """The parameters of a kernel over one lane and Triton's type for each (`*fp32`, `i64`...)."""
+    pointer_types = _pointer_types(spec)
+    parameters = single_parameters(spec)
+    signature: dict[str, str] = {}
+    for kind, index in parameters:
+        if kind == "input":
+            signature[f"in{index}"] = "*" + SIGNATURE_TYPES[pointer_types[index]]
+        elif kind == "target":
+            signature[f"out{index}"] = "*" + SIGNATURE_TYPES[spec.allocations[index].dtype]
+        else:
+            signature[f"s{index}"] = "fp64" if spec.scalar_types[index] is float else "i64"
+    return parameters, signature
+
+
+def declarations(signature: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The kernel's parameter list (scalars typed) and its scalar parameters."""
+    declared = [f"{p}: {'tl.float64' if t == 'fp64' else 'tl.int64'}" if not t.startswith("*") else p
+                for p, t in signature.items()]
+    return declared, [p for p, t in signature.items() if not t.startswith("*")]
 
 
 def _pointer_types(spec: KernelSpec) -> dict[int, torch.dtype]:
@@ -170,19 +192,8 @@ def _render_single(spec: KernelSpec):
 
     statements = _index_lines(lane, _wide(lane, block), block) + element_statements(
         spec, load, lambda k, dtype: f"tl.full([], s{k}, {TL_TYPES[dtype]})", store)
-    pointer_types = _pointer_types(spec)
-    parameters = single_parameters(spec)
-    signature: dict[str, str] = {}
-    for kind, index in parameters:
-        if kind == "input":
-            signature[f"in{index}"] = "*" + SIGNATURE_TYPES[pointer_types[index]]
-        elif kind == "target":
-            signature[f"out{index}"] = "*" + SIGNATURE_TYPES[spec.allocations[index].dtype]
-        else:
-            signature[f"s{index}"] = "fp64" if spec.scalar_types[index] is float else "i64"
-    declared = [f"{p}: {'tl.float64' if t == 'fp64' else 'tl.int64'}" if not t.startswith("*") else p
-                for p, t in signature.items()]
-    scalars = [p for p, t in signature.items() if not t.startswith("*")]
+    parameters, signature = single_signature(spec)
+    declared, scalars = declarations(signature)
     warps = _warps(block)
     name, source = _assemble(spec, declared, scalars, statements)
     grid = -(-lane.numel // block) if lane.shape else 1

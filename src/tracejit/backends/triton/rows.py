@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 
 from ..lower import KernelSpec
-from ..rows import ALL_ROWS, RowProgram, merged_space, needed, plan
+from ..rows import ALL_ROWS, RowRendering, needed
 from .expressions import SIGNATURE_TYPES, TL_TYPES, NotRenderable, _literal, convert, expression
 
 MAX_ROW_BLOCK = 8192  # longer rows are walked in blocks of LOOP_BLOCK, once per pass
@@ -41,24 +41,16 @@ LOOP_BLOCK = 2048
 CHUNKS = 64  # programs of a kernel that sums over all rows
 
 
-def render_row(spec: KernelSpec, single_parameters, pointer_types, assemble, make):
+def render_row(spec: KernelSpec, single_signature, declarations, assemble, make):
     """The TritonKernel of a row spec (with its combining kernel when it sums over all rows);
     the helpers are render.py's."""
-    return _RowRenderer(spec).render(single_parameters, pointer_types, assemble, make)
+    return _RowRenderer(spec).render(single_signature, declarations, assemble, make)
 
 
-class _RowRenderer:
+class _RowRenderer(RowRendering):
     def __init__(self, spec: KernelSpec):
-        self.spec = spec
-        self.plan = plan(spec)
+        super().__init__(spec)
         self.levels = self.plan.levels
-        self.lane = spec.lanes[0]
-        self.row: RowProgram = spec.row
-        self.sizes, self.is_reduced, self.strides, self.dim_of = merged_space(spec)
-        self.kept = [d for d, r in enumerate(self.is_reduced) if not r]
-        self.red = [d for d, r in enumerate(self.is_reduced) if r]
-        self.rows = math.prod(self.sizes[d] for d in self.kept)
-        self.cols = math.prod(self.sizes[d] for d in self.red)
         self.block = 1 << max(self.cols - 1, 0).bit_length()
         # a row longer than one block: each pass walks it in blocks, loading its inputs again
         self.looped = self.block > MAX_ROW_BLOCK
@@ -164,24 +156,14 @@ class _RowRenderer:
 
     # -- the kernels ---------------------------------------------------------------------------------
 
-    def render(self, single_parameters, pointer_types, assemble, make):
+    def render(self, single_signature, declarations, assemble, make):
         spec = self.spec
-        parameters = list(single_parameters(spec))
-        types = pointer_types(spec)
-        signature: dict[str, str] = {}
-        for kind, index in parameters:
-            if kind == "input":
-                signature[f"in{index}"] = "*" + SIGNATURE_TYPES[types[index]]
-            elif kind == "target":
-                signature[f"out{index}"] = "*" + SIGNATURE_TYPES[spec.allocations[index].dtype]
-            else:
-                signature[f"s{index}"] = "fp64" if spec.scalar_types[index] is float else "i64"
+        parameters, signature = single_signature(spec)
+        parameters = list(parameters)
         if self.chunked:
             signature["part"] = "*" + SIGNATURE_TYPES[self.sum_type]
             parameters.append(("scratch", 0))
-        declared = [f"{p}: {'tl.float64' if t == 'fp64' else 'tl.int64'}" if not t.startswith("*") else p
-                    for p, t in signature.items()]
-        scalars = [p for p, t in signature.items() if not t.startswith("*")]
+        declared, scalars = declarations(signature)
         warps = max(1, min(8, self.block // 256))
         head = [f"cols = tl.arange(0, {self.block})", f"cmask = cols < {self.cols}"]
         rest = "cols"
