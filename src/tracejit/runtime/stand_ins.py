@@ -228,6 +228,18 @@ class _CheckSource:
         else:
             raise _Unsupported(f"{what} is a {type(value).__name__}")
 
+    def plain(self, mapping: str, values: dict) -> dict:
+        """Check the entries of `values` that are not floats or tensors (flags, ints, None, tuples
+        of those) with one comparison of their values and one of their types; return the rest."""
+        plain = {k: v for k, v in values.items() if type(v) in _PLAIN
+                 or type(v) is tuple and all(type(item) in _PLAIN for item in v)}
+        if plain:
+            local = f"p{len(self.lines)}"
+            self.lines.append(f"{local} = tuple(map({mapping}.get, {self.constant(tuple(plain), 'k')}))")
+            self.fail_if(f"{local} != {self.constant(tuple(plain.values()), 'c')} or "
+                         f"tuple(map(type, {local})) != {self.constant(tuple(map(type, plain.values())), 'c')}")
+        return {k: v for k, v in values.items() if k not in plain}
+
     def build(self, call: OptimizerCall, calls: list[ApiCall], located_at: dict[int, int],
               objects: dict[int, torch.Tensor]) -> tuple[Any, str]:
         snapshot: OptimizerSnapshot = call.snapshot
@@ -243,8 +255,8 @@ class _CheckSource:
         else:
             bindings = {}
         self.lines.append("D = O.defaults")
-        self.fail_if(f"len(D) != {len(snapshot.defaults)}")
-        for key, value in sorted(snapshot.defaults.items()):
+        self.fail_if(f"D.keys() != {self.constant(set(snapshot.defaults), 'k')}")
+        for key, value in sorted(self.plain("D", snapshot.defaults).items()):
             self.same(f"D.get({key!r})", value, f"defaults[{key!r}]")
         self.lines.append("G = O.param_groups")
         self.fail_if(f"len(G) != {len(snapshot.param_groups)}")
@@ -258,7 +270,10 @@ class _CheckSource:
             self.fail_if(" or ".join(f"ps[{i}] is not {self.tensor(p)}" for i, p in enumerate(params)) or "False")
             if call.kind != STEP:
                 continue  # zero_grad() reads nothing else of a group
-            for key, value in sorted(group.items()):
+            unbound = {k: v for k, v in group.items() if k != "params" and (index, k) not in bindings
+                       and not (computed is not None and k in computed)}
+            rest = {**self.plain("g", unbound), **{k: v for k, v in group.items() if k not in unbound}}
+            for key, value in sorted(rest.items()):
                 if key == "params":
                     continue
                 bound = bindings.get((index, key))
@@ -377,7 +392,7 @@ class _CheckSource:
         for index, group in enumerate(snapshot.param_groups):
             for i, param in enumerate(group["params"]):
                 state = snapshot.state.get(param)
-                self.lines.append(f"s = st.get(G[{index}]['params'][{i}])")
+                self.lines.append(f"s = st.get({self.tensor(param)})")  # the parameter checked above
                 if not state:
                     self.fail_if("s")
                     continue
