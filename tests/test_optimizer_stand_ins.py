@@ -243,3 +243,28 @@ def test_a_profiler_sees_the_optimizers_own_ranges():
     assert stood_in(traced) == before
     names = {event.name for event in profile.events()}
     assert "Optimizer.step#Adam.step" in names and "Optimizer.zero_grad#Adam.zero_grad" in names
+
+
+def test_a_method_the_function_keeps_works_after_the_call():
+    # the function holds on to opt.step / model.forward while they are the stand-ins, and the
+    # caller uses them afterwards: they are the optimizer's and the module's own methods then
+    kept = {}
+
+    def keeping(x, y, *, model, opt):
+        kept["step"], kept["forward"] = opt.step, model.net.forward  # the MLP's Sequential is answered whole
+        return step(x, y, model=model, opt=opt)
+
+    models = pair_of_models()
+    (model_a, opt_a), (model_b, opt_b) = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in models]
+    traced = tracejit.trace(keeping, backend="aten")
+    for i in range(5):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), step(x, y, model=model_a, opt=opt_a))
+    assert stood_in(traced) > 0
+    x, y = batch("mlp", 9)
+    assert type(kept["step"]).__name__ == "_StandIn" and type(kept["forward"]).__name__ == "_ForwardStandIn"
+    for model, opt, forward, do_step in ((model_a, opt_a, model_a.net.forward, opt_a.step),
+                                         (model_b, opt_b, kept["forward"], kept["step"])):
+        F.cross_entropy(forward(x), y).backward()
+        do_step()
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)

@@ -53,18 +53,21 @@ class _Region:
 class _StandIn:
     """The callable put in an optimizer's `__dict__` for one checked call."""
 
-    __slots__ = ("_wrapped_by_lr_sched", "checker", "kind", "optimizer", "real", "regions")
+    __slots__ = ("_wrapped_by_lr_sched", "checker", "kind", "optimizer", "owner", "real", "regions")
 
-    def __init__(self, kind: str, regions: dict[int, _Region]):
+    def __init__(self, kind: str, regions: dict[int, _Region], owner: weakref.ref):
         self.kind = kind
         self.regions = regions  # checker position where the method's span starts -> region
+        self.owner = owner
         self.checker = self.optimizer = self.real = None
         # an LR scheduler wraps step() to note that it was called: the stand-in takes its place
         self._wrapped_by_lr_sched = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         checker, optimizer = self.checker, self.optimizer
-        region = self.regions.get(checker.position) if checker is not None else None
+        if checker is None:  # kept by the function and called after its call: the method itself
+            return getattr(self.owner(), self.kind)(*args, **kwargs)
+        region = self.regions.get(checker.position)
         if region is not None and checker.diverged is None and not profiler_enabled() and self._takes(args, kwargs, region):
             if region.check(optimizer, checker.externals, checker.inputs, checker.scalars):
                 if self._wrapped_by_lr_sched:
@@ -148,7 +151,7 @@ def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[Op
         (steps if call.kind == STEP else zero_grads)[call.start] = _Region(call, check, source)
     for call in optimizer_calls:
         call.snapshot = None  # it holds the optimizer's tensors strongly
-    optimizers = [(ref, _StandIn("step", steps), _StandIn("zero_grad", zero_grads))
+    optimizers = [(ref, _StandIn("step", steps, ref), _StandIn("zero_grad", zero_grads, ref))
                   for ref, steps, zero_grads in by_optimizer.values()]
     return (StandIns(optimizers) if optimizers else None), refused
 
@@ -409,15 +412,18 @@ class _CheckSource:
 class _ForwardStandIn:
     """The callable put in a torch.nn module's `__dict__` as `forward` for one checked call."""
 
-    __slots__ = ("checker", "module", "real", "regions")
+    __slots__ = ("checker", "module", "owner", "real", "regions")
 
-    def __init__(self, regions: dict[int, tuple[Any, int]]):
+    def __init__(self, regions: dict[int, tuple[Any, int]], owner: weakref.ref):
         self.regions = regions  # checker position where the module's span starts -> (answer, end)
+        self.owner = owner
         self.checker = self.module = self.real = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         checker = self.checker
-        region = self.regions.get(checker.position) if checker is not None else None
+        if checker is None:  # kept by the function and called after its call: the forward itself
+            return self.owner().forward(*args, **kwargs)
+        region = self.regions.get(checker.position)
         if region is not None and checker.diverged is None and not profiler_enabled():
             answer, end = region
             result = answer(self.module, args, kwargs, checker.inputs, checker.externals, checker.placeholders)
@@ -480,7 +486,7 @@ def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: lis
         regions[call.start] = (answer, call.end)
     for call in module_calls:
         call.snapshot = []  # it holds the modules' tensors strongly
-    modules = [(ref, _ForwardStandIn(regions)) for ref, regions in by_module.values()]
+    modules = [(ref, _ForwardStandIn(regions, ref)) for ref, regions in by_module.values()]
     return (ModuleStandIns(modules) if modules else None), refused
 
 
