@@ -273,10 +273,14 @@ class _RowRenderer(RowRendering):
             lines += self._chunked(bases + scratch + body)
         else:
             lines += self._rows_loop(bases + scratch + body)
+        return self._function(name, lines, body)
+
+    def _function(self, name: str, lines: list[str], body: list[str]) -> str:
+        """The kernel function: its lines, then the tail after all rows, returning the error flag."""
         self.in_tail = True
         tail = self._tail()
-        lines += tail + ["return bad;"]
-        decls = single_declarations(spec)
+        lines = lines + tail + ["return bad;"]
+        decls = single_declarations(self.spec)
         return (f"int64_t {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body + tail)
                 + "".join(f"  {line}\n" for line in lines) + "}\n")
 
@@ -308,12 +312,7 @@ class _RowRenderer(RowRendering):
         for _ in order:
             indent = indent[:-2]
             lines.append(f"{indent}}}")
-        self.in_tail = True
-        tail = self._tail()
-        lines += tail + ["return bad;"]
-        decls = single_declarations(spec)
-        return (f"int64_t {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body + tail)
-                + "".join(f"  {line}\n" for line in lines) + "}\n")
+        return self._function(name, lines, body)
 
     def _parallel(self) -> bool:
         return self.rows > 1 and self.rows * self.cols >= PARALLEL_MIN_ELEMENTS

@@ -165,14 +165,7 @@ class _RowRenderer(RowRendering):
             parameters.append(("scratch", 0))
         declared, scalars = declarations(signature)
         warps = max(1, min(8, self.block // 256))
-        head = [f"cols = tl.arange(0, {self.block})", f"cmask = cols < {self.cols}"]
-        rest = "cols"
-        for position, d in enumerate(reversed(self.red)):
-            last = position == len(self.red) - 1
-            head.append(f"q{d} = {rest}" if last else f"q{d} = {rest} % {self.sizes[d]}")
-            if not last:
-                head.append(f"c{d} = {rest} // {self.sizes[d]}")
-                rest = f"c{d}"
+        head = self._columns("tl.arange(0, {block})")
         if self.looped:
             lines = [f"r = {'tl.program_id(0).to(tl.int64)' if self.wide else 'tl.program_id(0)'}",
                      *self._head("r"), *self._looped_body()]
@@ -221,7 +214,11 @@ class _RowRenderer(RowRendering):
 
     def _block_head(self) -> list[str]:
         """The columns of the block at `start` and their reduced indices (a looped row)."""
-        lines = [f"cols = start + tl.arange(0, {self.block})", f"cmask = cols < {self.cols}"]
+        return self._columns("start + tl.arange(0, {block})")
+
+    def _columns(self, first: str) -> list[str]:
+        """`cols` (from the expression `first`), its mask, and the index of each reduced dim."""
+        lines = [f"cols = {first.format(block=self.block)}", f"cmask = cols < {self.cols}"]
         rest = "cols"
         for position, d in enumerate(reversed(self.red)):
             last = position == len(self.red) - 1
