@@ -143,6 +143,22 @@ def test_another_module_state_runs_the_real_forward(how, reached, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_a_setting_set_again_to_an_equal_value_is_still_answered():
+    # the first check compares the settings with the recorded objects by identity; a new float
+    # object of the same value fails it and the second check, by type and value, answers the call
+    model_a, model_b = pair(mlp)
+    traced = tracejit.trace(infer, backend="aten")
+    for i in range(3):
+        x = torch.randn(3, 8)
+        assert torch.equal(traced(x, model=model_b), infer(x, model=model_a))
+    for i in range(3):
+        model_b[3].p = float(str(model_b[3].p))  # 0.0, a new object each time
+        before = traced.stats.module_stand_ins
+        x = torch.randn(3, 8)
+        assert torch.equal(traced(x, model=model_b), infer(x, model=model_a))
+        assert traced.stats.module_stand_ins == before + 1
+
+
 def test_a_users_module_runs_and_its_torch_nn_parts_are_answered():
     class Residual(nn.Module):
         def __init__(self):

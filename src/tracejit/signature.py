@@ -57,12 +57,19 @@ def shared_memory(tensors: list[torch.Tensor]) -> tuple[tuple[int, int, int], ..
     return tuple(shared)
 
 
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
 def call_context_key() -> tuple:
     """The global state that decides which ops a torch call dispatches (grad and inference mode,
     autocast state and dtype, default dtype, deterministic algorithms): a call made under another
     one may dispatch other ops than the trace holds."""
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
-            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
+    if not _any_autocast():  # the usual case, in one call (the cpu dtype matters only under autocast)
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, None, False,
+                torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled())
+    cpu = torch.is_autocast_enabled("cpu")
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cpu,
+            torch.get_autocast_dtype("cpu") if cpu else None, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled())
 
 

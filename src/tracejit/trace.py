@@ -75,6 +75,7 @@ class TraceEntry:
     api_last_fallback: str | None = None
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
     shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
+    tensor_kwargs: tuple[str, ...] | None = None  # its tensor keyword arguments, sorted (the signature fixes them)
 
     @property
     def serving_program(self) -> CheckedProgram | HostFreeProgram:
@@ -246,7 +247,10 @@ class trace(ProfileAccess):
 
     def _replay_api(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         """A checked call at the torch API level; one that diverges runs at the aten level instead."""
-        inputs = [*args, *(v for _, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))]
+        names = entry.tensor_kwargs
+        if names is None:
+            names = entry.tensor_kwargs = tuple(k for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
+        inputs = [*args, *map(kwargs.__getitem__, names)] if names else list(args)
         result, fallback = run_checked(entry.api, self, args, kwargs, inputs)
         if fallback is None:
             if self._profiler is None and not entry.api.autocast:  # autocast calls need _call's cache switch

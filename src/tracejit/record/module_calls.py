@@ -57,10 +57,12 @@ class ModuleCall:
     refused: str | None = None
 
 
-def global_module_hooks() -> bool:
-    """Hooks registered for every module run user code around each forward."""
-    return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
-                or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks)
+def global_hook_dicts() -> tuple[dict, ...]:
+    """The dicts of hooks registered for every module, which run user code around each forward
+    (torch.nn adds to and removes from them, never replaces them)."""
+    return (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
+            module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks)
+
 
 
 def _refusal(module: nn.Module) -> str | None:

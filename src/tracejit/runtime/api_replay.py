@@ -20,11 +20,14 @@ numbers the optimizer passes; every other number must equal the recorded one.
 
 from __future__ import annotations
 
+import operator
 import sys
 import weakref
 from typing import Any
 
 import torch
+from torch._C import _pop_torch_function_stack as POP_MODE
+from torch._C import _push_on_torch_function_stack as PUSH_MODE
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -68,6 +71,7 @@ class ApiProgram:
         self.context = context
         self.autocast = context[2] or context[4]  # autocast on for cpu or cuda (signature.call_context_key)
         self.external_refs = list(trace.externals)
+        self.nones = (None,) * len(self.external_refs)
         # captured constants must not change (the aten level names the one that did)
         self.constants = [(weakref.ref(t), record.constant_versions[h], record.constant_storage.get(h, 0))
                           for h, t in record.constants.items() if h in record.constant_versions]
@@ -211,7 +215,8 @@ class ApiProgram:
         """The external objects of this call; None if one the call needs is gone (a gradient read
         where it is need not be the recorded object: its reading call binds it)."""
         objects = [ref() for ref in self.external_refs]
-        if any(o is None and slot not in self.located for slot, o in enumerate(objects)):
+        if any(map(operator.is_, objects, self.nones)) and any(
+                o is None and slot not in self.located for slot, o in enumerate(objects)):
             return None
         return objects
 
@@ -220,9 +225,11 @@ class ApiProgram:
         traced call did not), by handle. Each is handed over to its holder: it gets storage of its
         own and the program a new placeholder for later calls."""
         placeholders = self.placeholders
+        if max(map(sys.getrefcount, placeholders.values()), default=0) <= 2:  # the dict and getrefcount's argument
+            return {}
         kept = {}
         for handle in placeholders:
-            if sys.getrefcount(placeholders[handle]) > 2:  # the dict and getrefcount's argument
+            if sys.getrefcount(placeholders[handle]) > 2:
                 kept[handle] = placeholders[handle]
         for handle, tensor in kept.items():
             meta = self.record.tensors[handle].meta
@@ -469,15 +476,15 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         return None, "an object the trace uses was freed"
     checker = program.checker.start(inputs, externals)
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
-    program.read_slices = {}
     generator = torch.default_generator.get_state() if program.draws else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
-    outer = None
+    outer = pushed = None
     try:
         outer = enter_api_checked_call(CallContext(trace, checker, trace.options.capture_as_const))
-        with checker:
-            result = trace._function(*args, **kwargs)
+        PUSH_MODE(checker)  # what `with checker:` does, without its two Python frames each way
+        pushed = checker
+        result = trace._function(*args, **kwargs)
     except ApiDiverged:
         _restore_generator(generator)
         return None, checker.diverged
@@ -485,14 +492,17 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         _restore_generator(generator)
         return None, f"the function raised {type(error).__name__}"
     finally:
+        if pushed is not None:
+            POP_MODE()
         leave_api_checked_call(outer)
         if stand_ins:
             program.stand_ins.remove(stand_ins)
         if module_stand_ins:
             program.module_stand_ins.remove(module_stand_ins)
         program.checking_args = program.checking_kwargs = None
-        program.read_slices = {}
-    if _restore_generator(generator):
+        if program.read_slices:
+            program.read_slices = {}
+    if generator is not None and _restore_generator(generator):
         return None, "the function changed the random number generator's state (torch.manual_seed, set_rng_state)"
     if checker.diverged is not None:
         return None, checker.diverged  # the function swallowed ApiDiverged

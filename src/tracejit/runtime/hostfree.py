@@ -26,6 +26,7 @@ from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
 from ..signature import call_context_key, gradient_state, shared_memory
+from .meta_guard import MetaGuard
 from .optimizer_settings import find_bindings, keyword_optimizers, param_ids, setting_guards, stepped_optimizers
 from .program import HostFreeProgram, scalar_layout
 from .state_holders import find_holders
@@ -235,9 +236,11 @@ class HostFreeRunner:
             if isinstance(value, _PRIMITIVES):
                 guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
         self._located_grads: list[str] = []
+        self._meta: list[tuple[str, str]] = []  # (local, its layout check)
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
+        guards += self._meta_checks(src)
         if len(self._located_grads) > 1:  # the program writes them as distinct tensors
             located = ", ".join(self._located_grads)
             guards.append(_fail(f"len(set(map(id, ({located},)))) != {len(self._located_grads)}",
@@ -369,14 +372,26 @@ class HostFreeRunner:
             what = f"{info.name} was freed"
         meta = info.meta
         checks = [] if same == "False" else [same]
-        checks += [f"{local}.shape != {src.constant(meta.shape, 's')}",
-                  f"{local}.dtype is not {src.constant(meta.dtype, 'd')}", _other_device(local, meta.device, src)]
-        changed = f"{what}, or is not {meta} anymore"
         if info.handle in self.program.hoisted_roots:  # views of it are kept: its storage must stay
             checks.append(f"{local}.data_ptr() != {obj.data_ptr()}")
-            changed += ", or has new storage"
-        lines.append(_fail(" or ".join(checks), changed))
+            what += ", or has new storage"
+        if checks:
+            lines.append(_fail(" or ".join(checks), what))
+        # its layout: checked for all externals at once (see _meta_checks)
+        self._meta.append((local, _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.dtype is not "
+                                        f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)}",
+                                        f"{info.name} is not {meta} anymore")))
         return lines
+
+    def _meta_checks(self, src: _Source) -> list[str]:
+        """The shape, dtype and device checks of the externals bound so far: in one C++ call while
+        they hold the tensors the guard learned, else one by one (runtime/meta_guard.py)."""
+        if not self._meta:
+            return []
+        guard = src.constant(MetaGuard(), "meta")
+        tensors = ", ".join(local for local, _ in self._meta)
+        return [f"if not {guard}.check({tensors}):", *(f"    {check}" for _, check in self._meta),
+                f"    {guard}.learn({tensors})"]
 
     def _epilogue(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
         """Leave escaped values where the function would have put them; return fresh outputs."""

@@ -21,13 +21,14 @@ of another optimizer) runs the real method, matched call by call as before.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any
 
 import torch
 
 from ..record.api import ApiCall, CallKind, RefKind, TensorRef
-from ..record.module_calls import ModuleCall, ModuleState, global_module_hooks
+from ..record.module_calls import ModuleCall, ModuleState, global_hook_dicts
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
 from .api_match import FAIL, answer_expr, match_lines
 from .optimizer_numbers import MODELS, SETTINGS, numbers, same_numbers
@@ -425,8 +426,11 @@ class _ForwardStandIn:
             return self.owner().forward(*args, **kwargs)
         region = self.regions.get(checker.position)
         if region is not None and checker.diverged is None and not profiler_enabled():
-            answer, end = region
-            result = answer(self.module, args, kwargs, checker.inputs, checker.externals, checker.placeholders)
+            same_objects, same_values, end = region
+            module, inputs, externals, placeholders = self.module, checker.inputs, checker.externals, checker.placeholders
+            result = same_objects(module, args, kwargs, inputs, externals, placeholders)
+            if result is FAIL:  # an attribute set again, to an equal value or not
+                result = same_values(module, args, kwargs, inputs, externals, placeholders)
             if result is not FAIL:
                 checker.position = end
                 checker.stood_in_modules += 1
@@ -476,14 +480,15 @@ def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: lis
             reason = reason or "the module is gone"
         if reason is None:
             try:
-                answer = _ForwardSource(program, external_slots).build(call, len(by_module))
+                same_values = _ForwardSource(program, external_slots).build(call, len(by_module))
+                same_objects = _ForwardSource(program, external_slots, by_identity=True).build(call, len(by_module))
             except _Unsupported as why:
                 reason = str(why)
         if reason is not None:
             refused[where] = reason
             continue
         _, regions = by_module.setdefault(id(module), (call.module, {}))
-        regions[call.start] = (answer, call.end)
+        regions[call.start] = (same_objects, same_values, call.end)
     for call in module_calls:
         call.snapshot = []  # it holds the modules' tensors strongly
     modules = [(ref, _ForwardStandIn(regions, ref)) for ref, regions in by_module.values()]
@@ -492,11 +497,18 @@ def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: lis
 
 class _ForwardSource:
     """Generates `answer(M, args, kwargs, A, E, P)`: FAIL unless the arguments are the recorded
-    ones and every module of the subtree has the recorded state; else the recorded result."""
+    ones and every module of the subtree has the recorded state; else the recorded result.
 
-    def __init__(self, program: Any, external_slots: dict[int, int]):
+    Two checks are generated per module call. `by_identity` compares the modules' settings
+    (immutable numbers, strings, tuples) with the recorded objects by identity, all in one C-level
+    pass per module: the usual case, where nothing was assigned since. The other compares them by
+    type and value; it runs when the first fails, so setting an attribute to an equal value again
+    costs speed, not the answer."""
+
+    def __init__(self, program: Any, external_slots: dict[int, int], by_identity: bool = False):
         self.program = program
         self.external_slots = external_slots
+        self.by_identity = by_identity
         self.lines: list[str] = []
         self.locals = 0
 
@@ -523,8 +535,11 @@ class _ForwardSource:
             raise _Unsupported(f"{what} is a {type(value).__name__}")
 
     def build(self, call: ModuleCall, number: int) -> Any:
-        self.program.namespace.setdefault("MODULE_HOOKS", global_module_hooks)
-        self.fail_if("MODULE_HOOKS()")
+        namespace = self.program.namespace
+        if "GLOBAL_HOOKS" not in namespace:  # torch.nn's global hook dicts, which it only ever mutates
+            namespace["GLOBAL_HOOKS"] = global_hook_dicts()
+            namespace.update(IS=operator.is_, ALL=all, MAP=map)
+        self.fail_if("any(GLOBAL_HOOKS)")
         self.fail_if(f"len(args) != {len(call.args)} or kwargs.keys() != {self.program.constant(set(call.kwargs), 'k')}")
         for i, template in enumerate(call.args):
             self.lines += match_lines(f"args[{i}]", template, self.program)
@@ -533,17 +548,56 @@ class _ForwardSource:
         states = {id(state.module()): state for state in call.snapshot}
         self._module("M", call.snapshot[0], states, top=True)
         body = [*self.lines, f"return {answer_expr(call.result, self.program)}"]
-        return self.program._function(f"forward{number}_{call.start}", "M, args, kwargs, A, E, P", body)
+        name = f"forward{number}_{call.start}" + ("_same_objects" if self.by_identity else "")
+        return self.program._function(name, "M, args, kwargs, A, E, P", body)
 
     def _module(self, expr: str, state: ModuleState, states: dict, top: bool = False) -> None:
         self.locals += 1
         d = f"d{self.locals}"
         self.lines.append(f"{d} = {expr}.__dict__")
-        self.fail_if(f"type({expr}) is not {self.program.constant(type(state.module()), 'C')}")
         hooks = " or ".join(f"{d}[{name!r}]" for name in _MODULE_HOOKS)
-        self.fail_if(hooks)
-        if not top:
-            self.fail_if(f"'forward' in {d}")
+        replaced = "" if top else f" or 'forward' in {d}"
+        self.fail_if(f"type({expr}) is not {self.program.constant(type(state.module()), 'C')} or {hooks}{replaced}")
+        if self.by_identity:
+            self._same_objects(d, state)
+        else:
+            self._same_values(d, state)
+        for kind, named in (("_parameters", state.parameters), ("_buffers", state.buffers)):
+            if not named:
+                self.fail_if(f"{d}[{kind!r}]")
+                continue
+            local = f"{kind[1]}{self.locals}"
+            self.lines.append(f"{local} = {d}[{kind!r}]")
+            self.fail_if(f"len({local}) != {len(named)}")
+            for name, tensor in named.items():
+                self.same(f"{local}[{name!r}]", tensor, f"{kind[1:-1]} {name}")
+        if not state.children:
+            self.fail_if(f"{d}['_modules']")
+            return
+        # a Sequential runs its children in this order
+        self.fail_if(f"tuple({d}['_modules']) != {tuple(state.children)!r}")
+        for name, ref in state.children.items():
+            child = ref()
+            if child is None or id(child) not in states:
+                raise _Unsupported("a submodule is gone")
+            local = f"m{self.locals}_{len(self.lines)}"
+            self.lines.append(f"{local} = {d}['_modules'][{name!r}]")
+            self.fail_if(f"{local} is not {self.program.constant(ref, 'w')}()")
+            self._module(local, states[id(child)], states)
+
+    def _same_objects(self, d: str, state: ModuleState) -> None:
+        """The settings are the recorded objects (immutable ones: see _immutable)."""
+        values = {}
+        for key, value in state.attributes.items():
+            if not _immutable(value):
+                raise _Unsupported(f"{type(state.module()).__qualname__}.{key} is a {type(value).__name__}")
+            values[key] = value
+        if values:
+            keys = self.program.constant(tuple(values), "k")
+            objects = self.program.constant(tuple(values.values()), "c")
+            self.fail_if(f"not ALL(MAP(IS, MAP({d}.get, {keys}), {objects}))")
+
+    def _same_values(self, d: str, state: ModuleState) -> None:
         # its settings (in_features, eps, p, inplace, padding...): values and their types at once
         plain = {k: v for k, v in state.attributes.items() if type(v) in _PLAIN or type(v) is tuple and all(
             type(item) in _PLAIN for item in v)}
@@ -555,20 +609,13 @@ class _ForwardSource:
         for key, value in sorted(state.attributes.items()):
             if key not in plain:
                 self.same(f"{d}.get({key!r})", value, f"{type(state.module()).__qualname__}.{key}")
-        for kind, named in (("_parameters", state.parameters), ("_buffers", state.buffers)):
-            self.fail_if(f"len({d}[{kind!r}]) != {len(named)}")
-            for name, tensor in named.items():
-                self.same(f"{d}[{kind!r}][{name!r}]", tensor, f"{kind[1:-1]} {name}")
-        # a Sequential runs its children in this order
-        self.fail_if(f"tuple({d}['_modules']) != {tuple(state.children)!r}")
-        for name, ref in state.children.items():
-            child = ref()
-            if child is None or id(child) not in states:
-                raise _Unsupported("a submodule is gone")
-            local = f"m{self.locals}_{len(self.lines)}"
-            self.lines.append(f"{local} = {d}['_modules'][{name!r}]")
-            self.fail_if(f"{local} is not {self.program.constant(ref, 'w')}()")
-            self._module(local, states[id(child)], states)
+
+
+def _immutable(value: Any) -> bool:
+    """Numbers, strings, None and tuples of them: the same object is the same value and type."""
+    if type(value) is tuple:
+        return all(map(_immutable, value))
+    return type(value) in _PRIMITIVES
 
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
