@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 
 import torch
@@ -97,7 +99,10 @@ def training_flags(module: torch.nn.Module) -> int:
     return (flags << 1) | module.training
 
 
-_parameters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_parameters: dict[int, tuple[weakref.ref, tuple]] = {}  # id(module) -> (module, its parameters)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+_NONES = itertools.repeat(None)
 
 
 def gradient_state(kwargs: dict) -> tuple[int, ...]:
@@ -106,19 +111,23 @@ def gradient_state(kwargs: dict) -> tuple[int, ...]:
 
     This decides what autograd dispatches (a first gradient is stored, a later one accumulated
     with `add_`; DDP's reducer all-reduces or not), so a step that accumulates gradients over
-    several calls gets one trace per state instead of a mismatch. It costs ~0.4 us per parameter, so it is computed only for
-    traces whose recorded call touched gradients.
+    several calls gets one trace per state instead of a mismatch. It is computed only for traces
+    whose recorded call touched gradients.
     """
     states = []
     for module in kwargs.values():
         if isinstance(module, torch.nn.Module):
-            params = _parameters.get(module)
-            if params is None:  # walking module.parameters() each call would cost more
-                params = _parameters[module] = tuple(module.parameters())
-            state = 0
-            for p in params:
-                state = (state << 2) | (p.requires_grad << 1) | (p.grad is not None)
-            states.append((state << 3) | _ddp_state(module))
+            known = _parameters.get(id(module))
+            if known is None or known[0]() is not module:  # walking module.parameters() each call would cost more
+                key = id(module)
+                known = _parameters[key] = (weakref.ref(module, lambda _, key=key: _parameters.pop(key, None)),
+                                            tuple(module.parameters()))
+            params = known[1]
+            # a byte a parameter, the first one highest: requires_grad in bit 1, has a .grad in bit 0
+            # (built by C loops: this runs on every checked call)
+            requires_grad = int.from_bytes(bytes(map(_REQUIRES_GRAD, params)))
+            held = int.from_bytes(bytes(map(operator.is_not, map(_GRAD, params), _NONES)))
+            states.append((requires_grad << 1 | held) << 3 | _ddp_state(module))
     return tuple(states)
 
 
@@ -128,7 +137,7 @@ def _ddp_state(module: torch.nn.Module) -> int:
     broadcasts the buffers (not after a `no_sync()` forward), and whether the buckets were rebuilt
     (the first synchronized forward after the first synchronized backward rebuilds them once,
     with a broadcast: that call must not share a trace with the calls before or after it)."""
-    if not hasattr(module, "require_backward_grad_sync"):
+    if "require_backward_grad_sync" not in module.__dict__:  # not hasattr: a Module's __getattr__ raises for it
         return 0
     return (module.require_backward_grad_sync << 2 | bool(getattr(module, "require_forward_param_sync", True)) << 1
             | bool(getattr(module, "_has_rebuilt_buckets", True)))
