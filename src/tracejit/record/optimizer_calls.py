@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.optim import Optimizer
+from torch.optim import optimizer as optimizer_module
 
 STEP, ZERO_GRAD = "step", "zero_grad"
 # the code of the wrapper torch.optim puts around every optimizer class's step(), and of zero_grad()
@@ -68,9 +69,8 @@ def is_stock(optimizer: Optimizer) -> bool:
 
 def step_hooks(optimizer: Optimizer) -> bool:
     """Hooks around step() run user code there."""
-    from torch.optim import optimizer as module
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks)
+                or optimizer_module._global_optimizer_pre_hooks or optimizer_module._global_optimizer_post_hooks)
 
 
 class OptimizerCalls:
@@ -122,6 +122,5 @@ def _method_call(kind: str, index: int) -> OptimizerCall | None:
     return OptimizerCall(kind, weakref.ref(optimizer), index, arguments, refused=refused, snapshot=snapshot)
 
 
-def profiler_enabled() -> bool:
-    """A profiler that records ranges is on: the method's own ranges must appear in its trace."""
-    return torch._C._autograd._profiler_enabled()
+# () -> bool: a profiler that records ranges is on (a method's own ranges must appear in its trace)
+profiler_enabled = torch._C._autograd._profiler_enabled
