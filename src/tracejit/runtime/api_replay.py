@@ -92,6 +92,7 @@ class ApiProgram:
         self.sources: list[str] = []
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
+        self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
         self.steps = [self._step(call) for call in trace.calls]
         # optimizer.step()/zero_grad() answered as a whole where the optimizer's state allows
@@ -479,9 +480,13 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     generator = torch.default_generator.get_state() if program.draws else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
+    context = program.call_context
+    if context is None or context.trace is not trace:
+        context = program.call_context = CallContext(trace, checker, trace.options.capture_as_const)
+    context.excluded = 0
     outer = pushed = None
     try:
-        outer = enter_api_checked_call(CallContext(trace, checker, trace.options.capture_as_const))
+        outer = enter_api_checked_call(context)
         PUSH_MODE(checker)  # what `with checker:` does, without its two Python frames each way
         pushed = checker
         result = trace._function(*args, **kwargs)
