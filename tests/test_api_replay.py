@@ -484,6 +484,57 @@ def test_an_exception_inside_a_grad_mode_block_leaves_grad_mode_as_it_was():
     assert torch.equal(traced(x, model=model), forward(x, model=model))
 
 
+def test_torchs_python_functions_reach_the_checker_and_torch_is_left_as_it_was():
+    # F.relu, F.cross_entropy and Tensor.backward go to the checker directly while a checked call
+    # runs (api_replay._handle_at_api_level); after every call, a diverging one included, their
+    # modules use torch's own handle_torch_function again, and a mode the function enters itself
+    # gets the calls made inside it
+    import torch._tensor
+
+    seen = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    state = {"watch": False, "double": False}
+
+    def step(x, y, *, model, opt):
+        h = F.relu(model(x))
+        if state["watch"]:
+            with Watch():
+                h = F.gelu(F.relu(h))
+        loss = F.cross_entropy(h * 2 if state["double"] else h, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Linear(8, 4), "sgd")
+    traced = tracejit.trace(step, backend="aten")
+
+    def check(i):
+        x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), step(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+        assert F.handle_torch_function is torch.overrides.handle_torch_function
+        assert torch._tensor.handle_torch_function is torch.overrides.handle_torch_function
+
+    for i in range(4):
+        check(i)
+    assert traced.stats.api_replays >= 2
+    state["double"] = True  # diverges at the API level: the call runs at the aten level
+    with pytest.raises(TraceMismatchError):
+        check(4)
+    state["double"] = False
+    state["watch"] = True
+    with pytest.raises(TraceMismatchError):
+        check(5)
+    assert seen and seen[0] is F.relu  # the function's own mode got its call first
+
+
 def test_the_fast_signature_check_agrees_with_the_signature():
     # The next checked call first tries the last API-level trace's generated signature check
     # (HostFreeRunner.admit) instead of computing its signature: what it admits must have the
