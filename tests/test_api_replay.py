@@ -486,9 +486,9 @@ def test_an_exception_inside_a_grad_mode_block_leaves_grad_mode_as_it_was():
 
 def test_torchs_python_functions_reach_the_checker_and_torch_is_left_as_it_was():
     # F.relu, F.cross_entropy and Tensor.backward go to the checker directly while a checked call
-    # runs (api_replay._handle_at_api_level); after every call, a diverging one included, their
-    # modules use torch's own handle_torch_function again, and a mode the function enters itself
-    # gets the calls made inside it
+    # runs, and no_grad() sets grad mode without it (api_replay._install_fast_paths); after every
+    # call, a diverging one included, torch's own functions are back, and a mode the function
+    # enters itself gets the calls made inside it
     import torch._tensor
 
     seen = []
@@ -500,7 +500,11 @@ def test_torchs_python_functions_reach_the_checker_and_torch_is_left_as_it_was()
 
     state = {"watch": False, "double": False}
 
+    real_set_grad = torch._C._set_grad_enabled
+
     def step(x, y, *, model, opt):
+        with torch.no_grad():
+            x = x * 1.5
         h = F.relu(model(x))
         if state["watch"]:
             with Watch():
@@ -521,6 +525,7 @@ def test_torchs_python_functions_reach_the_checker_and_torch_is_left_as_it_was()
         assert_same_state(model_a, opt_a, model_b, opt_b)
         assert F.handle_torch_function is torch.overrides.handle_torch_function
         assert torch._tensor.handle_torch_function is torch.overrides.handle_torch_function
+        assert torch._C._set_grad_enabled is real_set_grad and torch.is_grad_enabled()
 
     for i in range(4):
         check(i)

@@ -459,11 +459,15 @@ class ApiChecker(TorchFunctionMode):
         self.diverge("an exclude_from_trace() block the record does not have")
 
 
-# torch's functions written in Python (F.relu, F.cross_entropy, Tensor.backward) reach a mode
-# through torch.overrides.handle_torch_function, which finds the overloaded arguments and pops the
-# mode in a contextlib block: 1.3 us more than a C function reaching the same mode. While a
-# checked call runs, their modules' binding of it goes straight to the checker when the checker is
-# the innermost mode of this thread (a mode the function entered itself, another thread: torch's).
+# Two ways into the checker that cost more than its own work, shortened while a checked call runs
+# (installed around the function, and only acting on the thread whose innermost mode is the
+# checker: a mode the function entered itself, or another thread, get torch's way):
+# - torch's functions written in Python (F.relu, F.cross_entropy, Tensor.backward) reach a mode
+#   through torch.overrides.handle_torch_function, which finds the overloaded arguments and pops
+#   the mode in a contextlib block: 1.3 us more than a C function reaching the same mode. Their
+#   modules' binding of it goes straight to the checker;
+# - torch.no_grad() and the like set grad mode through torch._C._set_grad_enabled, a C function
+#   the mode sees (1.5 us each way). Where the record has that call next it runs without the mode.
 _PYTHON_API_MODULES = (torch.nn.functional, torch._tensor)
 _TORCH_HANDLER = torch.overrides.handle_torch_function
 _STACK_DEPTH = torch._C._len_torch_function_stack
@@ -485,8 +489,32 @@ def _handle_at_api_level(public_api: Any, relevant_args: Any, *args: Any, **kwar
     return _TORCH_HANDLER(public_api, relevant_args, *args, **kwargs)
 
 
-def _install_python_api_handler() -> list:
+_REAL_SET_GRAD = torch._C._set_grad_enabled
+
+
+def _set_grad_enabled_at_api_level(mode: bool) -> None:
+    depth = _STACK_DEPTH()
+    if depth:
+        checker = _STACK_AT(depth - 1)
+        if type(checker) is ApiChecker:
+            position = checker.position
+            POP_MODE()
+            try:
+                if checker.diverged is None and position < checker.count and checker.funcs[position] is _REAL_SET_GRAD:
+                    _REAL_SET_GRAD(mode)
+                    checker.position = position + 1
+                    return
+                return checker.__torch_function__(_REAL_SET_GRAD, (), (mode,), {})
+            finally:
+                PUSH_MODE(checker)
+    return _REAL_SET_GRAD(mode)
+
+
+def _install_fast_paths() -> list:
     installed = []
+    if torch._C.__dict__.get("_set_grad_enabled") is _REAL_SET_GRAD:
+        torch._C._set_grad_enabled = _set_grad_enabled_at_api_level
+        installed.append(torch._C)
     for module in _PYTHON_API_MODULES:
         if module.__dict__.get("handle_torch_function") is _TORCH_HANDLER:
             module.handle_torch_function = _handle_at_api_level
@@ -494,9 +522,12 @@ def _install_python_api_handler() -> list:
     return installed
 
 
-def _remove_python_api_handler(installed: list) -> None:
+def _remove_fast_paths(installed: list) -> None:
     for module in installed:
-        if module.__dict__.get("handle_torch_function") is _handle_at_api_level:
+        if module is torch._C:
+            if module.__dict__.get("_set_grad_enabled") is _set_grad_enabled_at_api_level:
+                module._set_grad_enabled = _REAL_SET_GRAD
+        elif module.__dict__.get("handle_torch_function") is _handle_at_api_level:
             module.handle_torch_function = _TORCH_HANDLER
 
 
@@ -526,7 +557,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         context = program.call_context = CallContext(trace, checker, trace.options.capture_as_const)
     context.excluded = 0
     outer = pushed = None
-    handlers = _install_python_api_handler()
+    handlers = _install_fast_paths()
     try:
         outer = enter_api_checked_call(context)
         PUSH_MODE(checker)  # what `with checker:` does, without its two Python frames each way
@@ -541,7 +572,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     finally:
         if pushed is not None:
             POP_MODE()
-        _remove_python_api_handler(handlers)
+        _remove_fast_paths(handlers)
         leave_api_checked_call(outer)
         if stand_ins:
             program.stand_ins.remove(stand_ins)
