@@ -215,7 +215,7 @@ class ApiProgram:
     def externals(self) -> list | None:
         """The external objects of this call; None if one the call needs is gone (a gradient read
         where it is need not be the recorded object: its reading call binds it)."""
-        objects = [ref() for ref in self.external_refs]
+        objects = list(map(operator.call, self.external_refs))
         if any(map(operator.is_, objects, self.nones)) and any(
                 o is None and slot not in self.located for slot, o in enumerate(objects)):
             return None
@@ -510,25 +510,23 @@ def _set_grad_enabled_at_api_level(mode: bool) -> None:
     return _REAL_SET_GRAD(mode)
 
 
+# (namespace, name, torch's function, the shorter way) for each binding replaced during a call
+_FAST_PATHS = ((torch._C.__dict__, "_set_grad_enabled", _REAL_SET_GRAD, _set_grad_enabled_at_api_level),
+               *((module.__dict__, "handle_torch_function", _TORCH_HANDLER, _handle_at_api_level)
+                 for module in _PYTHON_API_MODULES))
+
+
 def _install_fast_paths() -> list:
-    installed = []
-    if torch._C.__dict__.get("_set_grad_enabled") is _REAL_SET_GRAD:
-        torch._C._set_grad_enabled = _set_grad_enabled_at_api_level
-        installed.append(torch._C)
-    for module in _PYTHON_API_MODULES:
-        if module.__dict__.get("handle_torch_function") is _TORCH_HANDLER:
-            module.handle_torch_function = _handle_at_api_level
-            installed.append(module)
+    installed = [path for path in _FAST_PATHS if path[0].get(path[1]) is path[2]]  # not if replaced by others
+    for namespace, name, _, shorter in installed:
+        namespace[name] = shorter
     return installed
 
 
 def _remove_fast_paths(installed: list) -> None:
-    for module in installed:
-        if module is torch._C:
-            if module.__dict__.get("_set_grad_enabled") is _set_grad_enabled_at_api_level:
-                module._set_grad_enabled = _REAL_SET_GRAD
-        elif module.__dict__.get("handle_torch_function") is _handle_at_api_level:
-            module.handle_torch_function = _TORCH_HANDLER
+    for namespace, name, torchs, shorter in installed:
+        if namespace.get(name) is shorter:
+            namespace[name] = torchs
 
 
 def _name(func: Any) -> str:
