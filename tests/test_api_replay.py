@@ -540,6 +540,61 @@ def test_torchs_python_functions_reach_the_checker_and_torch_is_left_as_it_was()
     assert seen and seen[0] is F.relu  # the function's own mode got its call first
 
 
+def test_another_thread_keeps_torchs_way_while_checked_calls_run():
+    # the bindings replaced during a checked call are process-wide: a thread running its own
+    # TorchFunctionMode meanwhile must still see every call it makes, and grad mode stays per thread
+    import threading
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.relu = self.grad = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.relu:
+                self.relu += 1
+            elif func is torch._C._set_grad_enabled or getattr(func, "__name__", "") == "_set_grad_enabled":
+                self.grad += 1
+            return func(*args, **(kwargs or {}))
+
+    stop = threading.Event()
+    counts = []
+
+    def other_thread():
+        x = torch.randn(4)
+        with Count() as mode:
+            while not stop.is_set():
+                with torch.no_grad():
+                    F.relu(x)
+        counts.append((mode.relu, mode.grad))
+
+    def step(x, y, *, model, opt):
+        with torch.no_grad():
+            x = x + 1
+        loss = F.cross_entropy(F.relu(model(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Linear(8, 4), "sgd")
+    traced = tracejit.trace(step, backend="aten")
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        for i in range(30):
+            x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+            assert torch.equal(traced(x, y, model=model_b, opt=opt_b), step(x, y, model=model_a, opt=opt_a)), i
+            assert_same_state(model_a, opt_a, model_b, opt_b)
+    finally:
+        stop.set()
+        thread.join()
+    assert traced.stats.api_replays >= 20
+    (relu, grad), = counts
+    assert relu > 0 and grad == 2 * relu  # each no_grad() block: enter and exit, all seen by its mode
+
+
 def test_the_fast_signature_check_agrees_with_the_signature():
     # The next checked call first tries the last API-level trace's generated signature check
     # (HostFreeRunner.admit) instead of computing its signature: what it admits must have the
