@@ -55,6 +55,13 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+def mlp_bn() -> nn.Module:
+    """torch.nn layers only (the API level answers DDP around it whole), with BatchNorm's running
+    statistics: buffers DDP broadcasts in every synchronized forward."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+
+
 class SmallCNN(nn.Module):
     """Convolution, BatchNorm (running statistics: buffers DDP broadcasts every forward), pooling."""
 
@@ -186,6 +193,8 @@ def hand_written_all_reduce(rank: int, world: int) -> dict:
                 "all_reduces": count_ops(traced, ALL_REDUCE),
                 "parameters": len(list(model.parameters())),
                 "bucketed": [len(n.inputs) for n in bucketed_nodes(traced)],
+                "api_replays": stats.api_replays,
+                "api_refused": [e.api_refused for e in traced._entries() if e.api_refused],
             }
     return facts
 
@@ -264,8 +273,11 @@ def ddp(rank: int, world: int) -> dict:
                     "replays": stats.checked_replays + stats.host_free_calls,
                     "host_free_calls": stats.host_free_calls,
                     "all_reduces": count_ops(traced, ALL_REDUCE),
-                "parameters": len(list(model.parameters())),
+                    "parameters": len(list(model.parameters())),
                     "broadcasts": count_ops(traced, "tracejit.broadcast_.default"),
+                    "api_replays": stats.api_replays,
+                    "ddp_stand_ins": stats.ddp_stand_ins,
+                    "api_refused": [e.api_refused for e in traced._entries() if e.api_refused],
                 }
     return facts
 
@@ -326,6 +338,166 @@ def ddp_no_sync(rank: int, world: int) -> dict:
                                        "all_reduces": sorted(sum(str(op.op) == ALL_REDUCE for op in r.ops)
                                                              for r in step.records)}
     facts["failures"] += differences(results[0], results[1], exact=True)
+    return facts
+
+
+def api_facts(traced) -> dict:
+    stats = traced.stats
+    return {"api_replays": stats.api_replays, "ddp_stand_ins": stats.ddp_stand_ins, "api_fallbacks": stats.api_fallbacks,
+            "checked_replays": stats.checked_replays, "traces": len(traced.records),
+            "api_refused": [e.api_refused for e in traced._entries() if e.api_refused],
+            "last_fallbacks": [e.api_last_fallback for e in traced._entries() if e.api_last_fallback]}
+
+
+def ddp_api_level(rank: int, world: int) -> dict:
+    """Checked replay (the default mode) of DDP steps at the API level: DDP answered whole, the
+    program running the reducer's all-reduces and the buffer broadcast. Eager DDP and the traced
+    step run side by side; parameters, gradients, buffers and optimizer state must agree after
+    every one of the 10 steps (bitwise with backend="aten")."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    facts: dict = {"failures": [], "runs": {}}
+    # gradients as views of the buckets, one bucket per parameter (bucket_cap_mb of 512 bytes)
+    bucket_views = {"gradient_as_bucket_view": True, "bucket_cap_mb": 512 / 2**20}
+    for (model_name, factory, options), optimizer, (backend, exact) in itertools.product(
+            (("mlp", mlp, {}), ("mlp_bn", mlp_bn, {}), ("mlp_bn_views", mlp_bn, bucket_views)), OPTIMIZERS,
+            (("aten", True), ("auto", False))):
+        label = f"{model_name} {optimizer} {backend}"
+        eager_model = DistributedDataParallel(factory(), **options)
+        eager_opt = OPTIMIZERS[optimizer](eager_model.parameters())
+        model = DistributedDataParallel(factory(), **options)
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        traced = tracejit.trace(ddp_step, backend=backend)
+        api_by_step = []
+        for i, (x, y) in enumerate(batches(rank)):
+            expected = ddp_step(x, y, model=eager_model, opt=eager_opt)
+            got = traced(x, y, model=model, opt=opt)
+            api_by_step.append(traced.stats.api_replays)
+            problems = differences(state_of(eager_model.module, eager_opt), state_of(model.module, opt), exact)
+            if not (torch.equal(expected, got) if exact else torch.allclose(expected, got, rtol=1e-5)):
+                problems.append("loss")
+            facts["failures"] += [f"{label} step {i}: {p}" for p in problems]
+        facts["runs"][label] = {**api_facts(traced), "api_by_step": api_by_step,
+                                "broadcasts": count_ops(traced, "tracejit.broadcast_.default"),
+                                "all_reduces": count_ops(traced, ALL_REDUCE)}
+    return facts
+
+
+def ddp_api_no_sync(rank: int, world: int) -> dict:
+    """Gradient accumulation at the API level: 8 rounds of 3 micro-batches, the first two under
+    no_sync(). Each micro-step state (no_sync with and without gradients, the synchronizing one)
+    selects its own trace, and each is answered at the API level once it has replayed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    facts: dict = {"failures": [], "runs": {}}
+    data = batches(rank, steps=24)
+    eager_model = DistributedDataParallel(mlp_bn())
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9)
+    model = DistributedDataParallel(mlp_bn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = tracejit.trace(micro_step, backend="aten")
+    for i in range(0, len(data), 3):
+        for j, (x, y) in enumerate(data[i:i + 3]):
+            for run, ddp_model in ((micro_step, eager_model), (step, model)):
+                if j < 2:
+                    with ddp_model.no_sync():
+                        run(x, y, model=ddp_model)
+                else:
+                    run(x, y, model=ddp_model)
+            facts["failures"] += [f"micro-step {i + j}: {p}" for p in differences(
+                state_of(eager_model.module, eager_opt), state_of(model.module, opt), exact=True)]
+        for o in (eager_opt, opt):
+            o.step()
+            o.zero_grad()
+    facts["runs"]["traced"] = {**api_facts(step), "all_reduces": sorted(
+        sum(str(op.op) == ALL_REDUCE for op in r.ops) for r in step.records)}
+    return facts
+
+
+def ddp_api_settings(rank: int, world: int) -> dict:
+    """DDP settings changed by hand between API-level calls. With the model a keyword argument,
+    `require_backward_grad_sync` and `forward_sync_buffers` (what broadcast_buffers sets) are part
+    of the trace's signature: flipping one selects (records) a trace of its own on every rank, which
+    trains as eager DDP. A setting outside the signature (`broadcast_bucket_size`, which splits the
+    buffer broadcast) is found by the DDP stand-in's own check: the call falls back to the aten
+    level, which raises its TraceMismatchError on every rank (other broadcasts than recorded), before
+    any collective. Never a silently wrong result."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    facts: dict = {"failures": [], "runs": {}}
+    data = batches(rank, steps=12)
+    for attribute in ("require_backward_grad_sync", "forward_sync_buffers"):
+        eager_model, model = DistributedDataParallel(mlp_bn()), DistributedDataParallel(mlp_bn())
+        eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        traced = tracejit.trace(ddp_step, backend="aten")
+        api_before = None
+        for i, (x, y) in enumerate(data):
+            if i == 8:
+                api_before = traced.stats.api_replays
+                setattr(eager_model, attribute, False)
+                setattr(model, attribute, False)
+            ddp_step(x, y, model=eager_model, opt=eager_opt)
+            traced(x, y, model=model, opt=opt)
+            facts["failures"] += [f"{attribute} step {i}: {p}" for p in differences(
+                state_of(eager_model.module, eager_opt), state_of(model.module, opt), exact=True)]
+        facts["runs"][attribute] = {**api_facts(traced), "api_before_flip": api_before}
+
+    # a setting outside the signature: the buffer broadcast's bucket size (8 bytes: one broadcast
+    # per buffer instead of one for all three)
+    model = DistributedDataParallel(mlp_bn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    traced = tracejit.trace(ddp_step, backend="aten")
+    run: dict = {"error_type": None}
+    for i, (x, y) in enumerate(data):
+        if i == 8:
+            run["api_before_flip"] = traced.stats.api_replays
+            model.broadcast_bucket_size = 8
+        try:
+            traced(x, y, model=model, opt=opt)
+        except Exception as error:  # noqa: BLE001 - the fact checked
+            run.update(step=i, error_type=type(error).__name__, error=str(error)[:2000])
+            break
+    facts["runs"]["broadcast_bucket_size"] = {**run, **api_facts(traced)}
+    return facts
+
+
+def ddp_api_divergence(rank: int, world: int) -> dict:
+    """Rank 1 takes another branch at step 7, after the API level has answered the DDP steps: it
+    diverges before the program runs and falls back to the aten level, which raises its mismatch;
+    rank 0, inside the program's all-reduce, must raise too instead of waiting for gloo."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def step(x, y, *, model, opt):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if DIVERGE["now"]:
+            loss = loss * 2
+        loss.backward()
+        opt.step()
+        return loss
+
+    model = DistributedDataParallel(mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    traced = tracejit.trace(step, backend="aten")
+    facts: dict = {"failures": []}
+    for i, (x, y) in enumerate(batches(rank, steps=9)):
+        DIVERGE["now"] = rank == 1 and i == 7
+        facts["api_before"] = traced.stats.api_replays
+        facts["api_ready"] = any(e.api is not None for e in traced._entries())  # this call starts at the API level
+        started = time.perf_counter()
+        try:
+            traced(x, y, model=model, opt=opt)
+        except Exception as error:
+            facts.update(step=i, error_type=type(error).__name__, error=str(error),
+                         raised_after=time.perf_counter() - started, **api_facts(traced))
+            store = dist.distributed_c10d._get_default_store()
+            if rank == 0:
+                store.set("test/ddp_rank0_stopped", "1")
+            else:
+                store.wait(["test/ddp_rank0_stopped"], datetime.timedelta(seconds=60))
+            return facts
+    facts["failures"].append("every step ran")
     return facts
 
 
@@ -443,9 +615,13 @@ SCENARIOS = {
     "ddp": ddp,
     "ddp_options": ddp_options,
     "ddp_no_sync": ddp_no_sync,
+    "ddp_api_level": ddp_api_level,
+    "ddp_api_no_sync": ddp_api_no_sync,
+    "ddp_api_settings": ddp_api_settings,
     "record_disagreement": record_disagreement,
     "handled_failure": handled_failure,
     "replay_divergence": replay_divergence,  # last: it leaves an all-reduce in flight on rank 0
     "lone_record": lone_record,  # in a run of its own, for the same reason
+    "ddp_api_divergence": ddp_api_divergence,  # and this one
 }
-SCENARIOS_LEAVE_GROUP_BROKEN = {"replay_divergence", "lone_record"}
+SCENARIOS_LEAVE_GROUP_BROKEN = {"replay_divergence", "lone_record", "ddp_api_divergence"}

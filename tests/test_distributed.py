@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import tracejit
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
@@ -22,7 +24,8 @@ WORLD = 2
 
 
 # Scenarios that leave a collective in flight end their run: each gets a run of its own.
-RUNS = [[name for name in distributed_workers.SCENARIOS if name != "lone_record"], ["lone_record"]]
+ALONE = ["lone_record", "ddp_api_divergence"]
+RUNS = [[name for name in distributed_workers.SCENARIOS if name not in ALONE], *([name] for name in ALONE)]
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +156,75 @@ def test_ddp_no_sync_selects_its_own_trace(ranks):
         assert run["all_reduces"][0] == 0 and run["all_reduces"][-1] >= 1, run
 
 
+def test_checked_ddp_steps_run_at_the_api_level(ranks):
+    """DDP answered whole by its stand-in on every rank, the program running the all-reduces and the
+    buffer broadcast: parameters, gradients, buffers and optimizer state equal eager DDP's after
+    every step (bitwise with backend="aten", which facts_of checks through the failures)."""
+    for facts in facts_of(ranks, "ddp_api_level"):
+        runs = facts["runs"]
+        assert len(runs) == 18
+        for label, run in runs.items():
+            assert not run["api_refused"] and run["api_fallbacks"] == 0, (label, run)
+            # three traces (no gradients yet, the bucket rebuild, the steady state), then the API level
+            assert run["api_replays"] >= 5 and run["ddp_stand_ins"] == run["api_replays"], (label, run)
+            assert run["api_by_step"][-1] - run["api_by_step"][-6] == 5, (label, run)  # every one of the last 5 steps
+            assert run["all_reduces"] >= 1, label
+            if label.startswith("mlp_bn"):
+                assert run["broadcasts"] >= 1, label  # BatchNorm's statistics, broadcast by the program
+
+
+def test_checked_ddp_refuses_the_api_level_it_cannot_stand_in_for(ranks):
+    for facts in facts_of(ranks, "ddp"):
+        for label, run in facts["runs"].items():
+            if "without_host" in label:
+                continue
+            if label.startswith("cnn"):  # a user's module inside DDP: its forward cannot be answered whole
+                assert run["api_replays"] == 0, label
+                assert any("DistributedDataParallel at " in r and "SmallCNN is not one of torch.nn's modules" in r
+                           for r in run["api_refused"]), (label, run["api_refused"])
+            else:
+                assert run["api_replays"] >= 4 and run["ddp_stand_ins"] == run["api_replays"], (label, run)
+    for facts in facts_of(ranks, "hand_written_all_reduce"):
+        for label, run in facts["runs"].items():
+            if "checked" in label:  # dist.all_reduce(p.grad) by hand would run on placeholders
+                assert run["api_replays"] == 0, label
+                assert any(r.startswith("all_reduce at distributed_workers.py:") and "in all_reduce_step: the "
+                           "function issues this collective itself" in r for r in run["api_refused"]), (label, run)
+
+
+def test_checked_ddp_no_sync_accumulation_at_the_api_level(ranks):
+    for facts in facts_of(ranks, "ddp_api_no_sync"):  # bitwise after every micro-step
+        run = facts["runs"]["traced"]
+        assert run["all_reduces"][0] == 0 and run["all_reduces"][-1] >= 1, run  # traces of their own
+        assert not run["api_refused"] and run["api_fallbacks"] == 0, run
+        assert run["ddp_stand_ins"] == run["api_replays"] >= 10, run
+
+
+def test_ddp_settings_changed_by_hand_select_a_trace_or_raise(ranks):
+    for facts in facts_of(ranks, "ddp_api_settings"):  # the keyword runs: bitwise after every step
+        runs = facts["runs"]
+        for attribute in ("require_backward_grad_sync", "forward_sync_buffers"):
+            run = runs[attribute]
+            assert run["api_before_flip"] >= 2, run  # the API level ran before the flip
+            assert run["traces"] >= 4, run  # the flip selected a trace of its own
+        run = runs["broadcast_bucket_size"]
+        assert run["api_before_flip"] >= 2, run
+        assert run["step"] == 8 and run["error_type"] == "TraceMismatchError", run
+        assert any("DistributedDataParallel's forward" in f for f in run["last_fallbacks"]), run
+
+
+def test_a_rank_diverging_at_the_api_level_stops_both_ranks(ranks):
+    rank0, rank1 = facts_of(ranks, "ddp_api_divergence")
+    for facts in (rank0, rank1):
+        assert facts["step"] == 7 and facts["api_before"] >= 2 and facts["api_ready"], facts  # at the API level
+    assert rank1["error_type"] == "TraceMismatchError" and rank1["api_fallbacks"] == 1
+    assert rank0["error_type"] == "CollectiveAbortedError", rank0["error"]  # in the program's all-reduce
+    assert "rank 1 failed in step(): TraceMismatchError" in rank0["error"]
+    print(f"API-level divergence at step 7: rank 1 raised after {rank1['raised_after']:.3f} s, "
+          f"rank 0 after {rank0['raised_after']:.2f} s")
+    assert rank0["raised_after"] < 10
+
+
 def test_ranks_that_record_different_collectives_raise_on_every_rank(ranks):
     for facts in facts_of(ranks, "record_disagreement"):
         assert facts["traces"] == 0  # nothing was kept
@@ -177,6 +249,24 @@ def test_a_rank_diverging_at_replay_stops_both_ranks(ranks):
     assert "all_reduce" in rank0["error"]
     print(f"divergence at step 3: rank 1 raised after {rank1['raised_after']:.3f} s, rank 0 after {rank0['raised_after']:.2f} s")
     assert rank0["raised_after"] < 10  # within seconds (a posted failure stands 5 s), not gloo's timeout
+
+
+def test_collectives_the_function_issues_keep_checked_calls_at_the_aten_level(single_rank):
+    """A functional collective in the step: the API level replays only DDP's collectives, so the
+    trace stays at the aten level, saying which collective and where, and computes as eager."""
+    import torch.distributed._functional_collectives as funcol
+
+    def step(x, *, w):
+        return funcol.all_reduce(x * w, "sum", dist.group.WORLD).sin()
+
+    traced = tracejit.trace(step, backend="aten")
+    w = torch.ones(3)
+    with pytest.warns(tracejit.ReplayLevelWarning, match="the collective _c10d_functional.all_reduce.default at "
+                                                         "test_distributed.py:.* is issued by the function itself"):
+        for i in range(6):
+            x = torch.full((3,), float(i))
+            assert torch.equal(traced(x, w=w), step(x, w=w))
+    assert traced.stats.api_replays == 0 and traced.stats.checked_replays >= 3
 
 
 def test_per_parameter_all_reduces_are_bucketed(single_rank, monkeypatch):

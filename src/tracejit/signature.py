@@ -127,19 +127,21 @@ def gradient_state(kwargs: dict) -> tuple[int, ...]:
             # (built by C loops: this runs on every checked call)
             requires_grad = int.from_bytes(bytes(map(_REQUIRES_GRAD, params)))
             held = int.from_bytes(bytes(map(operator.is_not, map(_GRAD, params), _NONES)))
-            states.append((requires_grad << 1 | held) << 3 | _ddp_state(module))
+            states.append((requires_grad << 1 | held) << 4 | _ddp_state(module))
     return tuple(states)
 
 
 def _ddp_state(module: torch.nn.Module) -> int:
-    """What decides the collectives a DistributedDataParallel module issues in a call, as 3 bits
+    """What decides the collectives a DistributedDataParallel module issues in a call, as 4 bits
     (0 for other modules): whether backward all-reduces (not inside `no_sync()`), whether forward
-    broadcasts the buffers (not after a `no_sync()` forward), and whether the buckets were rebuilt
-    (the first synchronized forward after the first synchronized backward rebuilds them once,
-    with a broadcast: that call must not share a trace with the calls before or after it)."""
+    broadcasts the buffers (not after a `no_sync()` forward, nor with `broadcast_buffers=False`,
+    which sets `forward_sync_buffers`), and whether the buckets were rebuilt (the first
+    synchronized forward after the first synchronized backward rebuilds them once, with a
+    broadcast: that call must not share a trace with the calls before or after it)."""
     if "require_backward_grad_sync" not in module.__dict__:  # not hasattr: a Module's __getattr__ raises for it
         return 0
-    return (module.require_backward_grad_sync << 2 | bool(getattr(module, "require_forward_param_sync", True)) << 1
+    return (module.require_backward_grad_sync << 3 | bool(getattr(module, "forward_sync_buffers", True)) << 2
+            | bool(getattr(module, "require_forward_param_sync", True)) << 1
             | bool(getattr(module, "_has_rebuilt_buckets", True)))
 
 

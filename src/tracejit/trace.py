@@ -43,6 +43,7 @@ from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
 from .runtime.api_replay import ApiProgram, NotReplayable, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
+from .runtime.ddp_stand_in import kept_by_ddp
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
 from .runtime.profile import CLOCK, ProfileAccess, Profiler
 from .runtime.program import CheckedProgram, HostFreeProgram
@@ -598,9 +599,6 @@ class trace(ProfileAccess):
                                     f"step may be skipped mid-call (an optimizer taking the scaler on the device, "
                                     f"such as Adam(fused=True), has no such check)")
             return None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._refuse_api(entry, "torch.distributed is initialized (collectives run inside backward)")
-            return None
         return ApiTracer(replayer, entry.record, args, kwargs)
 
     def _prepare_api(self, entry: TraceEntry, trace, replayer: Replayer, args: tuple, kwargs: dict,
@@ -793,9 +791,11 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
                         f"(in a {type(holder).__name__})")
     grads = {id(p.grad) for module in kwargs.values() if isinstance(module, torch.nn.Module)
              for p in module.parameters() if p.grad is not None}
+    kept_by_ddp_itself = kept_by_ddp(record, trace)  # DistributedDataParallel's, see runtime/ddp_stand_in.py
     for handle, tensor in live.items():
         info = record.tensors[handle]
-        if info.kind is Kind.INTERNAL and id(tensor) not in outputs and id(tensor) not in grads:
+        if (info.kind is Kind.INTERNAL and id(tensor) not in outputs and id(tensor) not in grads
+                and handle not in kept_by_ddp_itself):
             return (f"the function keeps t{handle} (made at {_producer_source(record, handle)}) beyond the call; "
                     f"the API level hands out placeholders for such values")
     return None

@@ -47,6 +47,7 @@ RUN_FOR_REAL = frozenset({"_set_grad_enabled", "_record_function_enter_new", "_r
                           "_record_function_enter", "is_grad_enabled"})
 HOST_READS = frozenset(HOST_READ_METHODS)
 BACKWARD = frozenset({"Tensor.backward", "backward", "grad", "_engine_run_backward"})
+_C10D_MODULE = "torch.distributed.distributed_c10d"  # where dist.all_reduce & co. live
 
 
 class RefKind:
@@ -300,6 +301,10 @@ class ApiTracer(TorchFunctionMode):
             return
         if short in STATE_CHANGES or (short == "__set__" and ".grad." not in name):
             raise _Unfollowable("it changes state the API-level replay does not model")
+        if getattr(func, "__module__", None) == _C10D_MODULE:  # dist.all_reduce(p.grad), dist.broadcast(...)
+            raise _Unfollowable("the function issues this collective itself, which at the API level would run on "
+                                "placeholder tensors before the program computes them (only the collectives of a "
+                                "DistributedDataParallel call answered whole are replayed there)")
         index = len(self.trace.calls)
         source = user_location()
         if short in HOST_READS and args and isinstance(args[0], torch.Tensor):

@@ -13,8 +13,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
+
+from .ddp_calls import DdpNote, ddp_refusal, is_ddp
 
 # torch.nn's modules whose forward reads nothing but the module's own attributes, parameters,
 # buffers and submodules (no global flags, no Python callables kept as attributes)
@@ -55,6 +58,7 @@ class ModuleCall:
     result: Any = None
     snapshot: list[ModuleState] = field(default_factory=list)  # the module first, then its submodules
     refused: str | None = None
+    ddp: DdpNote | None = None  # a DistributedDataParallel call (record/ddp_calls.py)
 
 
 def global_hook_dicts() -> tuple[dict, ...]:
@@ -105,6 +109,12 @@ class ModuleCalls:
         if any(call is not None for call in self.open):
             self.open.append(None)  # inside a module call that may be answered whole
             return
+        if is_ddp(module):  # answered whole or not at all: its forward drives the reducer
+            call = ModuleCall(weakref.ref(module), len(self.tracer.trace.calls), ddp=DdpNote(torch.is_grad_enabled()))
+            call.refused = ddp_refusal(module, _refusal)
+            call.snapshot = [] if call.refused else [_state(sub) for sub in module.modules()]
+            self.open.append(call)
+            return
         if _refusal(module) is not None:  # a user's module runs; its torch.nn submodules may be answered
             self.open.append(None)
             return
@@ -119,6 +129,8 @@ class ModuleCalls:
         if call is None or call.module() is not module:
             return
         call.end = len(self.tracer.trace.calls)
+        if call.ddp is not None:
+            call.ddp.forward_sync_after = module.__dict__.get("require_forward_param_sync")
         try:
             call.args = self.tracer._template(args)
             call.kwargs = {k: self.tracer._template(v) for k, v in kwargs.items()}

@@ -89,12 +89,17 @@ def agree_on_collectives(record: Any) -> None:
     store.set(prefix + str(rank), json.dumps(mine))
     lists = {rank: mine}
     deadline = time.monotonic() + agreement_timeout()
+    standing_since = None  # a peer's posted failure, as in wait(): it may be one that peer has handled
     for other in range(world):
         if other == rank:
             continue
         while not store.check([prefix + str(other)]):
             failure = peer_failure(store, rank)
-            if failure is not None:
+            if failure is None:
+                standing_since = None
+            elif standing_since is None:
+                standing_since = time.monotonic()
+            elif time.monotonic() - standing_since >= FAILURE_GRACE_SECONDS:
                 raise CollectiveAbortedError(f"tracejit: recording {name}() on rank {rank}: {failure}")
             if time.monotonic() > deadline:
                 raise CollectiveMismatchError(

@@ -49,6 +49,7 @@ from ..record.record import Kind, Record
 from ..signature import call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal
 from .codegen import with_recorded_grad_mode
+from .ddp_stand_in import DeferredWrites, distributed_refusal, seal_ddp_spans
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
 from .realize import _store_outputs
@@ -97,9 +98,16 @@ class ApiProgram:
         self.steps = [self._step(call) for call in trace.calls]
         # optimizer.step()/zero_grad() answered as a whole where the optimizer's state allows
         self.stand_ins, self.stand_ins_refused = build_stand_ins(self, trace.calls, trace.optimizer_calls, externals)
-        # and torch.nn modules' forward, where the modules' state allows
+        # and torch.nn modules' forward, where the modules' state allows (DistributedDataParallel's
+        # too: its state changes are written once the program has run, runtime/ddp_stand_in.py)
+        self.deferred_writes = DeferredWrites()
         self.module_stand_ins, refused = build_module_stand_ins(self, trace.calls, trace.module_calls)
         self.stand_ins_refused.update(refused)
+        refusal = distributed_refusal(record, trace.calls, trace.module_calls)
+        if refusal is not None:
+            raise _NotReplayable(refusal)
+        # external objects a call may find gone: gradients read where they are, DDP's temporaries
+        self.may_be_gone = set(self.located) | seal_ddp_spans(self, trace, set(runner.external_slots.values()))
         self.checker = ApiChecker(self)
         self.check_output = self._function("check_output", "value, A, E, P", match_lines("value", output, self) +
                                            ["return True"])
@@ -217,7 +225,7 @@ class ApiProgram:
         where it is need not be the recorded object: its reading call binds it)."""
         objects = list(map(operator.call, self.external_refs))
         if any(map(operator.is_, objects, self.nones)) and any(
-                o is None and slot not in self.located for slot, o in enumerate(objects)):
+                o is None and slot not in self.may_be_gone for slot, o in enumerate(objects)):
             return None
         return objects
 
@@ -414,6 +422,7 @@ class ApiChecker(TorchFunctionMode):
         self.diverged: str | None = None
         self.stood_in = 0  # optimizer methods answered as a whole (runtime/stand_ins.py)
         self.stood_in_modules = 0  # torch.nn module calls answered as a whole
+        self.stood_in_ddp = 0  # of which DistributedDataParallel calls (runtime/ddp_stand_in.py)
         return self
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -546,6 +555,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if externals is None:
         return None, "an object the trace uses was freed"
     checker = program.checker.start(inputs, externals)
+    program.deferred_writes.clear()
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
     generator = torch.default_generator.get_state() if program.draws else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
@@ -598,12 +608,15 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             raise TraceMismatchError(
                 f"{trace.__name__}() kept {', '.join(f't{h}' for h in kept)} beyond the call, which the "
                 f"traced call did not, and an object the trace uses is gone: the call cannot be completed")
+        program.deferred_writes.apply()
         return output, None
     output = program.runner.call(args, kwargs, checker.scalars, externals)
     if output is MISS:
         return None, "a guard of the compiled program failed"
+    program.deferred_writes.apply()
     trace.stats.optimizer_stand_ins += checker.stood_in
     trace.stats.module_stand_ins += checker.stood_in_modules
+    trace.stats.ddp_stand_ins += checker.stood_in_ddp
     return output, None
 
 

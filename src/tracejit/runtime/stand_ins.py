@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..record.api import ApiCall, CallKind, RefKind, TensorRef
+from ..record.ddp_calls import is_ddp
 from ..record.module_calls import ModuleCall, ModuleState, global_hook_dicts
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
 from .api_match import FAIL, answer_expr, match_lines
@@ -484,6 +485,8 @@ class ModuleStandIns:
 def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: list[ModuleCall]
                            ) -> tuple[ModuleStandIns | None, dict[str, str]]:
     """The forward stand-ins of the module calls the record allows, and why the others run."""
+    from .ddp_stand_in import DdpForwardSource, DdpForwardStandIn  # they build on this module's classes
+
     refused: dict[str, str] = {}
     external_slots = {id(ref()): slot for slot, ref in enumerate(program.external_refs) if ref() is not None}
     by_module: dict[int, tuple[weakref.ref, dict]] = {}
@@ -495,19 +498,22 @@ def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: lis
         if module is None:
             reason = reason or "the module is gone"
         if reason is None:
+            source = DdpForwardSource if call.ddp is not None else _ForwardSource
             try:
-                same_values = _ForwardSource(program, external_slots).build(call, len(by_module))
-                same_objects = _ForwardSource(program, external_slots, by_identity=True).build(call, len(by_module))
+                source = DdpForwardSource if call.ddp is not None else _ForwardSource
+                same_values = source(program, external_slots).build(call, len(by_module))
+                same_objects = source(program, external_slots, by_identity=True).build(call, len(by_module))
             except _Unsupported as why:
                 reason = str(why)
         if reason is not None:
-            refused[where] = reason
+            refused[where] = call.refused = reason  # a DDP call's refusal keeps the trace at the aten level
             continue
         _, regions = by_module.setdefault(id(module), (call.module, {}))
         regions[call.start] = (same_objects, same_values, call.end)
     for call in module_calls:
         call.snapshot = []  # it holds the modules' tensors strongly
-    modules = [(ref, _ForwardStandIn(regions, ref)) for ref, regions in by_module.values()]
+    modules = [(ref, (DdpForwardStandIn if is_ddp(ref()) else _ForwardStandIn)(regions, ref))
+               for ref, regions in by_module.values()]
     return (ModuleStandIns(modules) if modules else None), refused
 
 

@@ -21,6 +21,7 @@ class TraceStats:
     api_fallbacks: int = 0  # API-level checked calls that diverged and ran at the aten level instead
     optimizer_stand_ins: int = 0  # optimizer step()/zero_grad() calls API-level replays answered as a whole
     module_stand_ins: int = 0  # torch.nn module calls API-level replays answered as a whole
+    ddp_stand_ins: int = 0  # of those, DistributedDataParallel calls (runtime/ddp_stand_in.py)
     host_free_calls: int = 0  # calls served by the compiled program without running the function
     host_free_misses: int = 0  # without_host calls whose guards failed: the function ran instead
     shape_specializations: int = 0  # symbolic_shape: programs made for a new size from a symbolic trace, unrecorded
