@@ -500,7 +500,6 @@ def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: lis
         if reason is None:
             source = DdpForwardSource if call.ddp is not None else _ForwardSource
             try:
-                source = DdpForwardSource if call.ddp is not None else _ForwardSource
                 same_values = source(program, external_slots).build(call, len(by_module))
                 same_objects = source(program, external_slots, by_identity=True).build(call, len(by_module))
             except _Unsupported as why:
