@@ -111,6 +111,9 @@ def worker(rank: int, directory: str, rounds: int, calls: int, rows: list[str], 
     if rank == 0:
         with open(out, "w") as file:
             json.dump(results, file)
+    # both ranks done with every collective before the group goes (a rank that tears it down while
+    # the other still waits in gloo has been seen to abort at exit)
+    dist.barrier()
     dist.destroy_process_group()
 
 
