@@ -93,6 +93,7 @@ class ApiProgram:
         self.sources: list[str] = []
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
+        self.reads_host = any(call.kind is CallKind.HOST_READ for call in trace.calls)  # _Reader needs the call
         self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
         self.steps = [self._step(call) for call in trace.calls]
@@ -555,8 +556,11 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if externals is None:
         return None, "an object the trace uses was freed"
     checker = program.checker.start(inputs, externals)
-    program.deferred_writes.clear()
-    program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
+    deferred = program.deferred_writes
+    if deferred.pending:
+        deferred.clear()
+    if program.reads_host:
+        program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
     generator = torch.default_generator.get_state() if program.draws else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
@@ -586,7 +590,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             program.stand_ins.remove(stand_ins)
         if module_stand_ins:
             program.module_stand_ins.remove(module_stand_ins)
-        program.checking_args = program.checking_kwargs = None
+        if program.reads_host:
+            program.checking_args = program.checking_kwargs = None
         if program.read_slices:
             program.read_slices = {}
     if generator is not None and _restore_generator(generator):
@@ -608,15 +613,20 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             raise TraceMismatchError(
                 f"{trace.__name__}() kept {', '.join(f't{h}' for h in kept)} beyond the call, which the "
                 f"traced call did not, and an object the trace uses is gone: the call cannot be completed")
-        program.deferred_writes.apply()
+        deferred.apply()
         return output, None
     output = program.runner.call(args, kwargs, checker.scalars, externals)
     if output is MISS:
         return None, "a guard of the compiled program failed"
-    program.deferred_writes.apply()
-    trace.stats.optimizer_stand_ins += checker.stood_in
-    trace.stats.module_stand_ins += checker.stood_in_modules
-    trace.stats.ddp_stand_ins += checker.stood_in_ddp
+    if deferred.pending:
+        deferred.apply()
+    stats = trace.stats
+    if checker.stood_in:
+        stats.optimizer_stand_ins += checker.stood_in
+    if checker.stood_in_modules:
+        stats.module_stand_ins += checker.stood_in_modules
+        if checker.stood_in_ddp:
+            stats.ddp_stand_ins += checker.stood_in_ddp
     return output, None
 
 
