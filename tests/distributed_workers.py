@@ -341,6 +341,16 @@ def ddp_no_sync(rank: int, world: int) -> dict:
     return facts
 
 
+def stop_together(rank: int, key: str) -> None:
+    """Rank 1 stays alive (its connections open) until rank 0 stopped: rank 0 cannot learn of the
+    failure from a closed connection, only from the store."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set(key, "1")
+    else:
+        store.wait([key], datetime.timedelta(seconds=60))
+
+
 def api_facts(traced) -> dict:
     stats = traced.stats
     return {"api_replays": stats.api_replays, "ddp_stand_ins": stats.ddp_stand_ins, "api_fallbacks": stats.api_fallbacks,
@@ -491,11 +501,7 @@ def ddp_api_divergence(rank: int, world: int) -> dict:
         except Exception as error:
             facts.update(step=i, error_type=type(error).__name__, error=str(error),
                          raised_after=time.perf_counter() - started, **api_facts(traced))
-            store = dist.distributed_c10d._get_default_store()
-            if rank == 0:
-                store.set("test/ddp_rank0_stopped", "1")
-            else:
-                store.wait(["test/ddp_rank0_stopped"], datetime.timedelta(seconds=60))
+            stop_together(rank, "test/ddp_rank0_stopped")
             return facts
     facts["failures"].append("every step ran")
     return facts
@@ -571,13 +577,7 @@ def replay_divergence(rank: int, world: int) -> dict:
         except Exception as error:
             facts.update(step=i, error_type=type(error).__name__, error=str(error),
                          raised_after=time.perf_counter() - started, replays=traced.stats.checked_replays)
-            # rank 1 stays alive (its connections open) until rank 0 stopped: rank 0 cannot learn of
-            # the failure from a closed connection, only from the store
-            store = dist.distributed_c10d._get_default_store()
-            if rank == 0:
-                store.set("test/rank0_stopped", "1")
-            else:
-                store.wait(["test/rank0_stopped"], datetime.timedelta(seconds=60))
+            stop_together(rank, "test/rank0_stopped")
             return facts
     facts["failures"].append("every step ran")
     return facts

@@ -112,3 +112,18 @@ def answer_expr(template: Any, program: Any) -> str:
     if template is None or type(template) in (bool, int):
         return repr(template)
     return program.constant(template, "r")
+
+
+def template_refs(template: Any, kind: str, found: set) -> set:
+    """The keys of a template's references of `kind` (handles of values, slots of externals)."""
+    if isinstance(template, TensorRef):
+        if template.kind == kind:
+            found.add(template.key)
+    elif isinstance(template, (list, tuple)):
+        for item in template:
+            template_refs(item, kind, found)
+    elif isinstance(template, StructSeq):
+        template_refs(template.items, kind, found)
+    elif isinstance(template, dict):
+        template_refs(list(template.values()), kind, found)
+    return found

@@ -39,7 +39,6 @@ from ..record.api import (
     CallKind,
     RecordedNode,
     RefKind,
-    StructSeq,
     TensorRef,
     function_name,
 )
@@ -47,7 +46,7 @@ from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
 from ..record.record import Kind, Record
 from ..signature import call_context_key
-from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal
+from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
 from .ddp_stand_in import DeferredWrites, distributed_refusal, seal_ddp_spans
 from .hostfree import MISS, HostFreeRunner
@@ -258,9 +257,9 @@ def _located_externals(calls: list[ApiCall]) -> dict[int, int]:
         result = call.result
         if (call.kind is CallKind.VIRTUAL and call.name.endswith("grad.__get__") and isinstance(result, TensorRef)
                 and result.kind is RefKind.EXTERNAL and result.key not in seen
-                and not _refs((call.args, call.kwargs), RefKind.EXTERNAL, set()) & {result.key}):
+                and not template_refs((call.args, call.kwargs), RefKind.EXTERNAL, set()) & {result.key}):
             located[result.key] = call.index
-        seen |= _refs((call.args, call.kwargs, result), RefKind.EXTERNAL, set())
+        seen |= template_refs((call.args, call.kwargs, result), RefKind.EXTERNAL, set())
     return located
 
 
@@ -365,29 +364,14 @@ def _direct_name(name: str) -> str:
     return _DUNDERS.get(short, short)
 
 
-def _refs(template: Any, kind: str, found: set) -> set:
-    """The keys of the references of `kind` in a template."""
-    if isinstance(template, TensorRef):
-        if template.kind == kind:
-            found.add(template.key)
-    elif isinstance(template, (list, tuple)):
-        for item in template:
-            _refs(item, kind, found)
-    elif isinstance(template, StructSeq):
-        _refs(template.items, kind, found)
-    elif isinstance(template, dict):
-        _refs(list(template.values()), kind, found)
-    return found
-
-
 def _placeholders(record: Record, trace: ApiTrace, output: Any) -> dict[int, torch.Tensor]:
     """One placeholder per value the function sees: its recorded layout over one scratch buffer per
     device and dtype, as large as the largest of them (they are never read or written)."""
     handles: set = set()
     for call in trace.calls:
         if call.kind is not CallKind.REAL:
-            _refs((call.args, call.kwargs, call.result), RefKind.VALUE, handles)
-    _refs(output, RefKind.VALUE, handles)
+            template_refs((call.args, call.kwargs, call.result), RefKind.VALUE, handles)
+    template_refs(output, RefKind.VALUE, handles)
     spans: dict[tuple, int] = {}
     for handle in handles:
         meta = record.tensors[handle].meta

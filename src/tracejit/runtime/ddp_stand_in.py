@@ -32,12 +32,11 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..record.api import BACKWARD, ApiCall, RefKind, StructSeq, TensorRef
+from ..record.api import BACKWARD, ApiCall, RefKind
 from ..record.collectives import is_collective
 from ..record.module_calls import ModuleCall, ModuleState, global_hook_dicts
-from ..record.optimizer_calls import profiler_enabled
 from ..record.record import Kind, Record
-from .api_match import FAIL, answer_expr, match_lines
+from .api_match import FAIL, answer_expr, match_lines, template_refs
 from .stand_ins import _MODULE_HOOKS, _PLAIN, _ForwardSource, _ForwardStandIn, _Unsupported
 
 # DDP attributes that do not decide what a forward dispatches once the reducer is built (with the
@@ -85,18 +84,10 @@ class DdpForwardStandIn(_ForwardStandIn):
         checker = self.checker
         if checker is None:  # kept by the function and called after its call: the forward itself
             return self.owner().forward(*args, **kwargs)
-        region = self.regions.get(checker.position)
-        if region is not None and checker.diverged is None and not profiler_enabled():
-            same_objects, same_values, end = region
-            module, inputs, externals, placeholders = self.module, checker.inputs, checker.externals, checker.placeholders
-            result = same_objects(module, args, kwargs, inputs, externals, placeholders)
-            if result is FAIL:  # an attribute set again, to an equal value or not
-                result = same_values(module, args, kwargs, inputs, externals, placeholders)
-            if result is not FAIL:
-                checker.position = end
-                checker.stood_in_modules += 1
-                checker.stood_in_ddp += 1
-                return result
+        result = self.answer(checker, args, kwargs)
+        if result is not FAIL:
+            checker.stood_in_ddp += 1
+            return result
         checker.diverge(f"DistributedDataParallel's forward at call #{checker.position} differs from the recorded "
                         f"one (its arguments, no_sync(), its settings or the state of the module it wraps)")
 
@@ -227,10 +218,10 @@ def kept_by_ddp(record: Record, trace: Any) -> set[int]:
                     and any(start <= op.index < end for start, end in spans)
                     for h in (*op.inputs, *op.outputs, *op.mutated) if h is not None}
     inside_forwards = [(c.start, c.end) for c in ddp_calls]
-    visible = _refs([trace.output, *(c.result for c in ddp_calls)], RefKind.VALUE, set())
+    visible = template_refs([trace.output, *(c.result for c in ddp_calls)], RefKind.VALUE, set())
     for call in trace.calls:
         if not any(start <= call.index < end for start, end in inside_forwards):
-            _refs((call.args, call.kwargs, call.result), RefKind.VALUE, visible)
+            template_refs((call.args, call.kwargs, call.result), RefKind.VALUE, visible)
     kept = set()
     for info in record.tensors:
         if info.handle in visible:
@@ -256,9 +247,9 @@ def seal_ddp_spans(program: Any, trace: Any, program_slots: set[int]) -> set[int
     if not spans:
         return set()
     never = program._function("ddp_span_call", "args, kwargs, A, E, P, S", ["return FAIL"])
-    inside, outside = set(), _refs(trace.output, RefKind.EXTERNAL, set()) | program_slots
+    inside, outside = set(), template_refs(trace.output, RefKind.EXTERNAL, set()) | program_slots
     for call in trace.calls:
-        used = _refs((call.args, call.kwargs, call.result), RefKind.EXTERNAL, set())
+        used = template_refs((call.args, call.kwargs, call.result), RefKind.EXTERNAL, set())
         if any(start <= call.index < end for start, end in spans):
             program.steps[call.index] = never
             inside |= used
@@ -266,17 +257,3 @@ def seal_ddp_spans(program: Any, trace: Any, program_slots: set[int]) -> set[int
             outside |= used
     return inside - outside
 
-
-def _refs(template: Any, kind: str, found: set) -> set:
-    """The keys of a template's references of `kind` (handles of values, slots of externals)."""
-    if isinstance(template, TensorRef):
-        if template.kind == kind:
-            found.add(template.key)
-    elif isinstance(template, (list, tuple)):
-        for item in template:
-            _refs(item, kind, found)
-    elif isinstance(template, StructSeq):
-        _refs(template.items, kind, found)
-    elif isinstance(template, dict):
-        _refs(list(template.values()), kind, found)
-    return found

@@ -441,18 +441,24 @@ class _ForwardStandIn:
         checker = self.checker
         if checker is None:  # kept by the function and called after its call: the forward itself
             return self.owner().forward(*args, **kwargs)
+        result = self.answer(checker, args, kwargs)
+        return self.real(*args, **kwargs) if result is FAIL else result
+
+    def answer(self, checker: Any, args: tuple, kwargs: dict) -> Any:
+        """The recorded result, the checker moved past the module's span; FAIL where the record has
+        no span of this module here or its state differs."""
         region = self.regions.get(checker.position)
-        if region is not None and checker.diverged is None and not profiler_enabled():
-            same_objects, same_values, end = region
-            module, inputs, externals, placeholders = self.module, checker.inputs, checker.externals, checker.placeholders
-            result = same_objects(module, args, kwargs, inputs, externals, placeholders)
-            if result is FAIL:  # an attribute set again, to an equal value or not
-                result = same_values(module, args, kwargs, inputs, externals, placeholders)
-            if result is not FAIL:
-                checker.position = end
-                checker.stood_in_modules += 1
-                return result
-        return self.real(*args, **kwargs)
+        if region is None or checker.diverged is not None or profiler_enabled():
+            return FAIL
+        same_objects, same_values, end = region
+        module, inputs, externals, placeholders = self.module, checker.inputs, checker.externals, checker.placeholders
+        result = same_objects(module, args, kwargs, inputs, externals, placeholders)
+        if result is FAIL:  # an attribute set again, to an equal value or not
+            result = same_values(module, args, kwargs, inputs, externals, placeholders)
+        if result is not FAIL:
+            checker.position = end
+            checker.stood_in_modules += 1
+        return result
 
 
 class ModuleStandIns:
