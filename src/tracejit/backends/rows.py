@@ -704,23 +704,26 @@ def _log_softmax(L: _RowLowering, member: Node, values: list) -> None:
     L.define(member.outputs[0], c.sub(shifted, lse), "element")
 
 
-@_row_op(aten._softmax_backward_data.default, "softmax_backward", _softmax_backward_space)
-def _softmax_backward(L: _RowLowering, member: Node, values: list) -> None:
+def _softmax_backward_operands(L: _RowLowering, values: list) -> tuple:
+    """(compute, grad_output, output, dtype) of a (log_)softmax backward: both operands of one
+    floating dtype, computed in it; the dim is the row's."""
     dtype = _meta(L.graph, values[0]).dtype
     _same_type(L, values[:2], dtype)
     _check_flag(values, 2, _meta(L.graph, values[0]), True)
     c = L.compute(dtype)
     g, y = (L.builder.cast(L.operand(t, "element"), dtype) for t in values[:2])
+    return c, g, y, dtype
+
+
+@_row_op(aten._softmax_backward_data.default, "softmax_backward", _softmax_backward_space)
+def _softmax_backward(L: _RowLowering, member: Node, values: list) -> None:
+    c, g, y, dtype = _softmax_backward_operands(L, values)
     L.define(member.outputs[0], c.mul(y, c.sub(g, L.reduce("rowsum", c.mul(g, y), dtype, 0.0))), "element")
 
 
 @_row_op(aten._log_softmax_backward_data.default, "log_softmax_backward", _softmax_backward_space)
 def _log_softmax_backward(L: _RowLowering, member: Node, values: list) -> None:
-    dtype = _meta(L.graph, values[0]).dtype
-    _same_type(L, values[:2], dtype)
-    _check_flag(values, 2, _meta(L.graph, values[0]), True)
-    c = L.compute(dtype)
-    g, y = (L.builder.cast(L.operand(t, "element"), dtype) for t in values[:2])
+    c, g, y, dtype = _softmax_backward_operands(L, values)
     L.define(member.outputs[0], c.sub(g, c.mul(c.exp(y), L.reduce("rowsum", g, dtype, 0.0))), "element")
 
 
