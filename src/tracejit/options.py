@@ -78,6 +78,10 @@ def _bytes_option(name: str, value: Any) -> int:
 # opt_level from which an unset (None) graph_opt_config field is on, as MegEngine turns its JIT
 # fusion on at graph opt level 3; the default opt_level=2 keeps today's elementwise-only fusion
 FUSION_OPT_LEVEL = 3
+# opt_level from which the row kernels that give eager's numbers bit for bit (max pooling and its
+# backward: nothing is summed) are on with an unset jit_fuse_reduce: they change no number, as
+# elementwise fusion (on from the same level) changes none
+EXACT_ROWS_OPT_LEVEL = 2
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,9 @@ class GraphOptimizationConfig:
 
     jit_fuse_reduce: reductions (softmax and log-softmax, layer norm, cross-entropy's nll_loss,
         sum/mean/amax, and their backward) become one row kernel each, fused with the elementwise
-        ops that feed and consume them (docs/kernels.md, "Row kernels").
+        ops that feed and consume them (docs/kernels.md, "Row kernels"). Unset, the row kernels
+        that give eager's numbers bit for bit (max pooling, forward and backward) are on from
+        opt_level=2 already; False turns them off too.
     jit_fuse_dimshuffle: dimshuffles (views: transpose, permute, reshape, expand) cost nothing per
         call and copies read with strides: a view of a buffer the program keeps is made once when
         the program is built, and an elementwise op alone (a copy of a transposed tensor, a division
@@ -107,6 +113,10 @@ class GraphOptimizationConfig:
     def fuse_reduce(self, opt_level: int) -> bool:
         """Whether row kernels are on at `opt_level`."""
         return opt_level >= FUSION_OPT_LEVEL if self.jit_fuse_reduce is None else self.jit_fuse_reduce
+
+    def fuse_exact_rows(self, opt_level: int) -> bool:
+        """Whether the exact row kernels (max pooling, forward and backward) are on at `opt_level`."""
+        return opt_level >= EXACT_ROWS_OPT_LEVEL if self.jit_fuse_reduce is None else self.jit_fuse_reduce
 
     def fuse_dimshuffle(self, opt_level: int) -> bool:
         """Whether views are made once and copies run as strided kernels at `opt_level`."""
@@ -179,6 +189,11 @@ class TraceOptions:
     def fuse_reduce(self) -> bool:
         """graph_opt_config.jit_fuse_reduce resolved against opt_level."""
         return (self.graph_opt_config or GraphOptimizationConfig()).fuse_reduce(self.opt_level)
+
+    @property
+    def fuse_exact_rows(self) -> bool:
+        """Whether max pooling's bit-exact row kernels are on (graph_opt_config.jit_fuse_reduce, opt_level)."""
+        return (self.graph_opt_config or GraphOptimizationConfig()).fuse_exact_rows(self.opt_level)
 
     @property
     def fuse_dimshuffle(self) -> bool:

@@ -151,9 +151,11 @@ class trace(ProfileAccess):
         self._fusion = resolve_backend(backend)
         self._compile_options = CompileOptions(opt_level, self._fusion, sublinear_memory_config, dtr_config,
                                                fuse_reduce=self.options.fuse_reduce,
-                                               fuse_dimshuffle=self.options.fuse_dimshuffle)
+                                               fuse_dimshuffle=self.options.fuse_dimshuffle,
+                                               fuse_exact_rows=self.options.fuse_exact_rows)
         # Fused kernels are generated for fixed sizes: specializations of a symbolic-shape trace run unfused
-        self._unfused_options = replace(self._compile_options, fusion=None, fuse_reduce=False, fuse_dimshuffle=False)
+        self._unfused_options = replace(self._compile_options, fusion=None, fuse_reduce=False, fuse_dimshuffle=False,
+                                        fuse_exact_rows=False)
         self._fast_call: Callable | None = None
         # the trace the last checked call at the API level used: the next call tries its signature
         # first (HostFreeRunner.admit), before computing its own and looking it up

@@ -174,20 +174,28 @@ class RowOp:
     lower: Callable[[_RowLowering, Node, list], None]
     # a group of this op alone is worth a kernel (aten's own reductions are as fast alone)
     alone: bool = True
+    # its kernel gives eager's numbers bit for bit (nothing is summed): on at the default opt_level
+    exact: bool = False
 
 
 ROW_OPS: dict[object, RowOp] = {}
 
 
-def _row_op(op, kind: str, space, alone: bool = True):
+def _row_op(op, kind: str, space, alone: bool = True, exact: bool = False):
     def register(lower):
-        ROW_OPS[op] = RowOp(kind, space, lower, alone)
+        ROW_OPS[op] = RowOp(kind, space, lower, alone, exact)
         return lower
     return register
 
 
 def is_row_op(target) -> bool:
     return target in ROW_OPS
+
+
+def is_exact_row_op(target) -> bool:
+    """A row op whose kernel computes eager's numbers bit for bit (max pooling and its backward)."""
+    found = ROW_OPS.get(target)
+    return found is not None and found.exact
 
 
 def _meta(graph: Graph, value) -> TensorMeta | None:
@@ -893,7 +901,7 @@ def _window_position(L: _RowLowering) -> Ref:
     return i64.add(i64.mul(h, width), w)
 
 
-@_row_op(aten.max_pool2d_with_indices.default, "max_pool2d", _max_pool_space)
+@_row_op(aten.max_pool2d_with_indices.default, "max_pool2d", _max_pool_space, exact=True)
 def _max_pool(L: _RowLowering, member: Node, values: list) -> None:
     """Eager's cpu_max_pool: the maximum propagates NaN; the index is the last NaN's, else the
     first maximum's (`val > max || isnan(val)` over the window in row-major order)."""
@@ -905,7 +913,8 @@ def _max_pool(L: _RowLowering, member: Node, values: list) -> None:
     L.define(indices, L.builder.emit("rowargmax", (x, _window_position(L)), torch.int64), "row")
 
 
-@_row_op(aten.max_pool2d_with_indices_backward.default, "max_pool2d_backward", _max_pool_backward_space)
+@_row_op(aten.max_pool2d_with_indices_backward.default, "max_pool2d_backward", _max_pool_backward_space,
+         exact=True)
 def _max_pool_backward(L: _RowLowering, member: Node, values: list) -> None:
     """Each input element gets its window's gradient where the index points at it, else 0
     (eager adds the gradient to zeros: 0 + g). An index outside its own window (not from this

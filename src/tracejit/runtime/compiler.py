@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends.kernels import compile_fused_nodes
+from ..backends.rows import is_exact_row_op
 from ..debug import bucket_bytes, dump_compilation, fusion_fuel, verify_passes
-from ..ir.graph import Graph
-from ..passes import Pass, PipelineResult, pipeline, run_pipeline
+from ..ir.graph import Graph, Node
+from ..options import EXACT_ROWS_OPT_LEVEL
+from ..passes import CanFuseRow, Pass, PipelineResult, pipeline, run_pipeline
 from ..passes.recompute_budget import plan_recomputation
 from ..passes.rematerialize import rematerialize
 from .profile import Profiler
@@ -28,17 +30,36 @@ class CompileOptions:
     dtr: Any = None  # a DTRConfig, or None
     fuse_reduce: bool = False  # row kernels for reductions (graph_opt_config.jit_fuse_reduce, resolved)
     fuse_dimshuffle: bool = False  # views made once, strided copies as kernels (jit_fuse_dimshuffle, resolved)
+    # the row kernels that give eager's numbers bit for bit (max pooling); None: on from opt_level 2
+    fuse_exact_rows: bool | None = None
 
 
 def optimize(graph: Graph, options: CompileOptions) -> PipelineResult:
     """Run the compiler passes the options ask for."""
     can_fuse = options.fusion.can_fuse if options.fusion is not None else None
     fuel = fusion_fuel()
-    can_fuse_row = options.fusion.can_fuse_row if options.fusion is not None and options.fuse_reduce else None
+    can_fuse_row = _row_fusion(options)
     passes = pipeline(can_fuse, fusion_fuel=fuel, recompute=_recompute_pass(options), bucket_bytes=bucket_bytes(),
                       can_fuse_row=can_fuse_row, graph_opt=options.fuse_reduce or options.fuse_dimshuffle,
                       dimshuffle=options.fuse_dimshuffle)
     return run_pipeline(graph, options.opt_level, check=verify_passes(), passes=passes)
+
+
+def _row_fusion(options: CompileOptions) -> CanFuseRow | None:
+    """Which row ops become row kernels: all with jit_fuse_reduce, else only the exact ones."""
+    if options.fusion is None:
+        return None
+    if options.fuse_reduce:
+        return options.fusion.can_fuse_row
+    exact = options.fuse_exact_rows
+    if not (options.opt_level >= EXACT_ROWS_OPT_LEVEL if exact is None else exact):
+        return None
+    fusion = options.fusion
+
+    def can_fuse_exact_row(graph: Graph, node: Node) -> bool:
+        return is_exact_row_op(node.target) and fusion.can_fuse_row(graph, node)
+
+    return can_fuse_exact_row
 
 
 def _recompute_pass(options: CompileOptions) -> Pass | None:

@@ -14,6 +14,11 @@
       return bad;
     }
 
+Rows of a few elements with only maxima in them (max pooling's windows) are rendered the other way
+round: each row unrolled, the innermost kept dim under `omp simd`, so neighbouring rows run in
+vector lanes and no element takes a branch (a maximum over random data mispredicts every other
+branch: eager's max pooling spends most of its time there).
+
 Sums run left to right in the row's type. A kernel with sums over all rows (colsum, allsum) splits
 the rows into a fixed number of chunks: each chunk sums its rows into partials, which are added in
 chunk order at the end (the same numbers for any number of threads).
@@ -21,6 +26,7 @@ chunk order at the end (the same numbers for any number of threads).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from ..expr import TRANSCENDENTAL
@@ -30,6 +36,10 @@ from .render import C_TYPES, PARALLEL_MIN_ELEMENTS, _literal, _zero_loads, expre
 
 SCRATCH_BYTES = 1 << 15  # per thread: values kept for a later pass over the row (else recomputed)
 CHUNKS = 32  # partial sums of kernels that sum over all rows
+UNROLLED_ROW = 64  # elements of a row short enough to unroll and vectorize across rows
+# GCC's partial redundancy elimination turns a row's selects into masks of masks that its vectorizer
+# then refuses ("no vectype"); without it the rows of a window kernel vectorize (GCC 12)
+ACROSS_ROWS_ATTRIBUTE = '__attribute__((optimize("no-tree-pre"))) '
 
 
 def render_row_kernel(spec: KernelSpec, name: str) -> str:
@@ -48,6 +58,7 @@ class _RowRenderer(RowRendering):
         self.scratch = 0
         self.in_tail = False
         self.flat = False  # a loop nest over the whole space (no reductions): every offset in full
+        self.across_rows = self._short_rows_of_maxima()
 
     # -- addressing -------------------------------------------------------------------------------
 
@@ -116,9 +127,29 @@ class _RowRenderer(RowRendering):
 
         return not any(self.spec.exprs[r].op == "rowargmax" or starts_negative(self.spec.exprs[r]) for r in reductions)
 
+    def _short_rows_of_maxima(self) -> bool:
+        """Whether rows are short and reduce only by maxima (max pooling), so that each row is
+        unrolled and rows run in vector lanes; a row's maxima are then taken left to right, as in
+        the loop over it."""
+        ops = {e.op for e in self.spec.exprs}
+        return (not self.chunked and bool(self.kept) and bool(self.plan.passes) and self.cols <= UNROLLED_ROW
+                and not ops & {"rowsum", "colsum", "allsum"})
+
+    def _reads_no_row_value(self, found: list[int]) -> bool:
+        """Whether the store pass's element values (`found`) and stores depend on no row value."""
+        roots = found + [self.spec.store_exprs[k][0] for k in self.plan.stores["E"]]
+        return all(self.levels[i] in ("E", "G") for i in needed(self.spec, roots))
+
     def _loop(self, body: list[str], simd: str | None = "") -> list[str]:
         """Nested loops over the reduced dims around `body`, with j the flat column index; the
-        innermost one under `omp simd` (with `simd`'s reduction clauses) unless simd is None."""
+        innermost one under `omp simd` (with `simd`'s reduction clauses) unless simd is None.
+        Across rows: one block per element of the row instead, its indices constants."""
+        if self.across_rows:
+            lines = []
+            for j, position in enumerate(itertools.product(*(range(self.sizes[d]) for d in self.red))):
+                indices = [f"const int64_t q{d} = {q}; (void)q{d};" for d, q in zip(self.red, position)]
+                lines += ["{", *(f"  {line}" for line in [*indices, f"const int64_t j = {j}; (void)j;", *body]), "}"]
+            return lines
         if not self.red:
             return ["{", "  const int64_t j = 0; (void)j;", *(f"  {line}" for line in body), "}"]
         lines, indent = [], ""
@@ -153,7 +184,7 @@ class _RowRenderer(RowRendering):
             def stop(i: int, number: int = number) -> bool:
                 if self.levels[i] != "E" or i in self.cached:
                     return True
-                if i in computed_in and self._costly(i):
+                if i in computed_in and self._costly(i) and not self.across_rows:
                     size = self.cols * self.types[i].itemsize
                     if self.scratch + size <= SCRATCH_BYTES:
                         self.cached[i] = computed_in[i]
@@ -201,6 +232,11 @@ class _RowRenderer(RowRendering):
             return [a for i in found for a in spec.exprs[i].args if self.levels[a] in ("R", "G")]
 
         t = {i: C_TYPES[self.types[i]] for i in range(len(spec.exprs))}
+        final = len(self.plan.passes)
+        # across rows, stores that read no row value join the last pass: a second walk over the
+        # row's elements stops GCC from pairing the stores of neighbouring elements (8x slower)
+        merged = self.across_rows and self._reads_no_row_value(per_loop[final])
+        last_pass: list[str] = []
         for number, reductions in enumerate(self.plan.passes):
             found = per_loop[number]
             body += row_values(loop_inputs(found) + [a for r in reductions for a in spec.exprs[r].args
@@ -212,7 +248,7 @@ class _RowRenderer(RowRendering):
                 inner.append(self._statement(i, number))
                 if self.cached.get(i) == number:
                     inner.append(f"t{i}[j] = v{i};")
-            simd = self._simd(reductions)
+            simd = self._simd(reductions) and not self.across_rows
             clauses, after = [], []
             for r in reductions:
                 expr = spec.exprs[r]
@@ -229,26 +265,38 @@ class _RowRenderer(RowRendering):
                     after.append(f"if (n{r}) v{r} = {_literal(math.nan, expr.dtype)};")
                 elif expr.op == "rowmax":
                     body.append(f"{t[r]} v{r} = {_literal(-math.inf, expr.dtype)};")
-                    inner.append(f"if ({value} != {value} || {value} > v{r}) v{r} = {value};")
+                    inner.append(f"v{r} = (({value} != {value}) | ({value} > v{r})) ? {value} : v{r};"
+                                 if self.across_rows else f"if ({value} != {value} || {value} > v{r}) v{r} = {value};")
                 else:  # rowargmax: eager max pooling's rule, the last NaN or the first maximum
                     vt = C_TYPES[spec.exprs[expr.args[0]].dtype]
                     body += [f"{vt} m{r} = {_literal(-math.inf, spec.exprs[expr.args[0]].dtype)};",
                              f"{t[r]} v{r} = 0;"]
-                    inner.append(f"if (j == 0 || {value} > m{r} || {value} != {value}) "
-                                 f"{{ m{r} = {value}; v{r} = {self._name(expr.args[1], number)}; }}")
+                    chosen = self._name(expr.args[1], number)
+                    if self.across_rows:  # selects, not branches: they vectorize
+                        inner += [f"const bool c{r} = (j == 0) | ({value} > m{r}) | ({value} != {value});",
+                                  f"m{r} = c{r} ? {value} : m{r};", f"v{r} = c{r} ? {chosen} : v{r};"]
+                    else:
+                        inner.append(f"if (j == 0 || {value} > m{r} || {value} != {value}) "
+                                     f"{{ m{r} = {value}; v{r} = {chosen}; }}")
                 emitted.add(r)
+            if merged and number == final - 1:
+                body += row_values(loop_inputs(per_loop[final]))
+                last_pass, after_last = inner, after
+                continue
             body += self._loop(inner, " ".join(clauses) if simd else None) + after
-        final = len(self.plan.passes)
         found = per_loop[final]
         row_stores = self.plan.stores["R"]
         allsums = [i for i, e in enumerate(spec.exprs) if e.op == "allsum"]
-        body += row_values(loop_inputs(found) + [spec.store_exprs[k][0] for k in row_stores]
-                           + [spec.exprs[i].args[0] for i in allsums] + list(self.row.checks))
-        for check in self.row.checks:
-            body.append(f"bad |= !v{check};")
+        row_roots = ([spec.store_exprs[k][0] for k in row_stores] + [spec.exprs[i].args[0] for i in allsums]
+                     + list(self.row.checks))
+        if not merged:
+            body += row_values(loop_inputs(found) + row_roots)
+            for check in self.row.checks:
+                body.append(f"bad |= !v{check};")
         inner = []
+        computed_last = set(per_loop[final - 1]) if merged else set()
         for i in found:
-            if self.cached.get(i, final) == final:
+            if self.cached.get(i, final) == final and i not in computed_last:
                 inner.append(self._statement(i, final))
         loads = len(self.lane.loads)
         for k in self.plan.stores["E"]:
@@ -257,7 +305,10 @@ class _RowRenderer(RowRendering):
         for i, e in enumerate(spec.exprs):
             if e.op == "colsum":
                 inner.append(f"p{i}[j] += {self._name(e.args[0], final)};")
-        if inner:
+        if merged:
+            body += self._loop(last_pass + inner) + after_last + row_values(row_roots)
+            body += [f"bad |= !v{check};" for check in self.row.checks]
+        elif inner:
             body += self._loop(inner)
         for k in row_stores:
             ref, dtype = spec.store_exprs[k]
@@ -281,7 +332,8 @@ class _RowRenderer(RowRendering):
         tail = self._tail()
         lines = lines + tail + ["return bad;"]
         decls = single_declarations(self.spec)
-        return (f"int64_t {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body + tail)
+        attribute = ACROSS_ROWS_ATTRIBUTE if self.across_rows else ""
+        return (f"{attribute}int64_t {name}({', '.join(decls) or 'void'}) {{\n" + _zero_loads(body + tail)
                 + "".join(f"  {line}\n" for line in lines) + "}\n")
 
     def _render_flat(self, name: str) -> str:
@@ -322,11 +374,16 @@ class _RowRenderer(RowRendering):
         if not self.kept:
             return ["{", *(f"  {line}" for line in body), "}"]
         lines, indent = [], ""
-        if self._parallel():
-            collapse = 2 if len(self.kept) > 1 and self.sizes[self.kept[0]] < 16 else 1
+        # across rows the innermost kept loop is the vector loop: threads split the ones outside it
+        outer = len(self.kept) - 1 if self.across_rows else len(self.kept)
+        if self._parallel() and outer:
+            collapse = 2 if outer > 1 and self.sizes[self.kept[0]] < 16 else 1
             lines.append("#pragma omp parallel for schedule(static) reduction(|:bad)"
                          + (f" collapse({collapse})" if collapse > 1 else ""))
-        for d in self.kept:
+        for position, d in enumerate(self.kept):
+            if self.across_rows and position == len(self.kept) - 1:
+                parallel = "parallel for " if self._parallel() and not outer else ""
+                lines.append(f"{indent}#pragma omp {parallel}simd reduction(|:bad)")
             lines.append(f"{indent}for (int64_t k{d} = 0; k{d} < {self.sizes[d]}; k{d}++) {{")
             indent += "  "
         lines += [indent + line for line in body]
