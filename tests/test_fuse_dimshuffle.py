@@ -90,10 +90,15 @@ def test_a_copy_of_a_transposed_tensor_and_a_lone_foreach_op_are_kernels():
     assert all(torch.equal(a, b) for a, b in zip(steps_traced, steps_eager))
     ops = {str(m.target).split(".")[1] for n in fused_nodes(traced) for m in n.members}
     assert {"clone", "div", "_foreach_add_"} <= ops, ops
-    # without the option, an op alone stays aten's
-    plain = tracejit.trace(copies, backend="c", without_host=True)
+    # the default opt_level has them too (they change no number); turned off, an op alone stays aten's
+    default = tracejit.trace(copies, backend="c", without_host=True)
+    plain = tracejit.trace(copies, backend="c", without_host=True,
+                           graph_opt_config=tracejit.GraphOptimizationConfig(jit_fuse_dimshuffle=False))
     for _ in range(3):
-        plain(torch.randn(4, 5, 6), torch.randn(4, 5), steps=steps_eager)
+        x, y = torch.randn(4, 5, 6), torch.randn(4, 5)
+        default(x, y, steps=steps_traced)
+        plain(x, y, steps=steps_eager)
+    assert {"clone", "div", "_foreach_add_"} <= {str(m.target).split(".")[1] for n in fused_nodes(default) for m in n.members}
     assert not fused_nodes(plain)
 
 
@@ -117,9 +122,14 @@ def test_fused_kernels_write_into_kept_buffers():
 
 
 def test_option_resolution():
-    assert tracejit.GraphOptimizationConfig(jit_fuse_dimshuffle=True).fuse_dimshuffle(2)
-    assert not tracejit.GraphOptimizationConfig().fuse_dimshuffle(2)
+    assert tracejit.GraphOptimizationConfig(jit_fuse_dimshuffle=True).fuse_dimshuffle(1)
+    assert not tracejit.GraphOptimizationConfig().fuse_dimshuffle(1)
+    assert tracejit.GraphOptimizationConfig().fuse_dimshuffle(2)  # it changes no number: on by default
     assert tracejit.GraphOptimizationConfig().fuse_dimshuffle(3)
+    # of jit_fuse_reduce, the default level has only the row kernels that sum nothing
+    assert not tracejit.GraphOptimizationConfig().fuse_reduce(2) and tracejit.GraphOptimizationConfig().fuse_reduce(3)
+    assert tracejit.GraphOptimizationConfig().fuse_exact_rows(2) and not tracejit.GraphOptimizationConfig().fuse_exact_rows(1)
+    assert not tracejit.GraphOptimizationConfig(jit_fuse_reduce=False).fuse_exact_rows(3)
     assert not tracejit.GraphOptimizationConfig(jit_fuse_dimshuffle=False).fuse_dimshuffle(3)
     with pytest.raises(TypeError, match="jit_fuse_dimshuffle must be None, False or True"):
         tracejit.GraphOptimizationConfig(jit_fuse_dimshuffle="yes")

@@ -75,26 +75,29 @@ def _bytes_option(name: str, value: Any) -> int:
     return value
 
 
-# opt_level from which an unset (None) graph_opt_config field is on, as MegEngine turns its JIT
-# fusion on at graph opt level 3; the default opt_level=2 keeps today's elementwise-only fusion
+# opt_level from which an unset (None) jit_fuse_reduce is on, as MegEngine turns its JIT fusion
+# on at graph opt level 3: the row kernels that sum (softmax, layer norm, BatchNorm...) add in
+# another order than eager
 FUSION_OPT_LEVEL = 3
-# opt_level from which the row kernels that give eager's numbers bit for bit (max pooling and its
-# backward: nothing is summed) are on with an unset jit_fuse_reduce: they change no number, as
-# elementwise fusion (on from the same level) changes none
-EXACT_ROWS_OPT_LEVEL = 2
+# opt_level from which what changes no number is on with an unset graph_opt_config field: the
+# dimshuffle fusion (views made once, strided copies) and the row kernels that sum nothing (max
+# pooling and its backward); the default opt_level=2 also fuses elementwise ops from there
+EXACT_OPT_LEVEL = 2
 
 
 @dataclass(frozen=True)
 class GraphOptimizationConfig:
     """Which fusions beyond elementwise ops the compiler does (MegEngine's `GraphOptimizationConfig`):
-    False for off, True for on, None (the default) to follow `opt_level` (on from opt_level=3).
+    False for off, True for on, None (the default) to follow `opt_level`: what changes no number
+    from opt_level=2, the summing row kernels from opt_level=3.
 
     jit_fuse_reduce: reductions (softmax and log-softmax, layer norm, cross-entropy's nll_loss,
         sum/mean/amax, and their backward) become one row kernel each, fused with the elementwise
         ops that feed and consume them (docs/kernels.md, "Row kernels"). Unset, the row kernels
         that give eager's numbers bit for bit (max pooling, forward and backward) are on from
         opt_level=2 already; False turns them off too.
-    jit_fuse_dimshuffle: dimshuffles (views: transpose, permute, reshape, expand) cost nothing per
+    jit_fuse_dimshuffle (changes no number: on from opt_level=2): dimshuffles (views: transpose,
+        permute, reshape, expand) cost nothing per
         call and copies read with strides: a view of a buffer the program keeps is made once when
         the program is built, and an elementwise op alone (a copy of a transposed tensor, a division
         of a broadcast one) runs as a strided kernel rather than an aten op.
@@ -116,11 +119,11 @@ class GraphOptimizationConfig:
 
     def fuse_exact_rows(self, opt_level: int) -> bool:
         """Whether the exact row kernels (max pooling, forward and backward) are on at `opt_level`."""
-        return opt_level >= EXACT_ROWS_OPT_LEVEL if self.jit_fuse_reduce is None else self.jit_fuse_reduce
+        return opt_level >= EXACT_OPT_LEVEL if self.jit_fuse_reduce is None else self.jit_fuse_reduce
 
     def fuse_dimshuffle(self, opt_level: int) -> bool:
         """Whether views are made once and copies run as strided kernels at `opt_level`."""
-        return opt_level >= FUSION_OPT_LEVEL if self.jit_fuse_dimshuffle is None else self.jit_fuse_dimshuffle
+        return opt_level >= EXACT_OPT_LEVEL if self.jit_fuse_dimshuffle is None else self.jit_fuse_dimshuffle
 
 
 @dataclass(frozen=True)

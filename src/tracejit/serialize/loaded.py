@@ -15,6 +15,7 @@ import torch
 from ..backends import resolve_backend
 from ..ir.graph import Graph
 from ..ir.printer import format_graph
+from ..options import GraphOptimizationConfig
 from ..record.record import TensorMeta
 from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
@@ -30,7 +31,9 @@ class LoadedGraph(ProfileAccess):
         self.portable = portable
         self.name = portable.name
         self._profiler = Profiler(portable.name) if profiling else None
-        options = CompileOptions(opt_level, resolve_backend(backend))
+        # what changes no number is on at the default opt_level, as for a trace (options.EXACT_OPT_LEVEL)
+        options = CompileOptions(opt_level, resolve_backend(backend),
+                                 fuse_dimshuffle=GraphOptimizationConfig().fuse_dimshuffle(opt_level))
         self.program, _ = compile_host_free(to_graph(portable), options, portable.name, self._profiler)
         self.graph: Graph = self.program.graph
         self._template = self._environment_template()
