@@ -128,11 +128,11 @@ class _RowRenderer(RowRendering):
         return not any(self.spec.exprs[r].op == "rowargmax" or starts_negative(self.spec.exprs[r]) for r in reductions)
 
     def _short_rows_of_maxima(self) -> bool:
-        """Whether rows are short and reduce only by maxima (max pooling), so that each row is
-        unrolled and rows run in vector lanes; a row's maxima are then taken left to right, as in
-        the loop over it."""
+        """Whether rows are short and reduce only by maxima, if at all (max pooling's windows, forward
+        and backward), so that each row is unrolled and rows run in vector lanes; a row's maxima
+        are then taken left to right, as in the loop over it."""
         ops = {e.op for e in self.spec.exprs}
-        return (not self.chunked and bool(self.kept) and bool(self.plan.passes) and self.cols <= UNROLLED_ROW
+        return (not self.chunked and bool(self.kept) and bool(self.red) and self.cols <= UNROLLED_ROW
                 and not ops & {"rowsum", "colsum", "allsum"})
 
     def _reads_no_row_value(self, found: list[int]) -> bool:
@@ -209,7 +209,7 @@ class _RowRenderer(RowRendering):
     # -- the kernel ----------------------------------------------------------------------------------
 
     def render(self, name: str) -> str:
-        if not self.plan.passes and not self.chunked and not self.plan.stores["R"]:
+        if not self.plan.passes and not self.chunked and not self.plan.stores["R"] and not self.across_rows:
             return self._render_flat(name)
         spec = self.spec
         loops = self._element_roots()
@@ -235,7 +235,7 @@ class _RowRenderer(RowRendering):
         final = len(self.plan.passes)
         # across rows, stores that read no row value join the last pass: a second walk over the
         # row's elements stops GCC from pairing the stores of neighbouring elements (8x slower)
-        merged = self.across_rows and self._reads_no_row_value(per_loop[final])
+        merged = self.across_rows and final > 0 and self._reads_no_row_value(per_loop[final])
         last_pass: list[str] = []
         for number, reductions in enumerate(self.plan.passes):
             found = per_loop[number]
