@@ -139,3 +139,25 @@ def test_cnn_training_matches_eager_bit_for_bit_at_the_default_opt_level(without
             assert torch.equal(a, b), (i, name)
     assert sum("max_pool2d_with_indices" in m for m in row_members(traced)) >= 2
     assert traced.stats.host_free_calls + traced.stats.api_replays >= 3
+
+
+def test_triton_runs_the_same_kernels_at_the_default_opt_level_and_builds_them_for_cuda():
+    """On CUDA the default opt_level gives max pooling to Triton's row kernels: bit for bit eager's in
+    the interpreter (CPU tensors), and built offline for sm_80 and sm_90."""
+    import triton_support as ts
+
+    with ts.interpreter():
+        traced = tracejit.trace(pool_and_grad, backend="triton", without_host=True)
+        for step in range(3):
+            x = windows_of_special_values((2, 3, 8, 10), (2, 2), torch.float32) if step else torch.randn(2, 3, 8, 10)
+            weight = torch.randn(2, 3, 4, 5)
+            got = traced(x.clone().requires_grad_(), weight, kernel=2)
+            want = pool_and_grad(x.clone().requires_grad_(), weight, kernel=2)
+            for a, b in zip(got, want):
+                assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), (a, b)
+        launchers = [(n, k) for n, k in ts.fused_kernels(traced) if n.name.startswith("row") and hasattr(k, "kernel")]
+        ts.triton_launchers(traced)
+    assert {"max_pool2d_with_indices", "max_pool2d_with_indices_backward"} <= {
+        str(m.target).split(".")[1] for n, _ in launchers for m in n.members}
+    problems = ts.compile_all([k.kernel for _, k in launchers])
+    assert not problems, "\n\n".join(problems)
