@@ -265,4 +265,6 @@ def _allocate_arena(graph: Graph) -> torch.Tensor | None:
         return None
     devices = {graph.values[n.outputs[0]].meta.device for n in graph.nodes if n.buffer}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-    return torch.empty(graph.arena_bytes, dtype=torch.uint8, device=device)
+    # touched now, while the program is built: its pages are faulted in once here rather than by
+    # the program's first run (which would pay for them inside a replayed call)
+    return torch.zeros(graph.arena_bytes, dtype=torch.uint8, device=device)
