@@ -161,3 +161,44 @@ def test_triton_runs_the_same_kernels_at_the_default_opt_level_and_builds_them_f
         str(m.target).split(".")[1] for n, _ in launchers for m in n.members}
     problems = ts.compile_all([k.kernel for _, k in launchers])
     assert not problems, "\n\n".join(problems)
+
+
+def pool_with(**options):
+    def pool(x, weight):
+        values, indices = F.max_pool2d(F.relu(x), return_indices=True, **options)
+        (values * weight).sum().backward()
+        return values.detach(), indices, x.grad
+    return pool
+
+
+LAYOUTS = {  # name -> (max_pool2d options, input maker, whether its windows tile the input)
+    "channels_last": ({"kernel_size": 2}, lambda g: torch.randn(2, 3, 8, 8, generator=g).contiguous(
+        memory_format=torch.channels_last), True),
+    "unbatched": ({"kernel_size": 2}, lambda g: torch.randn(3, 8, 8, generator=g), True),
+    "transposed": ({"kernel_size": 2}, lambda g: torch.randn(2, 3, 8, 6, generator=g).transpose(2, 3), True),
+    "ceil_mode": ({"kernel_size": 2, "ceil_mode": True}, lambda g: torch.randn(2, 3, 7, 7, generator=g), False),
+    "padding": ({"kernel_size": 2, "padding": 1}, lambda g: torch.randn(2, 3, 8, 8, generator=g), False),
+    "overlapping": ({"kernel_size": 3, "stride": 1}, lambda g: torch.randn(2, 3, 8, 8, generator=g), False),
+    "partial": ({"kernel_size": 2}, lambda g: torch.randn(2, 3, 9, 9, generator=g), False),
+}
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_other_layouts_are_exact_and_untiled_windows_stay_aten(layout, without_host):
+    """Strided inputs (channels-last, transposed, unbatched) run the row kernels bit for bit, strides
+    included; pooling whose windows do not tile the input stays aten's, with eager's numbers."""
+    options, make, tiled = LAYOUTS[layout]
+    pool = pool_with(**options)
+    traced = tracejit.trace(pool, backend="c", without_host=without_host)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        x = make(g)
+        with torch.no_grad():
+            weight = torch.randn(F.max_pool2d(x, **options).shape, generator=g)
+        got = traced(x.detach().clone(memory_format=torch.preserve_format).requires_grad_(), weight)
+        want = pool(x.detach().clone(memory_format=torch.preserve_format).requires_grad_(), weight)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b) and a.stride() == b.stride(), (layout, a.stride(), b.stride())
+    assert bool(row_members(traced)) == tiled, row_members(traced)
+    assert traced.stats.host_free_calls + traced.stats.api_replays >= 2
