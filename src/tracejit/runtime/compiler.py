@@ -14,7 +14,7 @@ from ..backends.kernels import compile_fused_nodes
 from ..backends.rows import is_exact_row_op
 from ..debug import bucket_bytes, dump_compilation, fusion_fuel, verify_passes
 from ..ir.graph import Graph, Node
-from ..options import EXACT_OPT_LEVEL
+from ..options import GraphOptimizationConfig
 from ..passes import CanFuseRow, Pass, PipelineResult, pipeline, run_pipeline
 from ..passes.recompute_budget import plan_recomputation
 from ..passes.rematerialize import rematerialize
@@ -52,7 +52,7 @@ def _row_fusion(options: CompileOptions) -> CanFuseRow | None:
     if options.fuse_reduce:
         return options.fusion.can_fuse_row
     exact = options.fuse_exact_rows
-    if not (options.opt_level >= EXACT_OPT_LEVEL if exact is None else exact):
+    if not (GraphOptimizationConfig().fuse_exact_rows(options.opt_level) if exact is None else exact):
         return None
     fusion = options.fusion
 

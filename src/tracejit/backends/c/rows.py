@@ -14,10 +14,11 @@
       return bad;
     }
 
-Rows of a few elements with only maxima in them (max pooling's windows) are rendered the other way
-round: each row unrolled, the innermost kept dim under `omp simd`, so neighbouring rows run in
-vector lanes and no element takes a branch (a maximum over random data mispredicts every other
-branch: eager's max pooling spends most of its time there).
+Rows of a few elements with only maxima, or no reduction, in them (max pooling's windows, forward
+and backward) are rendered the other way round: each row unrolled, the innermost kept dim under
+`omp simd`, so neighbouring rows run in vector lanes and no element takes a branch (a maximum
+over random data mispredicts every other branch: eager's max pooling spends most of its time
+there).
 
 Sums run left to right in the row's type. A kernel with sums over all rows (colsum, allsum) splits
 the rows into a fixed number of chunks: each chunk sums its rows into partials, which are added in
