@@ -84,11 +84,13 @@ def change(model, how):
         return nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
     elif how == "replaced_forward":
         model[4].forward = lambda x: F.linear(x, model[4].weight) * 3
+    elif how == "deleted_setting":  # Linear's forward does not read it; the identity check's subscript fails
+        del model[0].in_features
     return None
 
 
 HOW = ["dropout_p", "inplace", "new_weight", "reordered", "replaced_child", "submodule_eval", "forward_hook",
-       "global_hook", "replaced_forward"]
+       "global_hook", "replaced_forward", "deleted_setting"]
 
 
 @pytest.mark.parametrize("reached", ["keyword", "closure"])

@@ -78,6 +78,7 @@ class ApiProgram:
         self.calls = trace.calls
         self.funcs = [call.func for call in trace.calls]
         self.placeholders = _placeholders(record, trace, output)
+        self.placeholder_values = list(self.placeholders.values())  # kept_placeholders' one C-level pass
         self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": same_literal,
                                           "TENSOR": torch.Tensor}
         self.locals = 0
@@ -234,16 +235,18 @@ class ApiProgram:
         traced call did not), by handle. Each is handed over to its holder: it gets storage of its
         own and the program a new placeholder for later calls."""
         placeholders = self.placeholders
-        if max(map(sys.getrefcount, placeholders.values()), default=0) <= 2:  # the dict and getrefcount's argument
+        # held by the dict, placeholder_values and getrefcount's argument: by nothing else
+        if max(map(sys.getrefcount, self.placeholder_values), default=0) <= 3:
             return {}
         kept = {}
         for handle in placeholders:
-            if sys.getrefcount(placeholders[handle]) > 2:
+            if sys.getrefcount(placeholders[handle]) > 3:
                 kept[handle] = placeholders[handle]
         for handle, tensor in kept.items():
             meta = self.record.tensors[handle].meta
             placeholders[handle] = tensor.detach()  # same layout over the scratch buffer
             tensor.set_(torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device))
+        self.placeholder_values = list(placeholders.values())
         return kept
 
 

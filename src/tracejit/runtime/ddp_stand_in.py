@@ -25,7 +25,6 @@ checker's TorchFunctionMode: at the API level they would run on placeholders, be
 
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import Any
 
@@ -102,7 +101,6 @@ class DdpForwardSource(_ForwardSource):
         namespace = program.namespace
         if "GLOBAL_HOOKS" not in namespace:  # torch.nn's global hook dicts, which it only ever mutates
             namespace["GLOBAL_HOOKS"] = global_hook_dicts()
-            namespace.update(IS=operator.is_, ALL=all, MAP=map)  # the inner modules' by_identity checks
         namespace.setdefault("GRAD_ENABLED", torch.is_grad_enabled)
         self.fail_if("any(GLOBAL_HOOKS)")
         self.fail_if(f"GRAD_ENABLED() is not {call.ddp.grad_enabled}")
@@ -118,9 +116,7 @@ class DdpForwardSource(_ForwardSource):
             raise _Unsupported(f"{FORWARD_SYNC} is a {type(after).__name__} after forward")
         if after is not call.snapshot[0].attributes.get(FORWARD_SYNC):
             self.lines.append(f"{program.constant(program.deferred_writes, 'writes')}.set(M, {FORWARD_SYNC!r}, {after})")
-        body = [*self.lines, f"return {answer_expr(call.result, program)}"]
-        name = f"ddp_forward{number}_{call.start}" + ("_same_objects" if self.by_identity else "")
-        return program._function(name, "M, args, kwargs, A, E, P", body)
+        return self._function(f"ddp_forward{number}_{call.start}", answer_expr(call.result, program))
 
     def _ddp(self, expr: str, state: ModuleState, states: dict) -> None:
         self.locals += 1
