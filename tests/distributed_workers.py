@@ -472,6 +472,62 @@ def ddp_api_settings(rank: int, world: int) -> dict:
     return facts
 
 
+def ddp_unkeyworded(rank: int, world: int) -> dict:
+    """DDP reached without a keyword: through the step's closure, or inside a keyword module. Its
+    state (the bucket rebuild, the buffer broadcast) must select traces as a keyword DDP's does:
+    10 steps in each mode against eager DDP, checked after every step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def closure_step(model, opt):
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    def nested_step(x, y, *, holder, opt):
+        opt.zero_grad()
+        loss = F.mse_loss(holder["ddp"](x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    facts: dict = {"failures": [], "runs": {}}
+    modes = (("aten checked", {"backend": "aten"}, True), ("aten without_host", {"backend": "aten", "without_host": True}, True),
+             ("auto checked", {"backend": "auto"}, False))
+    for reached, (model_name, factory), optimizer, (mode, options, exact) in itertools.product(
+            ("closure", "nested"), (("mlp", mlp), ("mlp_bn", mlp_bn)), ("sgd_momentum", "adam_fused"), modes):
+        label = f"{reached} {model_name} {optimizer} {mode}"
+        eager_model = DistributedDataParallel(factory())
+        eager_opt = OPTIMIZERS[optimizer](eager_model.parameters())
+        model = DistributedDataParallel(factory())
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        if reached == "closure":
+            traced = tracejit.trace(closure_step(model, opt), **options)
+            call = traced
+        else:
+            holder = nn.ModuleDict({"ddp": model})
+            traced = tracejit.trace(nested_step, **options)
+            call = lambda x, y: traced(x, y, holder=holder, opt=opt)  # noqa: E731
+        for i, (x, y) in enumerate(batches(rank)):
+            expected = ddp_step(x, y, model=eager_model, opt=eager_opt)
+            try:
+                got = call(x, y)
+            except Exception as error:  # noqa: BLE001 - a fact for the parent test
+                facts["failures"].append(f"{label} step {i}: {type(error).__name__}: {str(error).splitlines()[0]}")
+                break
+            problems = differences(state_of(eager_model.module, eager_opt), state_of(model.module, opt), exact)
+            if not (torch.equal(expected, got) if exact else torch.allclose(expected, got, rtol=1e-5)):
+                problems.append("loss")
+            facts["failures"] += [f"{label} step {i}: {p}" for p in problems]
+        stats = traced.stats
+        facts["runs"][label] = {**api_facts(traced), "host_free_calls": stats.host_free_calls,
+                                "records": stats.records + stats.rerecords}
+    return facts
+
+
 def ddp_api_divergence(rank: int, world: int) -> dict:
     """Rank 1 takes another branch at step 7, after the API level has answered the DDP steps: it
     diverges before the program runs and falls back to the aten level, which raises its mismatch;
@@ -618,6 +674,7 @@ SCENARIOS = {
     "ddp_api_level": ddp_api_level,
     "ddp_api_no_sync": ddp_api_no_sync,
     "ddp_api_settings": ddp_api_settings,
+    "ddp_unkeyworded": ddp_unkeyworded,
     "record_disagreement": record_disagreement,
     "handled_failure": handled_failure,
     "replay_divergence": replay_divergence,  # last: it leaves an all-reduce in flight on rank 0

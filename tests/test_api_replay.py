@@ -641,3 +641,57 @@ def test_the_fast_signature_check_agrees_with_the_signature():
         model[1].train()
     args, kwargs = variants["same"]()
     assert entry.host_free.admit(args, kwargs) is not True and signature(args, kwargs) != entry.key  # grad mode
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused", "adam_foreach"])
+@pytest.mark.parametrize("reached", ["closure", "keyword"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_gradients_made_by_the_call_are_new_tensors_each_call(kind, opt_name, reached, without_host, backend):
+    # zero_grad() first: the gradients each call makes stay on the parameters after it. In eager
+    # every call's backward makes new ones, so a gradient the caller kept from an earlier step
+    # keeps that step's values; the program assigns its gradients anew instead of writing into the
+    # ones Python holds. A model reached through the closure runs at the API level like a keyword
+    # one (its gradients are written back, not values the function kept).
+    if without_host and opt_name == "adam_foreach":
+        pytest.skip("Adam(foreach=True) reads step.item() on the host")
+    if backend == "c" and opt_name == "adam_foreach":
+        pytest.skip("the fused foreach-Adam kernel rounds within a few ulp, which Adam's normalization "
+                    "magnifies on near-zero gradients (tests/test_fused_training.py bounds it)")
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model(kind), opt_name)
+
+    def step(x, y, model, opt):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    options = {"backend": backend, "without_host": without_host}
+    exact = backend == "aten"
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+    if reached == "closure":
+        traced_step = tracejit.trace(lambda x, y: step(x, y, model_b, opt_b), **options)
+        call = traced_step
+    else:
+        traced_step = tracejit.trace(lambda x, y, *, model, opt: step(x, y, model, opt), **options)
+        call = lambda x, y: traced_step(x, y, model=model_b, opt=opt_b)  # noqa: E731
+    kept_a, kept_b = [], []
+    for i in range(7):
+        x, y = batch(kind, i)
+        torch.manual_seed(i)
+        want = step(x, y, model_a, opt_a)
+        torch.manual_seed(i)
+        assert same(call(x, y), want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=exact, atol=1e-5)
+        kept_a.append([p.grad for p in model_a.parameters()])
+        kept_b.append([p.grad for p in model_b.parameters()])
+    for i, (grads_a, grads_b) in enumerate(zip(kept_a, kept_b)):  # each step's gradients as eager left them
+        assert all(same(a, b) for a, b in zip(grads_a, grads_b, strict=True)), i
+    stats = traced_step.stats
+    if without_host:
+        assert stats.host_free_calls >= 4
+    else:
+        assert stats.api_replays >= 3 and stats.api_fallbacks == 0
+        assert not [e.api_refused for e in traced_step._entries() if e.api_refused]

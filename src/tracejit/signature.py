@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -105,30 +106,36 @@ _GRAD = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
 
 
-def gradient_state(kwargs: dict) -> tuple[int, ...]:
+def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[int, ...]:
     """Which parameters of keyword modules require grad and which hold a `.grad`, and the state of
-    a DistributedDataParallel module (`_ddp_state`).
+    a DistributedDataParallel module (`_ddp_state`); then the same of the `watched` modules, the
+    DDP modules a traced function reaches without a keyword (a closure, a global), -1 for one
+    that is gone.
 
     This decides what autograd dispatches (a first gradient is stored, a later one accumulated
     with `add_`; DDP's reducer all-reduces or not), so a step that accumulates gradients over
     several calls gets one trace per state instead of a mismatch. It is computed only for traces
     whose recorded call touched gradients.
     """
-    states = []
-    for module in kwargs.values():
-        if isinstance(module, torch.nn.Module):
-            known = _parameters.get(id(module))
-            if known is None or known[0]() is not module:  # walking module.parameters() each call would cost more
-                key = id(module)
-                known = _parameters[key] = (weakref.ref(module, lambda _, key=key: _parameters.pop(key, None)),
-                                            tuple(module.parameters()))
-            params = known[1]
-            # a byte a parameter, the first one highest: requires_grad in bit 1, has a .grad in bit 0
-            # (built by C loops: this runs on every checked call)
-            requires_grad = int.from_bytes(bytes(map(_REQUIRES_GRAD, params)))
-            held = int.from_bytes(bytes(map(operator.is_not, map(_GRAD, params), _NONES)))
-            states.append((requires_grad << 1 | held) << 4 | _ddp_state(module))
+    states = [_module_state(module) for module in kwargs.values() if isinstance(module, torch.nn.Module)]
+    for ref in watched:
+        module = ref()
+        states.append(-1 if module is None else _module_state(module))
     return tuple(states)
+
+
+def _module_state(module: torch.nn.Module) -> int:
+    known = _parameters.get(id(module))
+    if known is None or known[0]() is not module:  # walking module.parameters() each call would cost more
+        key = id(module)
+        known = _parameters[key] = (weakref.ref(module, lambda _, key=key: _parameters.pop(key, None)),
+                                    tuple(module.parameters()))
+    params = known[1]
+    # a byte a parameter, the first one highest: requires_grad in bit 1, has a .grad in bit 0
+    # (built by C loops: this runs on every checked call)
+    requires_grad = int.from_bytes(bytes(map(_REQUIRES_GRAD, params)))
+    held = int.from_bytes(bytes(map(operator.is_not, map(_GRAD, params), _NONES)))
+    return (requires_grad << 1 | held) << 4 | _ddp_state(module)
 
 
 def _ddp_state(module: torch.nn.Module) -> int:

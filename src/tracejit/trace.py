@@ -8,6 +8,7 @@ import inspect
 import os
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,7 @@ from .options import TraceOptions
 from .record.amp import is_inf_check
 from .record.api import ApiTracer
 from .record.calls import has_dynamic_output_shape
+from .record.ddp_calls import ddp_forwards_seen
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames
@@ -144,6 +146,9 @@ class trace(ProfileAccess):
         # signature -> the traces recorded for it, one per gradient state when that matters
         self._traces: dict[tuple, list[TraceEntry]] = {}
         self._shape_traces: list[ShapeTrace] = []  # symbolic_shape: traces of symbolic sizes, oldest first
+        # DistributedDataParallel modules the function reaches without a keyword (a closure, a
+        # global, inside a keyword module): their state selects traces too (see _watch_ddp)
+        self._watched_ddp: list[weakref.ref] = []
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
@@ -270,13 +275,25 @@ class trace(ProfileAccess):
         entry.api = None  # the aten-level call rebuilds it from what it sees
         return self._replay(entry, args, kwargs)
 
+    def _gradient_state(self, kwargs: dict) -> tuple[int, ...]:
+        return gradient_state(kwargs, self._watched_ddp)
+
+    def _watch_ddp(self, seen: list, kwargs: dict) -> bool:
+        """Watch the DDP modules a recording call ran that are not keyword arguments themselves;
+        True if there are new ones (the call's gradient state did not include them)."""
+        keywords = {id(value) for value in kwargs.values()}
+        watched = {id(ref()) for ref in self._watched_ddp}
+        new = [module for module in seen if id(module) not in keywords and id(module) not in watched]
+        self._watched_ddp += [weakref.ref(module) for module in new]
+        return bool(new)
+
     def _lookup(self, key: tuple, kwargs: dict) -> TraceEntry | None:
         entries = self._traces.get(key)
         if not entries:
             return None
         if entries[0].grad_state is None:
             return entries[0]
-        state = gradient_state(kwargs)
+        state = self._gradient_state(kwargs)
         return next((e for e in entries if e.grad_state == state), None)
 
     def _entries(self) -> list[TraceEntry]:
@@ -312,15 +329,16 @@ class trace(ProfileAccess):
         plan = self._symbolic_plan(key) if replacing is None else None
         if plan is not None:
             return self._record_symbolic(key, args, kwargs, *plan)
-        grad_state = gradient_state(kwargs)
+        grad_state = self._gradient_state(kwargs)
         if self._trace_count() - (replacing is not None) >= self.options.max_traces:
             raise self._cache_full(key, args, kwargs, grad_state)
         grads_before = gradient_snapshot(kwargs)
         recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
         context = CallContext(self, recorder, self.options.capture_as_const)
+        ddps: list = []
         try:
-            with traced_call(context):
+            with ddp_forwards_seen(ddps), traced_call(context):
                 result = self._function(*args, **kwargs)
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
@@ -339,6 +357,9 @@ class trace(ProfileAccess):
         # A call that ran a backward pass, or created or accumulated gradients, depends on which
         # parameters require grad and which .grad exist when it starts.
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
+        if self._watch_ddp(ddps, kwargs):
+            self.stats.records += 1
+            return result  # its state said nothing of the DDP it found: the next call records again
         entry = TraceEntry(key, record, program, grad_state if depends else None)
         if replacing is not None:  # record_only: the newest call's record stands for its signature
             self._traces[key].remove(replacing)
@@ -414,7 +435,7 @@ class trace(ProfileAccess):
         for shape_trace in reversed(self._shape_traces):  # the newest is the most general
             if shape_trace.family != kin:
                 continue
-            if shape_trace.grad_state is not None and shape_trace.grad_state != gradient_state(kwargs):
+            if shape_trace.grad_state is not None and shape_trace.grad_state != self._gradient_state(kwargs):
                 continue
             if tensors is None:
                 tensors = [t for _, t in tensor_inputs(args, kwargs, self._arg_names_for(args))]
@@ -456,7 +477,7 @@ class trace(ProfileAccess):
                          replaced: ShapeTrace | None) -> Any:
         """Record this call with the `dynamic` dims of its tensor inputs as symbols; see
         record/symbolic_shapes.py. The call's values come from the record specialized for its sizes."""
-        grad_state = gradient_state(kwargs)
+        grad_state = self._gradient_state(kwargs)
         if replaced is None and self._trace_count() >= self.options.max_traces:
             raise self._cache_full(key, args, kwargs, grad_state)
         grads_before = gradient_snapshot(kwargs)
@@ -472,8 +493,9 @@ class trace(ProfileAccess):
         recorder.bind_inputs(fake_args, fake_kwargs, arg_names)
         recorder.use_real_inputs(args, kwargs)
         context = CallContext(self, recorder, self.options.capture_as_const)
+        ddps: list = []
         try:
-            with traced_call(context):
+            with ddp_forwards_seen(ddps), traced_call(context):
                 result = self._function(*fake_args, **fake_kwargs)
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
@@ -498,6 +520,11 @@ class trace(ProfileAccess):
         recorder.complete(program)
         result = recorder.real_result(result)
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
+        if self._watch_ddp(ddps, kwargs):
+            if replaced is not None:
+                self._drop_shape_trace(replaced)
+            self.stats.records += 1
+            return result
         shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None)
         if replaced is not None:
             self._drop_shape_trace(replaced)
@@ -672,6 +699,7 @@ class trace(ProfileAccess):
         options = self._compile_options if entry.shape_trace is None else self._unfused_options
         program, entry.history = compile_host_free(graph, options, self.__name__, self._profiler)
         runner = HostFreeRunner(entry.record, program, self._function, checked)
+        runner.gradient_state = self._gradient_state
         if self._profiler is not None:
             self._profiler.compiled(CLOCK() - started)
         return runner
@@ -793,6 +821,10 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
                         f"(in a {type(holder).__name__})")
     grads = {id(p.grad) for module in kwargs.values() if isinstance(module, torch.nn.Module)
              for p in module.parameters() if p.grad is not None}
+    # and those of parameters reached otherwise (a closure's model): the program writes them back
+    # where they are, as it does a keyword module's
+    grads |= {id(t.grad) for h, t in live.items()
+              if record.tensors[h].kind is Kind.EXTERNAL and t.is_leaf and t.grad is not None}
     kept_by_ddp_itself = kept_by_ddp(record, trace)  # DistributedDataParallel's, see runtime/ddp_stand_in.py
     for handle, tensor in live.items():
         info = record.tensors[handle]

@@ -13,7 +13,8 @@ configuration does something the stand-in cannot repeat.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -63,3 +64,24 @@ def ddp_refusal(module: DistributedDataParallel, inner_refusal: Callable[[torch.
     if why is not None:
         return f"the module it wraps cannot be answered whole: {why}"
     return None
+
+
+@contextlib.contextmanager
+def ddp_forwards_seen(found: list[DistributedDataParallel]) -> Iterator[None]:
+    """Collect into `found` the DDP modules whose forward runs in the block (a global forward
+    pre-hook, under torch.distributed only): the recording call's, so that a DDP the function
+    reaches through a closure or a global selects its traces by its state, as a keyword one does
+    (signature.gradient_state)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield
+        return
+
+    def note(module: torch.nn.Module, args: tuple) -> None:
+        if isinstance(module, DistributedDataParallel) and all(m is not module for m in found):
+            found.append(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -653,6 +653,8 @@ def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
             holder = ref()
             if holder is not None and holder is not env[handle]:
                 holder.copy_(env[handle])
+        for handle, where in getattr(program.runner, "assigned_holders", {}).items():
+            where.assign(env[handle])
     return _output_value(record.output, env)
 
 

@@ -29,7 +29,7 @@ from ..signature import call_context_key, gradient_state, shared_memory
 from .meta_guard import MetaGuard
 from .optimizer_settings import find_bindings, keyword_optimizers, param_ids, setting_guards, stepped_optimizers
 from .program import HostFreeProgram, scalar_layout
-from .state_holders import find_holders
+from .state_holders import Holder, find_holders
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 
@@ -189,6 +189,7 @@ class HostFreeRunner:
         self.external_slots: dict[int, int] = {}
         self.sources: dict[str, str] = {}
         self.env_template: list = []
+        self.gradient_state = gradient_state  # the trace's own, which also watches closure DDPs
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
              grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None) -> None:
@@ -209,7 +210,7 @@ class HostFreeRunner:
         src.namespace.update(MISS=MISS, TENSOR=torch.Tensor, SCALARS=scalars,
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
                              CONTEXT=call_context_key, PARAM_IDS=param_ids,
-                             GRAD_STATE=gradient_state, SAME=same_object_key,
+                             GRAD_STATE=self.gradient_state, SAME=same_object_key,
                              SHARED=shared_memory)
         admission = self._signature_checks(args, kwargs, grad_state, src)
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
@@ -397,6 +398,7 @@ class HostFreeRunner:
         """Leave escaped values where the function would have put them; return fresh outputs."""
         body = []
         self.escaped_objects = {}  # handle -> the object Python holds (weakly): also for runtime/api_replay.py
+        self.assigned_holders: dict[int, Holder] = {}  # handle -> where it is assigned anew: also for api_replay
         # A returned tensor, and the base of a returned view, belong to the caller of an earlier
         # call once returned: writing into one would change what that call returned. Where Python
         # state holds such a tensor too (`self.last = out`), the new one is assigned there instead.
@@ -408,18 +410,25 @@ class HostFreeRunner:
         python_bases = {id(obj._base) for h, obj in objects.items()
                         if tensors[h].flags & Flag.RETURNED and obj._base is not None}
         holders = find_holders(kwargs)
+        # the gradients of parameters reached otherwise (a closure's model): the trace's externals
+        for handle, tensor in objects.items():
+            if tensors[handle].kind is Kind.EXTERNAL and tensor.is_leaf and tensor.grad is not None:
+                holders.setdefault(id(tensor.grad), Holder("grad", weakref.ref(tensor)))
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
             if obj is None:
                 continue
             holder = holders.get(id(obj))
-            # A module attribute or buffer the function assigned (`self.last = loss.detach()`) is a
-            # new tensor on every eager call: a reference to an earlier one kept by the user
-            # (`history.append(model.last)`) must keep its value, so it is assigned, never written.
-            assigned = holder is not None and holder.kind in ("attr", "buffer")
+            # A module attribute or buffer the function assigned (`self.last = loss.detach()`), and
+            # a gradient it made (backward after zero_grad()), is a new tensor on every eager call:
+            # a reference to an earlier one kept by the user (`history.append(model.last)`,
+            # `last = p.grad`) must keep its value, so it is assigned, never written.
+            assigned = holder is not None and holder.kind in ("attr", "buffer", "grad")
             if (assigned or tensors[handle].flags & Flag.RETURNED or handle in returned_bases
                     or id(obj) in python_bases):
-                body += holder.store(f"h{handle}", None, src) if holder is not None else []
+                if holder is not None:
+                    body += holder.store(f"h{handle}", None, src)
+                    self.assigned_holders[handle] = holder
                 continue
             ref = src.constant(weakref.ref(obj), "r")
             self.escaped_objects[handle] = src.namespace[ref]

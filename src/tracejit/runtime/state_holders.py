@@ -22,6 +22,20 @@ class Holder:
     owner: weakref.ref  # the parameter, module or optimizer
     key: Any = None  # attribute or buffer name; for "state" (parameter ref, state key)
 
+    def assign(self, value: torch.Tensor) -> None:
+        """Put `value` where this holder keeps its tensor, as `store` with no recorded object does."""
+        owner = self.owner()
+        if owner is None:
+            return
+        if self.kind == "grad":
+            owner.grad = value
+        elif self.kind == "state":
+            param = self.key[0]()
+            if param is not None:
+                owner.state[param][self.key[1]] = value
+        else:
+            (owner.__dict__ if self.kind == "attr" else owner._buffers)[self.key] = value
+
     def store(self, value: str, recorded: str | None, src: Any) -> list[str]:
         """Lines that leave the tensor `value` where this holder keeps it: written into the tensor
         held now if that is `recorded()` (the object of the last host-run call), else assigned.
