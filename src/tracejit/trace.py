@@ -698,8 +698,7 @@ class trace(ProfileAccess):
         graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
         options = self._compile_options if entry.shape_trace is None else self._unfused_options
         program, entry.history = compile_host_free(graph, options, self.__name__, self._profiler)
-        runner = HostFreeRunner(entry.record, program, self._function, checked)
-        runner.gradient_state = self._gradient_state
+        runner = HostFreeRunner(entry.record, program, self._function, checked, self._gradient_state)
         if self._profiler is not None:
             self._profiler.compiled(CLOCK() - started)
         return runner

@@ -14,6 +14,7 @@ and rebinds.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -175,7 +176,8 @@ class HostFreeRunner:
     `call(args, kw)` checks the signature and the guards, binds, runs the program and returns
     the outputs, or returns MISS and lets the caller take the slow path."""
 
-    def __init__(self, record: Record, program: HostFreeProgram, function: Any, checked: bool = False):
+    def __init__(self, record: Record, program: HostFreeProgram, function: Any, checked: bool = False,
+                 gradient_state: Callable[[dict], tuple] = gradient_state):
         # A checked call at the API level runs the function: its host reads are computed when they
         # happen (runtime/api_replay.py) and the numbers they lead to reach the program as `S`.
         refuse_host_dependencies(replace(record, host_reads=[]) if checked else record)
@@ -189,7 +191,7 @@ class HostFreeRunner:
         self.external_slots: dict[int, int] = {}
         self.sources: dict[str, str] = {}
         self.env_template: list = []
-        self.gradient_state = gradient_state  # the trace's own, which also watches closure DDPs
+        self.gradient_state = gradient_state  # the trace's, which also watches DDPs reached without a keyword
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
              grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None) -> None:
