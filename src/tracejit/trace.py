@@ -6,6 +6,7 @@ import functools
 import gc
 import inspect
 import os
+import threading
 import types
 import warnings
 import weakref
@@ -166,6 +167,10 @@ class trace(ProfileAccess):
         # first (HostFreeRunner.admit), before computing its own and looking it up
         self._fast_api: TraceEntry | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
+        # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
+        # calls from several threads take turns (see __call__)
+        self._lock = threading.Lock()
+        self._running_on: int | None = None  # the thread whose call holds the lock
         self.stats = TraceStats()  # what the calls did; see runtime/stats.py
         # Checked replay at the torch API level (docs/design.md); TRACEJIT_REPLAY=aten keeps every
         # checked call at the aten level. Profiling times aten-level nodes, so it keeps them too.
@@ -182,11 +187,21 @@ class trace(ProfileAccess):
     # -- calling --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._counted_call(args, kwargs)
-        except BaseException as error:
-            post_failure(self.__name__, error, self.records)  # torch.distributed: peers stop waiting
-            raise
+        thread = threading.get_ident()
+        if self._running_on == thread:
+            raise RuntimeError(
+                f"tracejit: {self.__name__}() was called again while its own call runs on this thread "
+                f"(from an exclude_from_trace() block or a hook). A traced function cannot call itself; "
+                f"call the undecorated function there.")
+        with self._lock:  # another thread's call finishes first: they share the program's buffers
+            self._running_on = thread
+            try:
+                return self._counted_call(args, kwargs)
+            except BaseException as error:
+                post_failure(self.__name__, error, self.records)  # torch.distributed: peers stop waiting
+                raise
+            finally:
+                self._running_on = None
 
     def _counted_call(self, args: tuple, kwargs: dict) -> Any:
         self.stats.calls += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 import sys
 import weakref
+from _thread import get_ident
 from typing import Any
 
 import torch
@@ -407,6 +408,7 @@ class ApiChecker(TorchFunctionMode):
         self.externals = externals
         self.scalars = list(self.program.scalars)  # the numbers this call passes to the program
         self.position = 0
+        self.thread = get_ident()  # the stand-ins answer this thread's calls only
         self.diverged: str | None = None
         self.stood_in = 0  # optimizer methods answered as a whole (runtime/stand_ins.py)
         self.stood_in_modules = 0  # torch.nn module calls answered as a whole

@@ -26,6 +26,7 @@ checker's TorchFunctionMode: at the API level they would run on placeholders, be
 from __future__ import annotations
 
 import weakref
+from _thread import get_ident
 from typing import Any
 
 import torch
@@ -83,6 +84,9 @@ class DdpForwardStandIn(_ForwardStandIn):
         checker = self.checker
         if checker is None:  # kept by the function and called after its call: the forward itself
             return self.owner().forward(*args, **kwargs)
+        if checker.thread != get_ident():  # another thread's call of the module: not the checked one
+            module = self.owner()
+            return type(module).forward(module, *args, **kwargs)
         result = self.answer(checker, args, kwargs)
         if result is not FAIL:
             checker.stood_in_ddp += 1

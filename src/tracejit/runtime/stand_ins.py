@@ -22,6 +22,7 @@ of another optimizer) runs the real method, matched call by call as before.
 from __future__ import annotations
 
 import weakref
+from _thread import get_ident
 from typing import Any, Callable
 
 import torch
@@ -65,9 +66,11 @@ class _StandIn:
         self._wrapped_by_lr_sched = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        checker, optimizer = self.checker, self.optimizer
+        checker, optimizer, real = self.checker, self.optimizer, self.real
         if checker is None:  # kept by the function and called after its call: the method itself
             return getattr(self.owner(), self.kind)(*args, **kwargs)
+        if checker.thread != get_ident():  # another thread's call of the optimizer: not the checked one
+            return real(*args, **kwargs)
         region = self.regions.get(checker.position)
         if region is not None and checker.diverged is None and not profiler_enabled() and self._takes(args, kwargs, region):
             if region.check(optimizer, checker.externals, checker.inputs, checker.scalars):
@@ -76,7 +79,7 @@ class _StandIn:
                 checker.position = region.end
                 checker.stood_in += 1
                 return None
-        return self.real(*args, **kwargs)
+        return real(*args, **kwargs)
 
     def _takes(self, args: tuple, kwargs: dict, region: _Region) -> bool:
         if self.kind == STEP:
@@ -117,12 +120,13 @@ class StandIns:
     @staticmethod
     def remove(installed: list) -> None:
         for attributes, name, previous, stand_in in installed:
-            stand_in.checker = stand_in.optimizer = stand_in.real = None
+            # out of reach first: a stand-in without its call finds the method in the attributes
             if attributes.get(name) is stand_in:  # the function may have replaced it meanwhile
                 if previous is _MISSING:
                     del attributes[name]
                 else:
                     attributes[name] = previous
+            stand_in.checker = stand_in.optimizer = stand_in.real = None
 
 
 def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[OptimizerCall],
@@ -438,6 +442,9 @@ class _ForwardStandIn:
         checker = self.checker
         if checker is None:  # kept by the function and called after its call: the forward itself
             return self.owner().forward(*args, **kwargs)
+        if checker.thread != get_ident():  # another thread's call of the module: not the checked one
+            module = self.owner()
+            return type(module).forward(module, *args, **kwargs)
         result = self.answer(checker, args, kwargs)
         return self.real(*args, **kwargs) if result is FAIL else result
 
@@ -480,9 +487,9 @@ class ModuleStandIns:
     @staticmethod
     def remove(installed: list) -> None:
         for attributes, stand_in in installed:
-            stand_in.checker = stand_in.module = stand_in.real = None
-            if attributes.get("forward") is stand_in:
+            if attributes.get("forward") is stand_in:  # out of reach first, as StandIns.remove
                 del attributes["forward"]
+            stand_in.checker = stand_in.module = stand_in.real = None
 
 
 def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: list[ModuleCall]

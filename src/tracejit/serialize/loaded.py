@@ -8,6 +8,7 @@ traced with.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ class LoadedGraph(ProfileAccess):
         self._outputs = [(values[o.value].handle, values[o.value].handle in constant_handles) for o in portable.outputs]
         names = [o.name for o in portable.outputs]
         self._output_names = names if names and all(n is not None for n in names) else None
+        self._lock = threading.Lock()
 
     def _environment_template(self) -> list:
         template: list = [None] * self.graph.num_handles
@@ -70,7 +72,8 @@ class LoadedGraph(ProfileAccess):
         previous = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # an inference graph builds no autograd history
         try:
-            self.program.run(env, self._scalars)
+            with self._lock:  # calls from several threads take turns: the program reuses its buffers
+                self.program.run(env, self._scalars)
         finally:
             torch._C._set_grad_enabled(previous)
         # a returned constant is the graph's own tensor: the caller gets a copy it may modify
