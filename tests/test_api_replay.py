@@ -3,6 +3,7 @@ host-free program computes. Every test asserts through `stats` that the API leve
 the calls (or, where it must not, that it did not)."""
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -169,6 +170,100 @@ def test_backward_hooks_keep_the_aten_level():
     assert len(seen) == 4  # the hook ran on every call
     assert traced.stats.api_replays == 0
     assert "Python code runs inside backward()" in traced._entries()[0].api_refused
+
+
+def _scale_gradient(grad):
+    return grad * 3
+
+
+def _double_accumulated(param):
+    param.grad.mul_(2)
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_registered_between_calls_runs_as_in_eager(hook, without_host):
+    # Found by an adversarial review: the API level answers backward() without autograd, so a
+    # hook registered after the trace was warm never ran and the weights went wrong silently.
+    # A keyword model's hooks are part of the gradient state: the call records a trace of its own.
+    # Its checked calls run backward (and the hook) at the aten level; without the host, the
+    # program has the ops the hook ran while recording (its Python does not run, as the function's).
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "sgd_momentum")
+    traced = tracejit.trace(train_step, backend="aten", without_host=without_host)
+    ran = []
+
+    def scale(grad):
+        ran.append(1)
+        return _scale_gradient(grad)
+
+    def double(param):
+        ran.append(1)
+        _double_accumulated(param)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(8):
+            if i == 4:
+                for model in (model_a, model_b):
+                    getattr(model.net[0].weight, hook)(scale if hook == "register_hook" else double)
+            x, y = batch("mlp", i)
+            assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
+            assert_same_state(model_a, opt_a, model_b, opt_b)
+    stats = traced.stats
+    assert stats.records == 2
+    if without_host:
+        assert stats.host_free_calls >= 4 and len(ran) >= 4 + 1  # eager's four, and the recording call
+    else:
+        assert stats.api_replays >= 1 and len(ran) == 2 * 4  # eager's four calls and the traced four
+        assert any("Python code runs inside backward" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_gradient_hook_registered_between_calls_on_a_closure_model_raises(without_host):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    traced = tracejit.trace(step, backend="aten", without_host=without_host)
+    for _ in range(4):
+        traced(torch.randn(5, 4), torch.randn(5, 3))
+    assert traced.stats.api_replays + traced.stats.host_free_calls >= 1
+    before = [p.detach().clone() for p in model.parameters()]
+    model.weight.register_hook(_scale_gradient)
+    with pytest.raises(TraceMismatchError, match="_scale_gradient"):
+        traced(torch.randn(5, 4), torch.randn(5, 3))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no update happened
+
+
+def test_a_divergence_of_a_trace_with_random_ops_falls_back():
+    # Found by an adversarial review: restoring the generator's state after a divergence ran under
+    # the checker still on the mode stack, which raised its internal ApiDiverged to the caller.
+    def step(x, y, *, model, opt, scale):
+        loss = F.mse_loss(model(x), y) * scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 3)), "sgd")
+    traced = tracejit.trace(step, backend="aten")
+    for i in range(7):
+        scale = 1.0 if i < 4 else 0.5  # a number backward also uses: matched, not bound
+        x, y = torch.randn(5, 4), torch.randn(5, 3)
+        torch.manual_seed(100 + i)
+        expected = step(x, y, model=model_a, opt=opt_a, scale=scale)
+        torch.manual_seed(100 + i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b, scale=scale), expected), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    assert traced.stats.api_replays >= 1 and traced.stats.api_fallbacks >= 1
 
 
 def test_a_gc_callback_during_backward_is_not_a_hook():

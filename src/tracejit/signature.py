@@ -124,6 +124,22 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[i
     return tuple(states)
 
 
+_BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
+_POST_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def any_gradient_hooks(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if one of the tensors has a gradient hook (`register_hook`,
+    `register_post_accumulate_grad_hook`); two C-level passes. A removed hook leaves an empty
+    dict, which counts as none."""
+    return any(map(_BACKWARD_HOOKS, tensors)) or any(map(_POST_ACCUMULATE_HOOKS, tensors))
+
+
+def gradient_hooks(tensor: torch.Tensor) -> tuple:
+    """The handles of a tensor's gradient hooks, ((), ()) for none."""
+    return tuple(tensor._backward_hooks or ()), tuple(tensor._post_accumulate_grad_hooks or ())
+
+
 def _module_state(module: torch.nn.Module) -> int:
     known = _parameters.get(id(module))
     if known is None or known[0]() is not module:  # walking module.parameters() each call would cost more
@@ -132,10 +148,11 @@ def _module_state(module: torch.nn.Module) -> int:
                                     tuple(module.parameters()))
     params = known[1]
     # a byte a parameter, the first one highest: requires_grad in bit 1, has a .grad in bit 0
-    # (built by C loops: this runs on every checked call)
+    # (built by C loops: this runs on every checked call); then the DDP state, and whether a
+    # gradient hook is registered (backward runs it: a trace of its own, which runs backward)
     requires_grad = int.from_bytes(bytes(map(_REQUIRES_GRAD, params)))
     held = int.from_bytes(bytes(map(operator.is_not, map(_GRAD, params), _NONES)))
-    return (requires_grad << 1 | held) << 4 | _ddp_state(module)
+    return ((requires_grad << 1 | held) << 4 | _ddp_state(module)) << 1 | any_gradient_hooks(params)
 
 
 def _ddp_state(module: torch.nn.Module) -> int:

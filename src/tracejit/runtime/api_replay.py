@@ -557,7 +557,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if context is None or context.trace is not trace:
         context = program.call_context = CallContext(trace, checker, trace.options.capture_as_const)
     context.excluded = 0
-    outer = pushed = None
+    outer = pushed = failure = None
     handlers = _install_fast_paths()
     try:
         outer = enter_api_checked_call(context)
@@ -565,11 +565,9 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         pushed = checker
         result = trace._function(*args, **kwargs)
     except ApiDiverged:
-        _restore_generator(generator)
-        return None, checker.diverged
+        failure = checker.diverged or "the call diverged"
     except Exception as error:  # noqa: BLE001 - the aten level reruns the call and raises it for real
-        _restore_generator(generator)
-        return None, f"the function raised {type(error).__name__}"
+        failure = f"the function raised {type(error).__name__}"
     finally:
         if pushed is not None:
             POP_MODE()
@@ -583,6 +581,9 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             program.checking_args = program.checking_kwargs = None
         if program.read_slices:
             program.read_slices = {}
+    if failure is not None:  # the checker is off the mode stack now: it would answer torch.equal
+        _restore_generator(generator)
+        return None, failure
     if generator is not None and _restore_generator(generator):
         return None, "the function changed the random number generator's state (torch.manual_seed, set_rng_state)"
     if checker.diverged is not None:

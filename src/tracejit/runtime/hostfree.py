@@ -26,7 +26,7 @@ from ..record.calls import has_dynamic_output_shape
 from ..record.names import ExternalNames, Locator
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
-from ..signature import call_context_key, gradient_state, shared_memory
+from ..signature import any_gradient_hooks, call_context_key, gradient_hooks, gradient_state, shared_memory
 from .meta_guard import MetaGuard
 from .optimizer_settings import find_bindings, keyword_optimizers, param_ids, setting_guards, stepped_optimizers
 from .program import HostFreeProgram, scalar_layout
@@ -244,6 +244,7 @@ class HostFreeRunner:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
         guards += self._meta_checks(src)
+        guards += self._gradient_hook_guards(objects, src)
         if len(self._located_grads) > 1:  # the program writes them as distinct tensors
             located = ", ".join(self._located_grads)
             guards.append(_fail(f"len(set(map(id, ({located},)))) != {len(self._located_grads)}",
@@ -384,6 +385,26 @@ class HostFreeRunner:
         self._meta.append((local, _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.dtype is not "
                                         f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)}",
                                         f"{info.name} is not {meta} anymore")))
+        return lines
+
+    def _gradient_hook_guards(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
+        """The gradient hooks of the parameters the recorded backward reaches are the recorded ones
+        (normally none): a hook registered since (`p.register_hook(lambda g: g * 3)`,
+        `register_post_accumulate_grad_hook`) would run in eager's backward, which neither a call
+        without the host nor the API level's answer to `backward()` runs."""
+        if not any(op.backward_of for op in self.record.ops):
+            return []
+        leaves = [(f"h{info.handle}", objects[info.handle]) for info in self.record.tensors
+                  if info.kind is Kind.EXTERNAL and isinstance(objects.get(info.handle), torch.Tensor)
+                  and objects[info.handle].requires_grad and objects[info.handle].grad_fn is None]
+        without = [local for local, tensor in leaves if not gradient_hooks(tensor)]
+        lines = [_fail(f"HOOKED(({', '.join(without)},))", "a gradient hook was registered on a parameter")] if without else []
+        for local, tensor in leaves:
+            if gradient_hooks(tensor):  # recorded with hooks: the program has what they computed then
+                lines.append(_fail(f"HOOK_KEYS({local}) != {src.constant(gradient_hooks(tensor), 'hk')}",
+                                   "the gradient hooks of a parameter changed"))
+        if lines:
+            src.namespace.update(HOOKED=any_gradient_hooks, HOOK_KEYS=gradient_hooks)
         return lines
 
     def _meta_checks(self, src: _Source) -> list[str]:
