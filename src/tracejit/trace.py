@@ -32,7 +32,7 @@ from .options import TraceOptions
 from .record.amp import is_inf_check
 from .record.api import ApiTracer
 from .record.calls import has_dynamic_output_shape
-from .record.ddp_calls import ddp_forwards_seen
+from .record.ddp_calls import is_ddp, modules_seen
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames
@@ -239,7 +239,7 @@ class trace(ProfileAccess):
         check_not_nested(self.__name__)
         self._check_arguments(args, kwargs)
         if self.options.without_host:  # what the function changes that a host-free call would not
-            self._state_before = python_state(kwargs)
+            self._state_before = python_state(self._function, kwargs)
         key = signature(args, kwargs)
         entry = self._lookup(key, kwargs)
         if self.options.record_only:  # as MegEngine's: every call is an eager, recording one
@@ -298,7 +298,7 @@ class trace(ProfileAccess):
         True if there are new ones (the call's gradient state did not include them)."""
         keywords = {id(value) for value in kwargs.values()}
         watched = {id(ref()) for ref in self._watched_ddp}
-        new = [module for module in seen if id(module) not in keywords and id(module) not in watched]
+        new = [module for module in seen if is_ddp(module) and id(module) not in keywords and id(module) not in watched]
         self._watched_ddp += [weakref.ref(module) for module in new]
         return bool(new)
 
@@ -351,12 +351,13 @@ class trace(ProfileAccess):
         recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
         context = CallContext(self, recorder, self.options.capture_as_const)
-        ddps: list = []
+        modules: list = []
         try:
-            with ddp_forwards_seen(ddps), traced_call(context):
+            with modules_seen(modules), traced_call(context):
                 result = self._function(*args, **kwargs)
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
+            record.modules_called = tuple(map(weakref.ref, modules))
             dependency = rng_dependency(record, after_first_draw=True) if self.options.symbolic else None
             if dependency:
                 raise SymbolicTraceError(
@@ -372,7 +373,7 @@ class trace(ProfileAccess):
         # A call that ran a backward pass, or created or accumulated gradients, depends on which
         # parameters require grad and which .grad exist when it starts.
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
-        if self._watch_ddp(ddps, kwargs):
+        if self._watch_ddp(modules, kwargs):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
         entry = TraceEntry(key, record, program, grad_state if depends else None)
@@ -508,12 +509,13 @@ class trace(ProfileAccess):
         recorder.bind_inputs(fake_args, fake_kwargs, arg_names)
         recorder.use_real_inputs(args, kwargs)
         context = CallContext(self, recorder, self.options.capture_as_const)
-        ddps: list = []
+        modules: list = []
         try:
-            with ddp_forwards_seen(ddps), traced_call(context):
+            with modules_seen(modules), traced_call(context):
                 result = self._function(*fake_args, **fake_kwargs)
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
+            record.modules_called = tuple(map(weakref.ref, modules))
             record.rerecorded = replaced is not None
             dependency = rng_dependency(record, after_first_draw=True)
             if dependency:
@@ -535,7 +537,7 @@ class trace(ProfileAccess):
         recorder.complete(program)
         result = recorder.real_result(result)
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
-        if self._watch_ddp(ddps, kwargs):
+        if self._watch_ddp(modules, kwargs):
             if replaced is not None:
                 self._drop_shape_trace(replaced)
             self.stats.records += 1
@@ -571,8 +573,9 @@ class trace(ProfileAccess):
         tracer = self._api_tracer(entry, replayer, args, kwargs)
         context = call_context_key()
         call = CallContext(self, replayer, self.options.capture_as_const)
+        modules: list = []  # for a record this call makes (a re-record, a variant)
         try:
-            with traced_call(call):
+            with modules_seen(modules), traced_call(call):
                 if tracer is None:
                     result = self._function(*args, **kwargs)
                 else:
@@ -584,6 +587,7 @@ class trace(ProfileAccess):
         new_record = replayer.finish(result)
         if new_record is not None:
             new_record.rng_calls = tuple(call.rng_calls)
+            new_record.modules_called = tuple(map(weakref.ref, modules))
         if tracer is not None:
             dependency = rng_dependency(replace(entry.record, rng_calls=tuple(call.rng_calls)), after_first_draw=True)
             if dependency:
@@ -609,8 +613,16 @@ class trace(ProfileAccess):
         else:
             entry.replays += 1
             self.stats.checked_replays += 1
-            self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars,
-                                    result=result)
+            if replayer.host_reads_seen and not entry.record.host_reads and self.options.without_host:
+                entry.host_free_error, entry.host_free, self._fast_call = HostDependencyError(
+                    f"without_host=True cannot skip {self.__name__}() anymore: its call now reads values on the "
+                    f"host that its recorded call did not ({replayer.host_reads_seen[0]}; BatchNorm with "
+                    f"momentum=None reads its batch count), and a call without the function would freeze them. "
+                    f"Trace without without_host."), None, None
+                entry.handles = replayer.handles
+            else:
+                self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars,
+                                        result=result)
             if tracer is not None:
                 self._prepare_api(entry, tracer.finish(result), replayer, args, kwargs, context)
         return result
@@ -684,7 +696,7 @@ class trace(ProfileAccess):
         entry.handles = handles  # to_fx() finds the external objects there
         if not self.options.without_host or entry.provisional:
             return
-        error = refuse_python_state_changes(self.__name__, self._state_before, kwargs)
+        error = refuse_python_state_changes(self._function, self.__name__, self._state_before, kwargs)
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return

@@ -130,9 +130,10 @@ def _foreign_frame(filename: str) -> bool:
         return False
     if filename.startswith(_TORCH_DIR):
         return filename[len(_TORCH_DIR):].startswith(_TORCH_HOOK_FILES)
-    # generated code: tracejit's own steps and frozen standard modules are not the user's; code
-    # typed at a prompt (`<stdin>`, `<ipython-input-3-...>`) or run by exec (`<string>`) is
-    return not filename.startswith(("<tracejit", "<frozen"))
+    # generated code: tracejit's own steps, frozen standard modules and the methods dataclasses and
+    # namedtuples generate (`<string>`, which torch builds inside backward) are not the user's;
+    # code typed at a prompt (`<stdin>`, `<ipython-input-3-...>`, `<console>`) is
+    return not filename.startswith(("<tracejit", "<frozen", "<string>"))
 
 
 def _kept_requires_grad(name: str, args: tuple, kwargs: dict) -> bool | None:

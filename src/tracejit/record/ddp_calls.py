@@ -67,17 +67,17 @@ def ddp_refusal(module: DistributedDataParallel, inner_refusal: Callable[[torch.
 
 
 @contextlib.contextmanager
-def ddp_forwards_seen(found: list[DistributedDataParallel]) -> Iterator[None]:
-    """Collect into `found` the DDP modules whose forward runs in the block (a global forward
-    pre-hook, under torch.distributed only): the recording call's, so that a DDP the function
-    reaches through a closure or a global selects its traces by its state, as a keyword one does
-    (signature.gradient_state)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        yield
-        return
+def modules_seen(found: list[torch.nn.Module]) -> Iterator[None]:
+    """Collect into `found` the modules whose forward runs in the block, once each (a global
+    forward pre-hook): the recording call's. A DDP among them that the function reaches through a
+    closure or a global selects its traces by its state, as a keyword one does
+    (signature.gradient_state), and a call without the host checks that every one of them is as
+    it was (runtime/module_guards.py)."""
+    seen: set[int] = set()
 
     def note(module: torch.nn.Module, args: tuple) -> None:
-        if isinstance(module, DistributedDataParallel) and all(m is not module for m in found):
+        if id(module) not in seen:
+            seen.add(id(module))
             found.append(module)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(note)

@@ -55,18 +55,7 @@ class ExternalNames:
         return self._found
 
     def _roots(self) -> list[tuple[str, tuple[str, Any], Any]]:
-        roots = [(name, ("kwarg", name), value) for name, value in self._kwargs.items()]
-        code = getattr(self._function, "__code__", None)
-        if code is not None:
-            globals_ = getattr(self._function, "__globals__", {})
-            roots += [(n, ("global", n), globals_[n]) for n in code.co_names if n in globals_]
-            closure = getattr(self._function, "__closure__", None) or ()
-            for index, (name, cell) in enumerate(zip(code.co_freevars, closure)):
-                try:
-                    roots.append((name, ("cell", index), cell.cell_contents))
-                except ValueError:  # empty cell
-                    pass
-        return roots
+        return roots_of(self._function, self._kwargs)
 
     def _collect(self) -> dict[int, tuple[str, Locator | None]]:
         found: dict[int, tuple[str, Locator | None]] = {}
@@ -85,6 +74,29 @@ class ExternalNames:
                             locator = Locator(root, (), owner_locator, key) if owner_locator else None
                             found.setdefault(id(tensor), (f"{name}.state[{owner_name}].{key}", locator))
         return found
+
+
+def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any], Any]]:
+    """What the function reaches directly, as (name, root, value): its keyword arguments, the
+    globals its code names and its closure cells."""
+    roots = [(name, ("kwarg", name), value) for name, value in kwargs.items()]
+    code = getattr(function, "__code__", None)
+    if code is not None:
+        globals_ = getattr(function, "__globals__", {})
+        roots += [(n, ("global", n), globals_[n]) for n in code.co_names if n in globals_]
+        closure = getattr(function, "__closure__", None) or ()
+        for index, (name, cell) in enumerate(zip(code.co_freevars, closure)):
+            try:
+                roots.append((name, ("cell", index), cell.cell_contents))
+            except ValueError:  # empty cell
+                pass
+    return roots
+
+
+def root_expression(root: tuple[str, Any]) -> str:
+    """The expression for a root in a generated call (`kw`, `GLOBALS` and `CELLS` in scope)."""
+    kind, key = root
+    return {"kwarg": f"kw[{key!r}]", "global": f"GLOBALS[{key!r}]", "cell": f"CELLS[{key}].cell_contents"}[kind]
 
 
 def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: dict) -> None:

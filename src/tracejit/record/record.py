@@ -163,6 +163,9 @@ class Record:
     rerecorded: bool = False
     # calls of torch's RNG-setting functions the recorded call made, with the ops before each (record/rng.py)
     rng_calls: tuple[tuple[str, int], ...] = ()
+    # the torch.nn modules whose forward ran in the recorded call, held weakly: a call without the
+    # host checks that they are as they were (runtime/module_guards.py)
+    modules_called: tuple = ()
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]

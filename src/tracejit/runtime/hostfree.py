@@ -23,12 +23,13 @@ import torch
 from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
 from ..record.calls import has_dynamic_output_shape
-from ..record.names import ExternalNames, Locator
+from ..record.names import ExternalNames, Locator, root_expression
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
 from ..signature import any_gradient_hooks, call_context_key, gradient_hooks, gradient_state, shared_memory
 from .meta_guard import MetaGuard
-from .optimizer_settings import find_bindings, keyword_optimizers, param_ids, setting_guards, stepped_optimizers
+from .module_guards import guarded_modules, module_guards
+from .optimizer_settings import find_bindings, optimizer_hook_guards, param_ids, reached_optimizers, setting_guards, stepped_optimizers
 from .program import HostFreeProgram, scalar_layout
 from .state_holders import Holder, find_holders
 
@@ -106,8 +107,7 @@ class _Source:
         looked up once per call (the assignments go to `pending`)."""
         if locator in self.resolved:
             return self.resolved[locator]
-        kind, key = locator.root
-        expr = {"kwarg": f"kw[{key!r}]", "global": f"GLOBALS[{key!r}]", "cell": f"CELLS[{key}].cell_contents"}[kind]
+        expr = root_expression(locator.root)
         if locator.state_of is not None:
             return f"{self._shared(expr)}.state.get({self.locator(locator.state_of)}, EMPTY).get({locator.state_key!r})"
         for step, name in locator.steps:
@@ -231,7 +231,11 @@ class HostFreeRunner:
             admit += ["try:", *(f"    {line}" for line in training),
                       "except AttributeError:", "    return MISS  # a freed submodule is None, without .training"]
         lines = [f"a{i} = args[{i}]" for i in range(len(args))] if self.checked else admission
-        guards = [] if self.checked else training  # inside a try: a module or optimizer that lost an attribute is a MISS
+        # inside a try: a module or optimizer that lost an attribute is a MISS. A checked call runs
+        # the function, whose module calls are checked (or stood in for) one by one
+        keyword_modules = [weakref.ref(v) for _, v in sorted(kwargs.items()) if isinstance(v, torch.nn.Module)]
+        guards = [] if self.checked else module_guards(
+            guarded_modules([*keyword_modules, *self.record.modules_called]), src.constant, _fail)
         # Without the host, a keyword number could have decided control flow the program froze.
         # A checked call runs the function, which matches every torch call against the record, and
         # the numbers that reach ops come to the program as `S`: no value guard there.
@@ -265,9 +269,11 @@ class HostFreeRunner:
                 guards.append(_fail(f"{expr} is not {constant}", f"{locator.describe()} is another tensor now"))
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
-        optimizers = keyword_optimizers(kwargs)
+        optimizers = reached_optimizers(self.function, kwargs)
         bindings = find_bindings(self.record, objects, optimizers, scalars)
         settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
+        if not self.checked:  # a checked call runs step(), and its hooks with it
+            guards += optimizer_hook_guards(optimizers, src.constant, _fail)
         if settings:  # a checked call at the API level (S given) has compared every number already
             guards += ["if S is None:", *(f"    {line}" for line in settings)]
         self.bound_scalars = scalars  # a checked call at the API level starts from these (`S`)

@@ -11,12 +11,15 @@ call a checked one, which runs the function and records the new numbers.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.optim.optimizer as optimizer_module
 
 from ..record.calls import scalar_slot_names
+from ..record.names import root_expression, roots_of
 from ..record.record import Record
 from ..record.regions import in_optimizer_step
 from .program import scalar_layout
@@ -45,11 +48,47 @@ class SettingBinding:
         return f"{sign}{self.owner}.param_groups[{self.group}][{self.key!r}]{element}"
 
 
-def keyword_optimizers(kwargs: dict) -> list[tuple[str, torch.optim.Optimizer]]:
-    """The optimizers among keyword arguments, each with the expression that reaches it in a
-    generated call (`kw['opt']`), in keyword order."""
-    return [(f"kw[{name!r}]", value) for name, value in sorted(kwargs.items())
-            if isinstance(value, torch.optim.Optimizer)]
+def reached_optimizers(function: Any, kwargs: dict) -> list[tuple[str, torch.optim.Optimizer]]:
+    """The optimizers the function reaches directly (keyword arguments in keyword order, then its
+    globals and closure cells), each once, with the expression that reaches it in a generated call
+    (`kw['opt']`, `CELLS[0].cell_contents`)."""
+    found: list[tuple[str, torch.optim.Optimizer]] = []
+    seen: set[int] = set()
+    keyword = [(("kwarg", name), value) for name, value in sorted(kwargs.items())]
+    others = [(root, value) for _, root, value in roots_of(function, {})]
+    for root, value in keyword + others:
+        if isinstance(value, torch.optim.Optimizer) and id(value) not in seen:
+            seen.add(id(value))
+            found.append((root_expression(root), value))
+    return found
+
+
+def optimizer_hook_guards(optimizers: list[tuple[str, Any]], constant: Any, fail: Any) -> list[str]:
+    """Lines that fail unless the optimizers' step hooks (their own and torch.optim's global ones)
+    and any `step` assigned to the instance (an LR scheduler's wrapper) are the recorded ones:
+    `register_step_post_hook` after recording adds code that `step()` would run."""
+    if not optimizers:
+        return []
+    conditions = []
+    for hooks in (optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks):
+        conditions.append(f"tuple({constant(hooks, 'gh')}) != {constant(tuple(hooks), 'hk')}" if hooks else constant(hooks, "gh"))
+    lines = [fail(" or ".join(conditions), "a global optimizer hook was registered or removed")]
+    for expr, optimizer in optimizers:
+        attributes = optimizer.__dict__
+        conditions = []
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            hooks = attributes.get(name)
+            conditions.append(f"tuple({expr}.{name}) != {constant(tuple(hooks), 'hk')}" if hooks else f"{expr}.{name}")
+        step = attributes.get("step")
+        if step is None:
+            conditions.append(f"'step' in {expr}.__dict__")
+        else:
+            try:
+                conditions.append(f"{expr}.__dict__.get('step') is not {constant(weakref.ref(step), 'sw')}()")
+            except TypeError:  # not weakly referable: compared by identity of a strong reference
+                conditions.append(f"{expr}.__dict__.get('step') is not {constant(step, 'sw')}")
+        lines.append(fail(" or ".join(conditions), f"the step hooks or step() of {expr} changed"))
+    return lines
 
 
 @dataclass

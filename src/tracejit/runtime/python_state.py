@@ -7,18 +7,22 @@ so the schedule would freeze at the recorded step, silently. Such a trace is ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..errors import HostDependencyError
+from ..record.names import roots_of
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
-def python_state(kwargs: dict) -> dict[str, object]:
-    """What the call could change: the settings of every param group of the keyword optimizers
-    and the step count of the keyword schedulers, by a readable name."""
+def python_state(function: Callable, kwargs: dict) -> dict[str, object]:
+    """What the call could change: the settings of every param group of the optimizers the
+    function reaches (keyword arguments, its globals and closure cells) and the step count of the
+    schedulers it reaches, by a readable name."""
     state = {}
-    for name, value in sorted(kwargs.items()):
+    for name, _, value in sorted(roots_of(function, kwargs), key=lambda root: root[0]):
         if isinstance(value, torch.optim.Optimizer):
             for index, group in enumerate(value.param_groups):
                 for key, setting in group.items():
@@ -29,9 +33,10 @@ def python_state(kwargs: dict) -> dict[str, object]:
     return state
 
 
-def refuse_python_state_changes(function_name: str, before: dict, kwargs: dict) -> HostDependencyError | None:
+def refuse_python_state_changes(function: Callable, function_name: str, before: dict,
+                                kwargs: dict) -> HostDependencyError | None:
     """The error for a call that changed what `python_state` watches, or None."""
-    after = python_state(kwargs)
+    after = python_state(function, kwargs)
     changed = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before
                if key in after and before[key] != after[key]]
     if not changed:

@@ -48,6 +48,10 @@ class Replayer:
         self.max_traces = max_traces
         self.new_variant = False
         self.inf_check_at = -1  # the position of GradScaler's inf check in this call, if it ran
+        # host reads of traced values this call made, by description: a record without host reads
+        # whose call now makes them (BatchNorm's momentum set to None reads its batch count) must
+        # not be re-bound to run without the host, where the value read would be frozen
+        self.host_reads_seen: list[str] = []
         self.branched = False  # this call records a variant for the other side of the inf check
         self.moved_at = -1  # where this call last moved to another variant at an inf check
         self.record: Record = program.record
@@ -166,6 +170,7 @@ class Replayer:
             return self.recorder.on_host_read(tensor, what)
         handle = self.handles.get(tensor)
         if handle is not None:
+            self.host_reads_seen.append(f"{what} of t{handle} at {user_location()}")
             self.program.materialize(self.state, handle, self.scalars)
             if in_grad_scaler():
                 self.inf_check_at = self.position

@@ -255,7 +255,7 @@ class _CheckSource:
         self.fail_if(f"D.keys() != {self.constant(set(defaults), 'k')}")
         for key, value in sorted(self.plain("D", defaults).items()):
             self.same(f"D.get({key!r})", value, f"defaults[{key!r}]")
-        if not all(map(_immutable, defaults.values())):
+        if not all(map(immutable, defaults.values())):
             return
         by_value = self.lines[start:]
         self.lines[start:] = [f"if len(D) != {len(defaults)} or {identity_checks('D', defaults, self.constant)}:",
@@ -624,10 +624,10 @@ class _ForwardSource:
             self._module(local, states[id(child)], states)
 
     def _same_objects(self, d: str, state: ModuleState) -> None:
-        """The settings are the recorded objects (immutable ones: see _immutable)."""
+        """The settings are the recorded objects (immutable ones: see immutable)."""
         values = {}
         for key, value in state.attributes.items():
-            if not _immutable(value):
+            if not immutable(value):
                 raise _Unsupported(f"{type(state.module()).__qualname__}.{key} is a {type(value).__name__}")
             values[key] = value
         if values:
@@ -656,10 +656,10 @@ def identity_checks(mapping: str, values: dict, constant: Callable[[Any, str], s
                        for key, value in values.items())
 
 
-def _immutable(value: Any) -> bool:
+def immutable(value: Any) -> bool:
     """Numbers, strings, None and tuples of them: the same object is the same value and type."""
     if type(value) is tuple:
-        return all(map(_immutable, value))
+        return all(map(immutable, value))
     return type(value) in _PRIMITIVES
 
 

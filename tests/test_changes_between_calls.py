@@ -1,0 +1,171 @@
+"""Changes a user makes to modules and optimizers between calls of a warm trace.
+
+Each change is applied to an eager twin and to the traced model alike; after it, every call must
+either match eager (values, parameters, gradients, optimizer state, buffers: bitwise with
+`backend="aten"`) or raise `TraceMismatchError` (or, without the host, `HostDependencyError`)
+before updating any parameter. Never a silently
+different step. Found missing by an adversarial review for `without_host=True` (forward hooks,
+`forward` assigned, a parameterless submodule swapped, settings, optimizer hooks) and for models
+and optimizers reached through a closure rather than a keyword argument (`eval()`, a learning
+rate changed by the caller)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import assert_same_state
+from torch import nn
+
+import tracejit
+from tracejit.errors import TraceMismatchError
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.1), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def _twice(module, inputs, output):
+    return output * 2
+
+
+def _inputs_doubled(module, inputs):
+    return (inputs[0] * 2,)
+
+
+def _halve_parameters(optimizer, args, kwargs=None):
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.mul_(0.5)
+
+
+def _set(obj, name, value):
+    setattr(obj, name, value)
+
+
+# name -> what it does to (model, optimizer)
+CHANGES = {
+    "forward_hook": lambda m, o: m[0].register_forward_hook(_twice),
+    "forward_pre_hook": lambda m, o: m[0].register_forward_pre_hook(_inputs_doubled),
+    "forward_assigned": lambda m, o: _set(m[1], "forward", lambda x: x * 3),
+    "parameterless_child_swapped": lambda m, o: m.__setitem__(1, nn.Tanh()),
+    "negative_slope": lambda m, o: _set(m[1], "negative_slope", 0.3),
+    "batchnorm_momentum": lambda m, o: _set(m[2], "momentum", 0.5),
+    "batchnorm_momentum_none": lambda m, o: _set(m[2], "momentum", None),
+    "eval": lambda m, o: m.eval(),
+    "step_pre_hook": lambda m, o: o.register_step_pre_hook(_halve_parameters),
+    # raises at the hook's first op, after the step it follows has updated the parameters
+    "step_post_hook": lambda m, o: o.register_step_post_hook(_halve_parameters),
+    "learning_rate": lambda m, o: o.param_groups[0].__setitem__("lr", 0.01),
+    "momentum": lambda m, o: o.param_groups[0].__setitem__("momentum", 0.5),
+}
+
+
+def _steps(reach: str):
+    """The step function and how to call it, for a model and optimizer given by keyword or held
+    in the step's closure."""
+    if reach == "keyword":
+        def step(x, y, *, model, opt):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step, lambda traced, x, y, m, o: traced(x, y, model=m, opt=o)
+
+    def make(model, opt):
+        def step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    return make, None
+
+
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+@pytest.mark.parametrize("reach", ["keyword", "closure"])
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_change_between_calls_is_followed_or_raises(change, reach, without_host):
+    eager_model = _model()
+    traced_model = copy.deepcopy(eager_model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
+    traced_opt = torch.optim.SGD(traced_model.parameters(), lr=0.1, momentum=0.9)
+    if reach == "keyword":
+        step, call = _steps("keyword")
+        eager_step = lambda x, y: step(x, y, model=eager_model, opt=eager_opt)  # noqa: E731
+        traced = tracejit.trace(step, backend="aten", without_host=without_host)
+        traced_step = lambda x, y: call(traced, x, y, traced_model, traced_opt)  # noqa: E731
+    else:
+        make, _ = _steps("closure")
+        eager_step = make(eager_model, eager_opt)
+        traced = tracejit.trace(make(traced_model, traced_opt), backend="aten", without_host=without_host)
+        traced_step = traced
+    torch.manual_seed(1)
+    data = [(torch.randn(5, 6), torch.randn(5, 3)) for _ in range(8)]
+    for i, (x, y) in enumerate(data):
+        if i == 4:
+            stats = traced.stats
+            assert (stats.host_free_calls if without_host else stats.api_replays) >= 1, stats  # the JIT served calls
+            CHANGES[change](eager_model, eager_opt)
+            CHANGES[change](traced_model, traced_opt)
+        before = [p.detach().clone() for p in traced_model.parameters()]
+        expected = eager_step(x, y)
+        try:
+            got = traced_step(x, y)
+        except (TraceMismatchError, tracejit.HostDependencyError):
+            assert i >= 4, "raised before the change"
+            if change != "step_post_hook":
+                assert all(torch.equal(a, b) for a, b in zip(before, traced_model.parameters())), "updated, then raised"
+            return
+        assert torch.equal(got, expected), (i, change)
+        assert_same_state(eager_model, eager_opt, traced_model, traced_opt)
+
+
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+def test_a_global_module_hook_registered_between_calls_runs(without_host):
+    model = _model().eval()
+    seen = []
+
+    def infer(x):
+        with torch.no_grad():
+            return model(x) + 1
+
+    traced = tracejit.trace(infer, backend="aten", without_host=without_host)
+    x = torch.randn(5, 6)
+    for _ in range(4):
+        traced(x)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m)))
+    try:
+        assert torch.equal(traced(x), infer(x))
+    finally:
+        handle.remove()
+    # eager's call ran the hook, and so did the traced call, which noticed it and ran the function
+    assert seen.count(nn.Sequential) == 2
+
+
+def test_a_scheduler_stepped_inside_a_step_that_reaches_it_by_closure_is_refused_without_host():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        return loss
+
+    traced = tracejit.trace(step, without_host=True)
+    with pytest.raises(tracejit.HostDependencyError, match=r"lr of param group 0 of opt: 0.1 -> 0.05"):
+        for _ in range(3):
+            traced(torch.randn(5, 4), torch.randn(5, 3))
