@@ -99,6 +99,22 @@ def train_step(x, y, *, model, opt):
     return loss
 
 
+def mse_step(x, y, *, model, opt, scale=1.0):
+    """A regression step; `scale` multiplies the loss (a number backward also uses)."""
+    loss = F.mse_loss(model(x), y) * scale
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def closure_mse_step(model: nn.Module, opt):
+    """mse_step with the model and optimizer held in its closure, not given by keyword."""
+    def step(x, y):
+        return mse_step(x, y, model=model, opt=opt)
+    return step
+
+
 def twin(model: nn.Module, opt_name: str, lr: float = 1e-2):
     """Two identical (model, optimizer) pairs: one for eager, one for the traced run."""
     a = model

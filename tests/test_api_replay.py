@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_same_state, batch, make_model, train_side_by_side, train_step, twin
+from models import assert_same_state, batch, closure_mse_step, make_model, mse_step, train_side_by_side, train_step, twin
 
 import tracejit
 from tracejit.errors import TraceMismatchError
@@ -223,15 +223,7 @@ def test_a_gradient_hook_registered_between_calls_on_a_closure_model_raises(with
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    traced = tracejit.trace(step, backend="aten", without_host=without_host)
+    traced = tracejit.trace(closure_mse_step(model, opt), backend="aten", without_host=without_host)
     for _ in range(4):
         traced(torch.randn(5, 4), torch.randn(5, 3))
     assert traced.stats.api_replays + traced.stats.host_free_calls >= 1
@@ -245,13 +237,7 @@ def test_a_gradient_hook_registered_between_calls_on_a_closure_model_raises(with
 def test_a_divergence_of_a_trace_with_random_ops_falls_back():
     # Found by an adversarial review: restoring the generator's state after a divergence ran under
     # the checker still on the mode stack, which raised its internal ApiDiverged to the caller.
-    def step(x, y, *, model, opt, scale):
-        loss = F.mse_loss(model(x), y) * scale
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = mse_step
     torch.manual_seed(0)
     (model_a, opt_a), (model_b, opt_b) = twin(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 3)), "sgd")
     traced = tracejit.trace(step, backend="aten")

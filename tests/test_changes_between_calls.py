@@ -12,11 +12,11 @@ rate changed by the caller)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
-from models import assert_same_state
+from models import assert_same_state, closure_mse_step, mse_step
 from torch import nn
 
 import tracejit
@@ -65,31 +65,6 @@ CHANGES = {
 }
 
 
-def _steps(reach: str):
-    """The step function and how to call it, for a model and optimizer given by keyword or held
-    in the step's closure."""
-    if reach == "keyword":
-        def step(x, y, *, model, opt):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step, lambda traced, x, y, m, o: traced(x, y, model=m, opt=o)
-
-    def make(model, opt):
-        def step(x, y):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step
-
-    return make, None
-
-
 @pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
 @pytest.mark.parametrize("reach", ["keyword", "closure"])
 @pytest.mark.parametrize("change", sorted(CHANGES))
@@ -99,15 +74,13 @@ def test_a_change_between_calls_is_followed_or_raises(change, reach, without_hos
     eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
     traced_opt = torch.optim.SGD(traced_model.parameters(), lr=0.1, momentum=0.9)
     if reach == "keyword":
-        step, call = _steps("keyword")
-        eager_step = lambda x, y: step(x, y, model=eager_model, opt=eager_opt)  # noqa: E731
-        traced = tracejit.trace(step, backend="aten", without_host=without_host)
-        traced_step = lambda x, y: call(traced, x, y, traced_model, traced_opt)  # noqa: E731
+        traced = tracejit.trace(mse_step, backend="aten", without_host=without_host)
+        eager_step = functools.partial(mse_step, model=eager_model, opt=eager_opt)
+        traced_step = functools.partial(traced, model=traced_model, opt=traced_opt)
     else:
-        make, _ = _steps("closure")
-        eager_step = make(eager_model, eager_opt)
-        traced = tracejit.trace(make(traced_model, traced_opt), backend="aten", without_host=without_host)
-        traced_step = traced
+        eager_step = closure_mse_step(eager_model, eager_opt)
+        traced = traced_step = tracejit.trace(closure_mse_step(traced_model, traced_opt), backend="aten",
+                                              without_host=without_host)
     torch.manual_seed(1)
     data = [(torch.randn(5, 6), torch.randn(5, 3)) for _ in range(8)]
     for i, (x, y) in enumerate(data):
@@ -158,10 +131,7 @@ def test_a_scheduler_stepped_inside_a_step_that_reaches_it_by_closure_is_refused
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
 
     def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = mse_step(x, y, model=model, opt=opt)
         scheduler.step()
         return loss
 
