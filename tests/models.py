@@ -115,6 +115,25 @@ def closure_mse_step(model: nn.Module, opt):
     return step
 
 
+class _Holder:
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+
+def _held_step(holder: _Holder, x, y):
+    return mse_step(x, y, model=holder.model, opt=holder.opt)
+
+
+def helper_mse_step(model: nn.Module, opt):
+    """mse_step reached through a helper function and an object of the user's: the step's closure
+    holds neither the model nor the optimizer itself."""
+    holder = _Holder(model, opt)
+
+    def step(x, y):
+        return _held_step(holder, x, y)
+    return step
+
+
 def twin(model: nn.Module, opt_name: str, lr: float = 1e-2):
     """Two identical (model, optimizer) pairs: one for eager, one for the traced run."""
     a = model

@@ -3,11 +3,10 @@
 Each change is applied to an eager twin and to the traced model alike; after it, every call must
 either match eager (values, parameters, gradients, optimizer state, buffers: bitwise with
 `backend="aten"`) or raise `TraceMismatchError` (or, without the host, `HostDependencyError`)
-before updating any parameter. Never a silently
-different step. Found missing by an adversarial review for `without_host=True` (forward hooks,
-`forward` assigned, a parameterless submodule swapped, settings, optimizer hooks) and for models
-and optimizers reached through a closure rather than a keyword argument (`eval()`, a learning
-rate changed by the caller)."""
+before updating any parameter: never a silently different step. Found missing by an adversarial
+review for `without_host=True` (forward hooks, `forward` assigned, a parameterless submodule
+swapped, settings, optimizer hooks), and for models and optimizers reached through a closure or
+a helper function rather than a keyword argument (`eval()`, a learning rate the caller changed)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import functools
 
 import pytest
 import torch
-from models import assert_same_state, closure_mse_step, mse_step
+from models import assert_same_state, closure_mse_step, helper_mse_step, mse_step
 from torch import nn
 
 import tracejit
@@ -66,7 +65,7 @@ CHANGES = {
 
 
 @pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
-@pytest.mark.parametrize("reach", ["keyword", "closure"])
+@pytest.mark.parametrize("reach", ["keyword", "closure", "helper"])
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_change_between_calls_is_followed_or_raises(change, reach, without_host):
     eager_model = _model()
@@ -78,9 +77,9 @@ def test_a_change_between_calls_is_followed_or_raises(change, reach, without_hos
         eager_step = functools.partial(mse_step, model=eager_model, opt=eager_opt)
         traced_step = functools.partial(traced, model=traced_model, opt=traced_opt)
     else:
-        eager_step = closure_mse_step(eager_model, eager_opt)
-        traced = traced_step = tracejit.trace(closure_mse_step(traced_model, traced_opt), backend="aten",
-                                              without_host=without_host)
+        make = closure_mse_step if reach == "closure" else helper_mse_step
+        eager_step = make(eager_model, eager_opt)
+        traced = traced_step = tracejit.trace(make(traced_model, traced_opt), backend="aten", without_host=without_host)
     torch.manual_seed(1)
     data = [(torch.randn(5, 6), torch.randn(5, 3)) for _ in range(8)]
     for i, (x, y) in enumerate(data):

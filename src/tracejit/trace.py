@@ -32,11 +32,12 @@ from .options import TraceOptions
 from .record.amp import is_inf_check
 from .record.api import ApiTracer
 from .record.calls import has_dynamic_output_shape
-from .record.ddp_calls import is_ddp, modules_seen
+from .record.ddp_calls import is_ddp
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames
 from .record.ranks import post_failure
+from .record.reached import Seen
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
@@ -351,13 +352,13 @@ class trace(ProfileAccess):
         recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
         context = CallContext(self, recorder, self.options.capture_as_const)
-        modules: list = []
+        seen = Seen(optimizers=self.options.without_host)
         try:
-            with modules_seen(modules), traced_call(context):
+            with seen.watching(), traced_call(context):
                 result = self._function(*args, **kwargs)
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
-            record.modules_called = tuple(map(weakref.ref, modules))
+            seen.store(record)
             dependency = rng_dependency(record, after_first_draw=True) if self.options.symbolic else None
             if dependency:
                 raise SymbolicTraceError(
@@ -373,7 +374,7 @@ class trace(ProfileAccess):
         # A call that ran a backward pass, or created or accumulated gradients, depends on which
         # parameters require grad and which .grad exist when it starts.
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
-        if self._watch_ddp(modules, kwargs):
+        if self._watch_ddp(seen.modules, kwargs):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
         entry = TraceEntry(key, record, program, grad_state if depends else None)
@@ -509,13 +510,13 @@ class trace(ProfileAccess):
         recorder.bind_inputs(fake_args, fake_kwargs, arg_names)
         recorder.use_real_inputs(args, kwargs)
         context = CallContext(self, recorder, self.options.capture_as_const)
-        modules: list = []
+        seen = Seen(optimizers=self.options.without_host)
         try:
-            with modules_seen(modules), traced_call(context):
+            with seen.watching(), traced_call(context):
                 result = self._function(*fake_args, **fake_kwargs)
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
-            record.modules_called = tuple(map(weakref.ref, modules))
+            seen.store(record)
             record.rerecorded = replaced is not None
             dependency = rng_dependency(record, after_first_draw=True)
             if dependency:
@@ -537,7 +538,7 @@ class trace(ProfileAccess):
         recorder.complete(program)
         result = recorder.real_result(result)
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
-        if self._watch_ddp(modules, kwargs):
+        if self._watch_ddp(seen.modules, kwargs):
             if replaced is not None:
                 self._drop_shape_trace(replaced)
             self.stats.records += 1
@@ -573,9 +574,9 @@ class trace(ProfileAccess):
         tracer = self._api_tracer(entry, replayer, args, kwargs)
         context = call_context_key()
         call = CallContext(self, replayer, self.options.capture_as_const)
-        modules: list = []  # for a record this call makes (a re-record, a variant)
+        seen = Seen(optimizers=self.options.without_host)  # for a record this call makes (a re-record, a variant)
         try:
-            with modules_seen(modules), traced_call(call):
+            with seen.watching(), traced_call(call):
                 if tracer is None:
                     result = self._function(*args, **kwargs)
                 else:
@@ -587,7 +588,7 @@ class trace(ProfileAccess):
         new_record = replayer.finish(result)
         if new_record is not None:
             new_record.rng_calls = tuple(call.rng_calls)
-            new_record.modules_called = tuple(map(weakref.ref, modules))
+            seen.store(new_record)
         if tracer is not None:
             dependency = rng_dependency(replace(entry.record, rng_calls=tuple(call.rng_calls)), after_first_draw=True)
             if dependency:

@@ -13,8 +13,7 @@ configuration does something the stand-in cannot repeat.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,24 +63,3 @@ def ddp_refusal(module: DistributedDataParallel, inner_refusal: Callable[[torch.
     if why is not None:
         return f"the module it wraps cannot be answered whole: {why}"
     return None
-
-
-@contextlib.contextmanager
-def modules_seen(found: list[torch.nn.Module]) -> Iterator[None]:
-    """Collect into `found` the modules whose forward runs in the block, once each (a global
-    forward pre-hook): the recording call's. A DDP among them that the function reaches through a
-    closure or a global selects its traces by its state, as a keyword one does
-    (signature.gradient_state), and a call without the host checks that every one of them is as
-    it was (runtime/module_guards.py)."""
-    seen: set[int] = set()
-
-    def note(module: torch.nn.Module, args: tuple) -> None:
-        if id(module) not in seen:
-            seen.add(id(module))
-            found.append(module)
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
-    try:
-        yield
-    finally:
-        handle.remove()

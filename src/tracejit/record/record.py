@@ -164,8 +164,9 @@ class Record:
     # calls of torch's RNG-setting functions the recorded call made, with the ops before each (record/rng.py)
     rng_calls: tuple[tuple[str, int], ...] = ()
     # the torch.nn modules whose forward ran in the recorded call, held weakly: a call without the
-    # host checks that they are as they were (runtime/module_guards.py)
+    # host checks that they are as they were (record/reached.py)
     modules_called: tuple = ()
+    optimizers_stepped: tuple = ()  # likewise the optimizers whose step() ran (noted without the host only)
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]

@@ -270,6 +270,10 @@ class HostFreeRunner:
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
         optimizers = reached_optimizers(self.function, kwargs)
+        known = {id(optimizer) for _, optimizer in optimizers}
+        # stepped through a helper the function calls: reached through the recorded object, held weakly
+        optimizers += [(f"{src.constant(ref, 'or')}()", ref()) for ref in self.record.optimizers_stepped
+                       if ref() is not None and id(ref()) not in known]
         bindings = find_bindings(self.record, objects, optimizers, scalars)
         settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
         if not self.checked:  # a checked call runs step(), and its hooks with it
