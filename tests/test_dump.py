@@ -387,3 +387,28 @@ def test_dump_to_a_file_object_and_load_from_bytes_with_profiling():
     assert all(row["sources"] == ["models.py:23 in forward"] for row in report["rows"])
     with pytest.raises(RuntimeError, match="pass profiling=True"):
         tracejit.load(buffer.getvalue()).get_profile()
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch", "group"])
+def test_a_normalization_under_bf16_autocast_dumps_and_loads(norm):
+    # Found by an adversarial review: the CPU kernels keep the statistics of a bf16 input with
+    # float32 weights in float32 where torch's meta kernels say bf16, and the load-time check
+    # took the meta kernel's word: such a graph could not be dumped.
+    torch.manual_seed(0)
+    layer = {"layer": nn.LayerNorm(16), "batch": nn.BatchNorm1d(16), "group": nn.GroupNorm(4, 16)}[norm]
+    model = nn.Sequential(nn.Linear(8, 16), layer).eval()
+
+    def run(x, *, model):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float()
+
+    traced = tracejit.trace(run, capture_as_const=True)
+    x = torch.randn(4, 8)
+    traced(x, model=model)
+    file = io.BytesIO()
+    traced.dump(file)
+    file.seek(0)
+    for backend in ("aten", "c"):
+        file.seek(0)
+        (got,) = tracejit.load(file, backend=backend)(x)
+        assert torch.equal(got, run(x, model=model)), backend

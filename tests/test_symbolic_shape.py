@@ -339,3 +339,103 @@ def test_state_after_many_shapes_matches_eager_bitwise():
         assert same_tree(traced(x, y, **twins), train_step(x, y, **objects))
         assert same_tree(state_of(twins["opt"]), state_of(objects["opt"]))
         assert same_tree(state_of(twins["model"]), state_of(objects["model"]))
+
+
+def _slice_columns(x):
+    return x[:, :2] * 2
+
+
+def _diag(m):
+    return torch.diag(m) + 1
+
+
+def _upsample_to(x, skip):
+    return F.interpolate(x, size=skip.shape[-2:], mode="nearest") + skip
+
+
+def _upsample_twice(x):
+    return F.interpolate(x, scale_factor=2.0, mode="nearest") * 2
+
+
+def _views_of_an_intermediate(x):
+    y = x * 2
+    return y.T, (x + 1).view(-1), (x - 1).split(1)[0]
+
+
+AUTOMATIC_CASES = {
+    # a full slice on a symbolic dim is recorded, which concrete sizes elide: the first replay at
+    # a new size records that size again (found by an adversarial review: TraceMismatchError)
+    "slice": (_slice_columns, lambda n: (torch.randn(n, 3),)),
+    # torch needs a concrete number on stand-ins: the automatic mode keeps a trace per shape
+    "diag": (_diag, lambda n: (torch.randn(n, n),)),
+    "interpolate_to": (_upsample_to, lambda n: (torch.randn(1, 2, n, n), torch.randn(1, 2, 2 * n, 2 * n))),
+    "interpolate_scale": (_upsample_twice, lambda n: (torch.randn(1, 2, n, n + 1),)),
+    "views_of_an_intermediate": (_views_of_an_intermediate, lambda n: (torch.randn(n, 3),)),
+}
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+@pytest.mark.parametrize("case", sorted(AUTOMATIC_CASES))
+def test_the_automatic_mode_serves_what_symbols_cannot_record(case, without_host):
+    function, inputs = AUTOMATIC_CASES[case]
+    traced = tracejit.trace(function, without_host=without_host)  # symbolic_shape=None
+    torch.manual_seed(0)
+    for n in (4, 5, 7, 7, 9, 5, 9, 4):
+        args = inputs(n)
+        assert same_tree(traced(*args), function(*args)), (case, n)
+    stats = traced.stats
+    assert stats.checked_replays + stats.host_free_calls >= 2, stats  # later calls of a size replay
+
+
+def test_a_mixed_precision_step_the_meta_kernels_mispredict_stays_static_in_the_automatic_mode():
+    """LayerNorm under bf16 autocast: torch's meta kernel predicts bf16 statistics where the CPU
+    kernel makes float32; the symbolic record is not kept, and the step trains as eager does."""
+    def step(x, *, model, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    reference = copy.deepcopy(model)
+    opt, reference_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    traced = tracejit.trace(step)
+    for n in (8, 5, 3, 5, 8, 3):
+        x = torch.randn(n, 8)
+        assert torch.equal(traced(x, model=model, opt=opt), step(x, model=reference, opt=reference_opt)), n
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())), n
+    assert traced._shape_traces == [] and traced.stats.checked_replays >= 3
+
+
+def test_the_automatic_mode_still_refuses_a_stand_in_kept_in_python_state():
+    kept = []
+
+    def keep(x):
+        y = x * 2
+        kept.append(y)
+        return y.sum()
+
+    traced = tracejit.trace(keep)
+    traced(torch.randn(4))
+    with pytest.raises(SymbolicTraceError, match="beyond the call"):
+        traced(torch.randn(6))
+
+
+def test_a_bf16_model_with_layer_norm_still_shares_one_symbolic_trace():
+    """Only the mixed case (bf16 input, float32 weights, as under autocast) is mispredicted; a model
+    in bf16 throughout keeps one trace of symbolic sizes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16)).to(torch.bfloat16).eval()
+
+    def infer(x, *, model):
+        with torch.no_grad():
+            return model(x)
+
+    traced = tracejit.trace(infer)
+    for n in (4, 5, 7, 5, 4, 9):
+        x = torch.randn(n, 8, dtype=torch.bfloat16)
+        assert torch.equal(traced(x, model=model), infer(x, model=model)), n
+    assert len(traced._shape_traces) == 1 and traced.stats.shape_specializations >= 2

@@ -148,6 +148,7 @@ class trace(ProfileAccess):
         # signature -> the traces recorded for it, one per gradient state when that matters
         self._traces: dict[tuple, list[TraceEntry]] = {}
         self._shape_traces: list[ShapeTrace] = []  # symbolic_shape: traces of symbolic sizes, oldest first
+        self._static_families: set = set()  # symbolic_shape=None: kinds of call whose symbolic recording failed
         # DistributedDataParallel modules the function reaches without a keyword (a closure, a
         # global, inside a keyword module): their state selects traces too (see _watch_ddp)
         self._watched_ddp: list[weakref.ref] = []
@@ -344,7 +345,9 @@ class trace(ProfileAccess):
     def _record(self, key: tuple, args: tuple, kwargs: dict, replacing: TraceEntry | None = None) -> Any:
         plan = self._symbolic_plan(key) if replacing is None else None
         if plan is not None:
-            return self._record_symbolic(key, args, kwargs, *plan)
+            result = self._record_symbolic(key, args, kwargs, *plan)
+            if result is not _STATIC:
+                return result
         grad_state = self._gradient_state(kwargs)
         if self._trace_count() - (replacing is not None) >= self.options.max_traces:
             raise self._cache_full(key, args, kwargs, grad_state)
@@ -435,6 +438,8 @@ class trace(ProfileAccess):
         # only those that changed, as torch.compile does): programs run per concrete size, so a symbol
         # costs nothing at run time, and the size that changes next (the batch after the sequence
         # length) needs no third trace. Sizes the code relies on stay pinned by their guards.
+        if kin in self._static_families:  # a symbolic recording of this kind failed before
+            return None
         shapes = input_shapes(key)
         relatives = [e for e in self._entries() if family(e.key) == kin and input_shapes(e.key) != shapes]
         if not relatives and not same:
@@ -532,8 +537,19 @@ class trace(ProfileAccess):
                     f"which symbolic_shape cannot evaluate from the input sizes. Trace it with symbolic_shape=False.")
             concrete = specialize(record, guards.binding([t for _, t in inputs]))
             program = self._compile(concrete, fused=False)
-        except BaseException:
+        except Exception:
+            if self.options.symbolic_shape is None and not recorder.ran_for_real and not recorder.stand_in_escaped:
+                # The automatic mode tried symbols and the function cannot run on stand-ins of
+                # symbolic size (a size torch needs as a number, a view it cannot express): nothing
+                # ran on the real tensors and no stand-in stayed in Python state, so this call records
+                # the static trace of its sizes, and the calls of its kind do from now on (its Python
+                # runs twice in this call). A stand-in the function kept raises, as it always did.
+                self._static_families.add(family(key))
+                return _STATIC
             recorder.abandon()  # run what was recorded, so side effects match an eager call
+            raise
+        except BaseException:
+            recorder.abandon()
             raise
         recorder.complete(program)
         result = recorder.real_result(result)
@@ -566,7 +582,12 @@ class trace(ProfileAccess):
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
         replayer = Replayer(
             entry.program, args, kwargs,
-            may_rerecord=record.created_state and not record.rerecorded and entry.replays == 0,
+            # the first replay of a record that created state records it again; so does, in the
+            # automatic symbolic_shape mode, a size's first replay of a symbolic trace, should the
+            # function dispatch what torch elides at concrete sizes (a full slice, a size query)
+            may_rerecord=entry.replays == 0 and (
+                (record.created_state and not record.rerecorded)
+                or (entry.shape_trace is not None and self.options.symbolic_shape is None)),
             external_names=ExternalNames(self._function, kwargs),
             capture_as_const=self.options.capture_as_const,
             variants=variants, room=self.options.max_traces - self._trace_count(), max_traces=self.options.max_traces,
@@ -605,8 +626,13 @@ class trace(ProfileAccess):
             else:
                 self.stats.shape_variants += 1
         elif new_record is not None:
-            replaced = TraceEntry(entry.key, new_record, self._compile(new_record, fused=entry.shape_trace is None),
-                                  entry.grad_state, shape_trace=entry.shape_trace)
+            shape_trace = entry.shape_trace
+            if shape_trace is not None and not (record.created_state and not record.rerecorded):
+                # a size the symbolic trace did not fit (the automatic mode): its own static trace now
+                self._static_families.add(shape_trace.family)
+                shape_trace = None
+            replaced = TraceEntry(entry.key, new_record, self._compile(new_record, fused=shape_trace is None),
+                                  entry.grad_state, shape_trace=shape_trace)
             entries = self._traces[entry.key]
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result)
@@ -860,6 +886,9 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
             return (f"the function keeps t{handle} (made at {_producer_source(record, handle)}) beyond the call; "
                     f"the API level hands out placeholders for such values")
     return None
+
+
+_STATIC = object()  # _record_symbolic: record this call static instead
 
 
 def _returns_graph(record: Record, result: Any) -> bool:

@@ -86,6 +86,8 @@ class SymbolicRecorder(Recorder):
         # ops draw only when the program runs, so the host must not reseed the generator after it.
         self._generator_state: torch.Tensor | None = None
         self._first_draw = ""
+        self.ran_for_real = False  # a catch-up ran ops of the call on its real tensors
+        self.stand_in_escaped = False  # the function kept a stand-in in Python state (finish)
 
     # -- recording --------------------------------------------------------------------------------
 
@@ -288,11 +290,14 @@ class SymbolicRecorder(Recorder):
                     f"call returns it computed by the program, without an autograd graph. Trace the whole "
                     f"training step, call it under torch.no_grad(), or trace with symbolic_shape=False.")
         gc.collect()  # stand-ins in reference cycles the call left behind
+        # what a returned view keeps alive of its base is no stand-in in Python state
+        bases = {id(t._base) for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t._base is not None}
         for handle, tensor in self.handles.live().items():
             info = record.tensors[handle]
             if (isinstance(tensor, FakeTensor) and info.kind is Kind.INTERNAL and id(tensor) not in returned
                     and not any(t is tensor for t in tree_leaves(result))):
                 producer = record.ops[info.producer]
+                self.stand_in_escaped = id(tensor) not in bases
                 raise SymbolicTraceError(
                     f"tracejit: {self.function_name}() keeps t{handle}, a tensor of symbolic size made by op "
                     f"#{producer.index} {producer.name} at {producer.source}, beyond the call (in Python state, "
@@ -341,6 +346,7 @@ class SymbolicRecorder(Recorder):
         return self._runner.computed(handle)
 
     def _run(self, program: Any) -> None:
+        self.ran_for_real = True
         disagreements = self._runner.run(program, self._inputs, self._placeholders)
         if disagreements:
             raise self._prediction_error(disagreements)
@@ -366,8 +372,9 @@ class SymbolicRecorder(Recorder):
         return SymbolicTraceError(
             f"tracejit: {self.function_name}() was recorded with symbolic=True, and torch's fake (meta) "
             f"kernels predicted other strides than the real kernels produced:\n{listed}\n"
-            f"The call ran and its values are correct, but a record built on mispredicted metadata may not "
-            f"match what later calls dispatch, so it is not kept. Trace this function with symbolic=False."
+            f"The call ran its program, so the tensors it updates (parameters, buffers, optimizer state) may "
+            f"hold values computed on that metadata, and the record is not kept. Trace this function with "
+            f"symbolic=False (symbolic_shape=False)."
         )
 
 

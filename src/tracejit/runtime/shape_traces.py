@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ir.meta_check import MIXED_PRECISION_STATISTICS, REDUCED_PRECISION
 from ..record.calls import has_dynamic_output_shape
 from ..record.record import Record
 from ..record.symbolic_shapes import ShapeGuards
@@ -80,6 +81,14 @@ def why_static(record: Record) -> str | None:
         return f"it sets the random generator's state ({record.rng_calls[0][0]})"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "torch.distributed is initialized (the ranks must agree on each recording)"
+    mixed = next((op for op in record.ops if op.op in MIXED_PRECISION_STATISTICS and len(op.outputs) > 1
+                  and record.tensors[op.inputs[0]].meta.dtype in REDUCED_PRECISION
+                  and op.outputs[1] is not None and record.tensors[op.outputs[1]].meta.dtype == torch.float32), None)
+    if mixed is not None:
+        # the meta kernel says bf16 statistics where the CPU kernel makes float32 ones, and the
+        # stand-ins would carry the wrong dtype on: the recording cannot be right
+        return (f"op #{mixed.index} {mixed.name} at {mixed.source} normalizes a {record.tensors[mixed.inputs[0]].meta.dtype} "
+                f"input, whose statistics torch's meta kernels mispredict")
     return None
 
 
