@@ -776,3 +776,53 @@ def test_gradients_made_by_the_call_are_new_tensors_each_call(kind, opt_name, re
     else:
         assert stats.api_replays >= 3 and stats.api_fallbacks == 0
         assert not [e.api_refused for e in traced_step._entries() if e.api_refused]
+
+
+def test_an_infinite_number_is_matched_at_the_api_level():
+    # Found by an adversarial review: the generated check wrote -inf as `-inf`, a NameError, so
+    # every call of an attention-mask step fell back to the aten level.
+    def masked(weight):
+        def f(x, mask):
+            y = (x * weight).masked_fill(mask, float("-inf")).softmax(-1)
+            y.sum().backward()
+            return y.detach()
+        return f
+
+    traced_weight = torch.randn(5, requires_grad=True)
+    eager_weight = traced_weight.detach().clone().requires_grad_()
+    traced, eager = tracejit.trace(masked(traced_weight), backend="aten"), masked(eager_weight)
+    for _ in range(8):
+        x, mask = torch.randn(4, 5), torch.rand(4, 5) > 0.5
+        mask[:, 0] = False
+        assert torch.equal(traced(x, mask), eager(x, mask))
+        assert torch.equal(traced_weight.grad, eager_weight.grad)
+    assert traced.stats.api_replays >= 4 and traced.stats.api_fallbacks == 0
+
+
+def test_exceptions_the_function_raises_do_not_keep_the_trace_at_the_aten_level():
+    # Found by an adversarial review: three calls that raised the user's own error (a bad batch,
+    # retried) counted as API-level divergences and kept every later call at the aten level.
+    weight = torch.randn(8, requires_grad=True)
+    batch_is_bad = {"now": False}
+
+    def f(x):
+        y = (x * weight).sum()
+        if batch_is_bad["now"]:
+            raise ValueError("bad batch")
+        y.backward()
+        return y.detach()
+
+    traced = tracejit.trace(f, backend="aten")
+    for i in range(16):
+        batch_is_bad["now"] = i in (5, 8, 11)
+        if batch_is_bad["now"]:
+            with pytest.raises(ValueError, match="bad batch"):
+                traced(torch.randn(8))
+        else:
+            x = torch.randn(8)
+            assert torch.equal(traced(x), (x * weight).sum().detach())
+    before = traced.stats.api_replays
+    for _ in range(4):
+        traced(torch.randn(8))
+    assert traced.stats.api_replays == before + 4
+    assert all(e.api_refused is None for e in traced._entries())

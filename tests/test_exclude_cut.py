@@ -258,3 +258,42 @@ def test_the_guides_cut_example_runs():
     exec(compile(source, "guide.md", "exec"), namespace)
     assert namespace["results"] == [1, -1, 1]
     assert namespace["f"].stats.checked_replays == 2
+
+
+@pytest.mark.parametrize("block", ["log", "scale"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum"])
+def test_a_block_in_a_step_whose_optimizer_creates_state_on_the_first_call(block, optimizer):
+    # Found by an adversarial review: the call after the first re-records the step (the optimizer
+    # created its state), and a re-record that began after the block missed a value the block's
+    # cut made an input: an internal KeyError on that call and every later one.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
+    reference = copy.deepcopy(model)
+
+    def make(opt_of):
+        return (torch.optim.Adam(opt_of.parameters(), lr=0.1) if optimizer == "adam"
+                else torch.optim.SGD(opt_of.parameters(), lr=0.1, momentum=0.9))
+
+    opt, reference_opt = make(model), make(reference)
+    logs: dict[str, list] = {"traced": [], "eager": []}
+
+    def step(x, *, model, opt, log):
+        out = model(x)
+        with tracejit.exclude_from_trace():
+            logs[log].append(out.detach().sum().item())
+            if block == "scale":
+                out = out * 2
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    traced = tracejit.trace(step, backend="aten")
+    for i in range(6):
+        x = torch.randn(4, 6)
+        got = traced(x, model=model, opt=opt, log="traced")
+        assert torch.equal(got, step(x, model=reference, opt=reference_opt, log="eager")), i
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())), i
+    assert logs["traced"] == logs["eager"]
+    assert traced.stats.checked_replays >= 2, traced.stats

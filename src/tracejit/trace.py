@@ -284,13 +284,17 @@ class trace(ProfileAccess):
             self.stats.checked_replays += 1
             self.stats.api_replays += 1
             return result
-        entry.api_fallbacks += 1
         entry.api_last_fallback = fallback
         self.stats.api_fallbacks += 1
+        entry.api = None  # the aten-level call rebuilds it from what it sees
+        # An exception the aten level raises too is the function's own (bad data, a retried call):
+        # it says nothing against the API level. One that only the API level raised counts.
+        result = self._replay(entry, args, kwargs)
+        entry.api_fallbacks += 1
         if entry.api_fallbacks >= 3 and entry.api_fallbacks * 4 > entry.replays:
             self._refuse_api(entry, f"{entry.api_fallbacks} calls diverged at the API level (last: {fallback})")
-        entry.api = None  # the aten-level call rebuilds it from what it sees
-        return self._replay(entry, args, kwargs)
+            entry.api = self._fast_api = None  # the replay had built it again
+        return result
 
     def _gradient_state(self, kwargs: dict) -> tuple[int, ...]:
         return gradient_state(kwargs, self._watched_ddp)
@@ -631,9 +635,19 @@ class trace(ProfileAccess):
                 # a size the symbolic trace did not fit (the automatic mode): its own static trace now
                 self._static_families.add(shape_trace.family)
                 shape_trace = None
-            replaced = TraceEntry(entry.key, new_record, self._compile(new_record, fused=shape_trace is None),
-                                  entry.grad_state, shape_trace=shape_trace)
             entries = self._traces[entry.key]
+            try:
+                program = self._compile(new_record, fused=shape_trace is None)
+            except (KeyError, IndexError):
+                # A re-record that began after an exclude_from_trace() block can miss the producer of
+                # a value the block's cut made an input (the replay held it). The call itself ran and
+                # is right; the next call of this signature records from its start instead.
+                entries.remove(entry)
+                if not entries:
+                    del self._traces[entry.key]
+                self._fast_call = self._fast_api = None
+                return result
+            replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace)
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result)
             self.stats.rerecords += 1

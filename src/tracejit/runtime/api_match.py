@@ -4,6 +4,7 @@ recorded answers. `program` gives the names of constants and locals in the gener
 
 from __future__ import annotations
 
+import cmath
 from typing import Any
 
 import torch
@@ -34,6 +35,14 @@ def same_literal(tensor: Any, recorded: torch.Tensor) -> bool:
     has the recorded value built in)."""
     return (isinstance(tensor, torch.Tensor) and tensor.dtype == recorded.dtype and tensor.shape == recorded.shape
             and tensor.device == recorded.device and bool(torch.equal(tensor, recorded)))
+
+
+def source_of(value: Any, constant: Any) -> str:
+    """Python source for a number or string; an infinity has none (`inf` is no name), so it is a
+    constant of the generated code's namespace."""
+    if type(value) in (float, complex) and not cmath.isfinite(value):
+        return constant(value, "c")
+    return repr(value)
 
 
 def ref_expr(ref: TensorRef) -> str:
@@ -88,9 +97,10 @@ def match_lines(expr: str, template: Any, program: Any, numbers: Numbers | None 
     if type(template) is float:
         if template != template:  # nan
             return [f"if type({expr}) is not float or {expr} == {expr}: return FAIL"]
-        return [f"if type({expr}) is not float or {expr} != {template!r}: return FAIL"]
+        return [f"if type({expr}) is not float or {expr} != {source_of(template, program.constant)}: return FAIL"]
     if type(template) in (int, str, complex):
-        return [f"if type({expr}) is not {type(template).__name__} or {expr} != {template!r}: return FAIL"]
+        return [f"if type({expr}) is not {type(template).__name__} or {expr} != {source_of(template, program.constant)}: "
+                f"return FAIL"]
     if isinstance(template, (torch.dtype, torch.layout, torch.memory_format)):
         return [f"if {expr} is not {program.constant(template, 'd')}: return FAIL"]
     # devices, slices, Ellipsis and the like compare by value

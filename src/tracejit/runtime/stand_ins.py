@@ -31,7 +31,7 @@ from ..record.api import ApiCall, CallKind, RefKind, TensorRef
 from ..record.ddp_calls import is_ddp
 from ..record.module_calls import ModuleCall, ModuleState, global_hook_dicts
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
-from .api_match import FAIL, answer_expr, match_lines
+from .api_match import FAIL, answer_expr, match_lines, source_of
 from .optimizer_numbers import MODELS, SETTINGS, numbers, same_numbers
 from .optimizer_settings import SettingBinding, find_bindings
 
@@ -227,7 +227,7 @@ class _CheckSource:
         elif type(value) in (int, float, str):
             if type(value) is float and value != value:
                 raise _Unsupported(f"{what} is NaN")
-            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {value!r}")
+            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {source_of(value, self.constant)}")
         elif type(value) is tuple and all(type(v) in _PRIMITIVES for v in value):
             local = f"t{len(self.lines)}"
             self.lines.append(f"{local} = {expr}")
@@ -556,7 +556,7 @@ class _ForwardSource:
         elif value is None or type(value) is bool:
             self.fail_if(f"{expr} is not {value}")
         elif type(value) in (int, float, str) and value == value:
-            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {value!r}")
+            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {source_of(value, self.program.constant)}")
         elif type(value) in (tuple, list) and all(type(v) in (int, float, str, bool, type(None)) for v in value):
             constant = self.program.constant(value, "c")
             types = self.program.constant(tuple(map(type, value)), "c")
