@@ -12,6 +12,7 @@ import torch
 from dumping import SRC, traced_inference, tracejit_cli
 from models import batch, make_model
 
+import tracejit
 from tracejit.cli import main
 
 
@@ -140,3 +141,21 @@ def test_demo_out_names_a_file_or_a_directory(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "mine.tjit").is_file() and not (tmp_path / "classifier.tjit").exists()
     assert f"to {tmp_path / 'mine.tjit'}: 5 ops" in done.stdout
+
+
+def test_an_error_of_the_graph_on_given_inputs_is_one_line(tmp_path, monkeypatch, capsys):
+    # Found by an adversarial review: an embedding index out of range printed torch's traceback
+    embedding = torch.nn.Embedding(5, 3)
+
+    def lookup(idx, *, model):
+        with torch.no_grad():
+            return model(idx)
+
+    traced = tracejit.trace(lookup, capture_as_const=True)
+    traced(torch.tensor([0, 1, 2]), model=embedding)
+    traced.dump(str(tmp_path / "emb.tjit"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "emb.tjit", "--input", "idx=#rand(5,9)", "--iters", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tracejit: error: lookup() failed on these inputs: index out of range")
+    assert len(err.strip().splitlines()) == 1

@@ -24,14 +24,23 @@ def run_file(args: argparse.Namespace) -> int:
     inputs, origin = _inputs(loaded, args.input)
     print(f"inputs: {origin}")
     for _ in range(args.warmup):
-        loaded(**inputs)
+        _call(loaded, inputs)
     times = _timed(loaded, inputs, args.iters)
     if times:
         _report(times, _batch(inputs))
-    _describe_outputs(loaded(**inputs))
+    _describe_outputs(_call(loaded, inputs))
     if args.profile:
         print(format_table(loaded.get_profile()))
     return _check(loaded) if args.check else 0
+
+
+def _call(loaded: LoadedGraph, inputs: dict[str, torch.Tensor]) -> Any:
+    """A call of the graph; an error of torch's on these inputs (an embedding index out of range)
+    is the user's to fix, reported in one line."""
+    try:
+        return loaded(**inputs)
+    except (RuntimeError, IndexError) as error:
+        raise ValueError(f"{loaded.name}() failed on these inputs: {error}") from None
 
 
 def _inputs(loaded: LoadedGraph, specs: list[str]) -> tuple[dict[str, torch.Tensor], str]:
@@ -63,7 +72,7 @@ def _timed(loaded: LoadedGraph, inputs: dict[str, torch.Tensor], iters: int) -> 
     times = []
     for i in range(iters):
         start = time.perf_counter()
-        loaded(**inputs)
+        _call(loaded, inputs)
         times.append(time.perf_counter() - start)
         progress.update(i + 1)
     progress.close()
