@@ -118,8 +118,8 @@ def _the_record(traced: Any) -> Record:
         raise RuntimeError(f"dump(): {name}() has not been called yet, so there is no graph to dump; call it once "
                            f"with example inputs, then dump")
     if len(records) > 1:
-        raise ValueError(f"dump(): {name}() has {len(records)} traces (one per input signature or gradient "
-                         f"state); a file holds one graph per dump: trace a fresh function, call it with the "
+        raise ValueError(f"dump(): {name}() has {len(records)} traces (one per input signature, input size "
+                         f"or gradient state); a file holds one graph per dump: trace a fresh function, call it with the "
                          f"signature to dump, then dump")
     record = records[0]
     if not record.output.handles():
