@@ -198,21 +198,22 @@ class trace(ProfileAccess):
         with self._lock:  # another thread's call finishes first: they share the program's buffers
             self._running_on = thread
             try:
-                return self._counted_call(args, kwargs)
+                stats = self.stats
+                stats.calls += 1
+                fast = self._fast_call
+                if fast is not None and not is_tracing():  # the last host-free trace used, checking its signature
+                    result = fast(args, kwargs)
+                    if result is not MISS:
+                        stats.host_free_calls += 1
+                        return result
+                return self._after_the_host_free_path(args, kwargs)
             except BaseException as error:
                 post_failure(self.__name__, error, self.records)  # torch.distributed: peers stop waiting
                 raise
             finally:
                 self._running_on = None
 
-    def _counted_call(self, args: tuple, kwargs: dict) -> Any:
-        self.stats.calls += 1
-        fast = self._fast_call
-        if fast is not None and not is_tracing():  # the last host-free trace used, checking its signature
-            result = fast(args, kwargs)
-            if result is not MISS:
-                self.stats.host_free_calls += 1
-                return result
+    def _after_the_host_free_path(self, args: tuple, kwargs: dict) -> Any:
         entry = self._fast_api
         if entry is not None and entry.api is not None and entry.host_free.admit(args, kwargs) is True and not is_tracing():
             return self._replay_api(entry, args, kwargs)  # the last trace checked at the API level, its signature checked

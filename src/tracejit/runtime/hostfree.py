@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
@@ -234,8 +235,9 @@ class HostFreeRunner:
         # inside a try: a module or optimizer that lost an attribute is a MISS. A checked call runs
         # the function, whose module calls are checked (or stood in for) one by one
         keyword_modules = [weakref.ref(v) for _, v in sorted(kwargs.items()) if isinstance(v, torch.nn.Module)]
+        new_hooks: list[str] = []  # checks that only a hook registered since binding can fail
         guards = [] if self.checked else module_guards(
-            guarded_modules([*keyword_modules, *self.record.modules_called]), src.constant, _fail)
+            guarded_modules([*keyword_modules, *self.record.modules_called]), src.constant, _fail, new_hooks)
         # Without the host, a keyword number could have decided control flow the program froze.
         # A checked call runs the function, which matches every torch call against the record, and
         # the numbers that reach ops come to the program as `S`: no value guard there.
@@ -248,7 +250,7 @@ class HostFreeRunner:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
         guards += self._meta_checks(src)
-        guards += self._gradient_hook_guards(objects, src)
+        guards += self._gradient_hook_guards(objects, src, new_hooks)
         if len(self._located_grads) > 1:  # the program writes them as distinct tensors
             located = ", ".join(self._located_grads)
             guards.append(_fail(f"len(set(map(id, ({located},)))) != {len(self._located_grads)}",
@@ -277,7 +279,15 @@ class HostFreeRunner:
         bindings = find_bindings(self.record, objects, optimizers, scalars)
         settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
         if not self.checked:  # a checked call runs step(), and its hooks with it
-            guards += optimizer_hook_guards(optimizers, src.constant, _fail)
+            guards += optimizer_hook_guards(optimizers, src.constant, _fail, new_hooks)
+        if new_hooks:
+            # torch numbers every hook handle from one counter: while it stands where it stood when
+            # these hook dicts were empty, none can have been filled (a hook registered elsewhere
+            # moves it too: the checks run once and learn the new count)
+            seen = src.constant([RemovableHandle.next_id], "hid")
+            guards += [f"if HOOK_HANDLES.next_id != {seen}[0]:", *(f"    {line}" for line in new_hooks),
+                       f"    {seen}[0] = HOOK_HANDLES.next_id"]
+            src.namespace["HOOK_HANDLES"] = RemovableHandle
         if settings:  # a checked call at the API level (S given) has compared every number already
             guards += ["if S is None:", *(f"    {line}" for line in settings)]
         self.bound_scalars = scalars  # a checked call at the API level starts from these (`S`)
@@ -397,7 +407,7 @@ class HostFreeRunner:
                                         f"{info.name} is not {meta} anymore")))
         return lines
 
-    def _gradient_hook_guards(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
+    def _gradient_hook_guards(self, objects: dict[int, torch.Tensor], src: _Source, new_hooks: list[str]) -> list[str]:
         """The gradient hooks of the parameters the recorded backward reaches are the recorded ones
         (normally none): a hook registered since (`p.register_hook(lambda g: g * 3)`,
         `register_post_accumulate_grad_hook`) would run in eager's backward, which neither a call
@@ -408,7 +418,10 @@ class HostFreeRunner:
                   if info.kind is Kind.EXTERNAL and isinstance(objects.get(info.handle), torch.Tensor)
                   and objects[info.handle].requires_grad and objects[info.handle].grad_fn is None]
         without = [local for local, tensor in leaves if not gradient_hooks(tensor)]
-        lines = [_fail(f"HOOKED(({', '.join(without)},))", "a gradient hook was registered on a parameter")] if without else []
+        if without:  # only a hook registered since can give them one
+            new_hooks.append(_fail(f"HOOKED(({', '.join(without)},))", "a gradient hook was registered on a parameter"))
+            src.namespace.update(HOOKED=any_gradient_hooks)
+        lines = []
         for local, tensor in leaves:
             if gradient_hooks(tensor):  # recorded with hooks: the program has what they computed then
                 lines.append(_fail(f"HOOK_KEYS({local}) != {src.constant(gradient_hooks(tensor), 'hk')}",

@@ -11,7 +11,8 @@ closure, a global, a helper function): the recording call noted each module whos
   function (which re-binds the new object, so a setting set again to an equal value costs one
   checked call);
 - no forward, forward-pre or backward hook of its own, and no `forward` assigned to the instance,
-  beyond those the record ran with;
+  beyond those the record ran with (a hook dict empty at binding is only looked at when a hook
+  was registered anywhere since: see `hook_registered_since`);
 - the same submodules under the same names (`model[1] = nn.Tanh()` is another module), and no
   global module hook beyond the recorded ones.
 
@@ -32,7 +33,8 @@ from ..record.module_calls import global_hook_dicts
 from .stand_ins import identity_checks, immutable
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_NOT_SETTINGS = frozenset({"_parameters", "_buffers", "_modules", "forward", *_HOOKS})
+# `_is_full_backward_hook` only says which kind the backward hooks are, which are compared themselves
+_NOT_SETTINGS = frozenset({"_parameters", "_buffers", "_modules", "forward", "_is_full_backward_hook", *_HOOKS})
 
 
 def guarded_modules(called: Iterable[weakref.ref]) -> list[torch.nn.Module]:
@@ -47,19 +49,40 @@ def guarded_modules(called: Iterable[weakref.ref]) -> list[torch.nn.Module]:
 
 
 def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str], str],
-                  fail: Callable[[str, str], str]) -> list[str]:
-    """Lines that fail unless every module (and torch.nn's global hooks) is as it is now."""
+                  fail: Callable[[str, str], str], new_hooks: list[str]) -> list[str]:
+    """Lines that fail unless every module (and torch.nn's global hooks) is as it is now. A module
+    under another guarded one is reached through it (`md0['_modules']['1']`): one without
+    parameters or buffers is checked by type (a replacement of the same type and settings computes
+    the same), one with them by identity; the others are reached through a weak reference."""
     if not modules:
         return []
-    lines = [_global_hooks_guard(constant, fail)]
-    for index, module in enumerate(modules):
+    lines = []
+    _global_hooks_guard(constant, fail, lines, new_hooks)
+    local: dict[int, str] = {}  # id(module) -> the local holding its __dict__
+    parents = {id(child): (module, name) for module in modules for name, child in module._modules.items()
+               if child is not None}
+    for module in _parents_first(modules, parents):
         attributes = module.__dict__
-        d = f"md{index}"
-        lines.append(f"{d} = {constant(weakref.ref(module), 'mr')}().__dict__")  # gone: AttributeError, a miss
+        d = local[id(module)] = f"md{len(local)}"
+        parent = parents.get(id(module))
+        if parent is not None and id(parent[0]) in local:
+            child = f"{local[id(parent[0])]}['_modules'][{parent[1]!r}]"
+            lines.append(f"mc = {child}")
+            if _holds_tensors(module):  # the program reads its tensors: this very module
+                same = f"mc is not {constant(weakref.ref(module), 'mr')}()"
+            else:
+                same = f"type(mc) is not {constant(type(module), 'mt')}"
+            lines.append(fail(same, f"{child} is another module"))
+            lines.append(f"{d} = mc.__dict__")
+        else:
+            lines.append(f"{d} = {constant(weakref.ref(module), 'mr')}().__dict__")  # gone: AttributeError, a miss
         conditions = []
         for name in _HOOKS:
             hooks = attributes.get(name)
-            conditions.append(f"tuple({d}[{name!r}]) != {constant(tuple(hooks), 'hk')}" if hooks else f"{d}[{name!r}]")
+            if hooks:
+                conditions.append(f"tuple({d}[{name!r}]) != {constant(tuple(hooks), 'hk')}")
+            else:  # only a hook registered since can make it non-empty
+                new_hooks.append(fail(f"{d}[{name!r}]", f"a hook was registered on the {type(module).__qualname__} module"))
         forward = attributes.get("forward")
         conditions.append(f"'forward' in {d}" if forward is None else f"{d}.get('forward') is not {constant(forward, 'fw')}")
         # a DDP module's own attributes are its reducer's bookkeeping: its state is the gradient
@@ -69,17 +92,36 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
         if settings:
             conditions.append(identity_checks(d, settings, constant))
         children = attributes["_modules"]
-        conditions.append(f"len({d}['_modules']) != {len(children)}")
-        conditions += [f"{d}['_modules'][{name!r}] is not " + ("None" if child is None else f"{constant(weakref.ref(child), 'mr')}()")
-                       for name, child in children.items()]
+        conditions.append(f"len({d}['_modules']) != {len(children)}" if children else f"{d}['_modules']")
+        conditions += [f"{d}['_modules'][{name!r}] is not None" for name, child in children.items() if child is None]
         lines.append(fail(" or ".join(conditions),
                           f"the {type(module).__qualname__} module changed (mode, a setting, hooks, forward or submodules)"))
     return lines
 
 
-def _global_hooks_guard(constant: Callable[[Any, str], str], fail: Callable[[str, str], str]) -> str:
-    conditions = []
+def _holds_tensors(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _parents_first(modules: list[torch.nn.Module], parents: dict) -> list[torch.nn.Module]:
+    """The modules in an order where a guarded parent comes before its children."""
+    guarded = {id(m) for m in modules}
+    depth = {}
+
+    def level(module: torch.nn.Module) -> int:
+        if id(module) not in depth:
+            parent = parents.get(id(module))
+            depth[id(module)] = 0 if parent is None or id(parent[0]) not in guarded else level(parent[0]) + 1
+        return depth[id(module)]
+
+    return sorted(modules, key=level)
+
+
+def _global_hooks_guard(constant: Callable[[Any, str], str], fail: Callable[[str, str], str], lines: list[str],
+                        new_hooks: list[str]) -> None:
     for hooks in global_hook_dicts():
         expr = constant(hooks, "gh")
-        conditions.append(f"tuple({expr}) != {constant(tuple(hooks), 'hk')}" if hooks else expr)
-    return fail(" or ".join(conditions), "a global module hook was registered or removed")
+        if hooks:
+            lines.append(fail(f"tuple({expr}) != {constant(tuple(hooks), 'hk')}", "a global module hook was removed"))
+        else:
+            new_hooks.append(fail(expr, "a global module hook was registered"))

@@ -63,31 +63,37 @@ def reached_optimizers(function: Any, kwargs: dict) -> list[tuple[str, torch.opt
     return found
 
 
-def optimizer_hook_guards(optimizers: list[tuple[str, Any]], constant: Any, fail: Any) -> list[str]:
+def optimizer_hook_guards(optimizers: list[tuple[str, Any]], constant: Any, fail: Any, new_hooks: list[str]) -> list[str]:
     """Lines that fail unless the optimizers' step hooks (their own and torch.optim's global ones)
     and any `step` assigned to the instance (an LR scheduler's wrapper) are the recorded ones:
-    `register_step_post_hook` after recording adds code that `step()` would run."""
+    `register_step_post_hook` after recording adds code that `step()` would run. Hook dicts empty
+    now go to `new_hooks` (only a hook registered since can fill them)."""
     if not optimizers:
         return []
-    conditions = []
+    lines = []
     for hooks in (optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks):
-        conditions.append(f"tuple({constant(hooks, 'gh')}) != {constant(tuple(hooks), 'hk')}" if hooks else constant(hooks, "gh"))
-    lines = [fail(" or ".join(conditions), "a global optimizer hook was registered or removed")]
+        if hooks:
+            lines.append(fail(f"tuple({constant(hooks, 'gh')}) != {constant(tuple(hooks), 'hk')}",
+                              "a global optimizer hook was removed"))
+        else:
+            new_hooks.append(fail(constant(hooks, "gh"), "a global optimizer hook was registered"))
     for expr, optimizer in optimizers:
         attributes = optimizer.__dict__
-        conditions = []
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
             hooks = attributes.get(name)
-            conditions.append(f"tuple({expr}.{name}) != {constant(tuple(hooks), 'hk')}" if hooks else f"{expr}.{name}")
+            if hooks:
+                lines.append(fail(f"tuple({expr}.{name}) != {constant(tuple(hooks), 'hk')}", f"a step hook of {expr} was removed"))
+            else:
+                new_hooks.append(fail(f"{expr}.{name}", f"a step hook was registered on {expr}"))
         step = attributes.get("step")
         if step is None:
-            conditions.append(f"'step' in {expr}.__dict__")
+            condition = f"'step' in {expr}.__dict__"
         else:
             try:
-                conditions.append(f"{expr}.__dict__.get('step') is not {constant(weakref.ref(step), 'sw')}()")
+                condition = f"{expr}.__dict__.get('step') is not {constant(weakref.ref(step), 'sw')}()"
             except TypeError:  # not weakly referable: compared by identity of a strong reference
-                conditions.append(f"{expr}.__dict__.get('step') is not {constant(step, 'sw')}")
-        lines.append(fail(" or ".join(conditions), f"the step hooks or step() of {expr} changed"))
+                condition = f"{expr}.__dict__.get('step') is not {constant(step, 'sw')}"
+        lines.append(fail(condition, f"step() of {expr} is another function now"))
     return lines
 
 
