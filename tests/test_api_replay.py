@@ -503,6 +503,37 @@ def test_a_keyword_number_that_changes_every_call_stays_at_the_api_level():
     assert traced.stats.api_replays == 4 and traced.stats.api_fallbacks == 0, traced.stats
 
 
+_NUMBER_FORMS = {
+    "floordiv": lambda x, i, k, j: (x // k) * 2,
+    "where": lambda x, i, k, j: torch.where(x > 0, x, k) - 1,
+    "where_first": lambda x, i, k, j: torch.where(x > 0, k, x) + x,
+    "int_floordiv": lambda x, i, k, j: i // j + 1,
+    "int_where": lambda x, i, k, j: torch.where(i > 0, i, j),
+    "bitwise": lambda x, i, k, j: (i & j) + (i | j) + (i ^ j),
+    "eq": lambda x, i, k, j: (i == j) | (x > k),
+}
+
+
+@pytest.mark.parametrize("form", list(_NUMBER_FORMS))
+def test_numbers_of_operators_and_where_are_passed_to_the_program(form):
+    # `x // k` (Tensor.__floordiv__ binds aten.floor_divide), `torch.where(c, x, k)` (k becomes an
+    # aten.scalar_tensor first): a k that changed every call diverged at the API level before
+    body = _NUMBER_FORMS[form]
+
+    def step(x, i, *, k, j):
+        return body(x, i, k, j)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tracejit.ReplayLevelWarning)
+        traced = tracejit.trace(step, backend="aten")
+        for n in range(7):
+            x, i = torch.randn(8) * 10, torch.randint(-20, 20, (8,))
+            k, j = 1.5 + n, 1 + n % 3
+            got, want = traced(x, i, k=k, j=j), step(x, i, k=k, j=j)
+            assert got.dtype == want.dtype and torch.equal(got, want), n
+    assert traced.stats.api_replays == 5 and traced.stats.api_fallbacks == 0, traced.stats
+
+
 def test_a_keyword_number_that_changes_control_flow_still_raises():
     def step(x, *, k):
         return x * 2 if k > 2 else x - 1

@@ -189,3 +189,52 @@ def test_training_step_with_a_boolean_mask(trace, level):
         assert torch.equal(p, q)
     # a trace without and one with .grad; then the other two sizes get variants, and the rest replays
     assert f.stats.records == 2 and f.stats.shape_variants == 2 and f.stats.checked_replays == 4
+
+
+def _gather_step(x, idx, rows, cols, *, model, opt):
+    opt.zero_grad()
+    h = model(x)[idx]  # integer indexing: the result has idx's size
+    loss = (h[rows, cols] ** 2).mean() + h.mean()
+    loss.backward()
+    opt.step()
+    return loss.detach(), h.detach()
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_integer_indexing_is_not_data_dependent(without_host, monkeypatch):
+    monkeypatch.setenv("TRACEJIT_REPLAY", "api")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_eager = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    f = tracejit.trace(_gather_step, backend="aten", without_host=without_host)
+
+    def call(function, model, opt, idx):
+        x = torch.randn(10, 4)
+        rows, cols = torch.randint(0, 6, (5,)), torch.randint(0, 3, (5,))
+        return function(x, idx, rows, cols, model=model, opt=opt)
+
+    for i in range(6):
+        idx = torch.randint(0, 10, (6,))
+        torch.manual_seed(i)
+        got = call(f, model, opt, idx)
+        torch.manual_seed(i)
+        want = call(_gather_step, reference, opt_eager, idx)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"call {i}"
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters())), f"call {i}"
+    if without_host:
+        assert f.stats.host_free_calls >= 3
+    else:  # each of the two records (before and after .grad exists) replays at the aten level once
+        assert f.stats.api_replays == f.stats.checked_replays - 2 >= 2 and f.stats.api_fallbacks == 0
+    # an index out of range raises torch's IndexError, as eager does, and changes nothing
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(IndexError, match="out of bounds"):
+        call(f, model, opt, torch.tensor([0, 1, 2, 3, 4, 10]))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    idx = torch.randint(0, 10, (6,))
+    torch.manual_seed(9)
+    got = call(f, model, opt, idx)
+    torch.manual_seed(9)
+    want = call(_gather_step, reference, opt_eager, idx)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

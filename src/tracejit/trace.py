@@ -31,7 +31,7 @@ from .methods import bound_trace
 from .options import TraceOptions
 from .record.amp import is_inf_check
 from .record.api import ApiTracer
-from .record.calls import has_dynamic_output_shape
+from .record.calls import data_dependent_size
 from .record.ddp_calls import is_ddp
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
@@ -686,7 +686,7 @@ class trace(ProfileAccess):
             self._refuse_api(entry, f"an exclude_from_trace() block at {entry.record.excluded_blocks[0].source} "
                                     f"runs eager code in the middle of the call")
             return None
-        dynamic = next((op for op in entry.record.ops if has_dynamic_output_shape(op.op)), None)
+        dynamic = next((op for op in entry.record.ops if data_dependent_size(op, entry.record)), None)
         if dynamic is not None:  # its program has one output size per op; variants switch mid-call
             self._refuse_api(entry, f"op #{dynamic.index} {dynamic.name} at {dynamic.source} has a data-dependent "
                                     f"output shape")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..record.amp import is_inf_check
-from ..record.calls import has_dynamic_output_shape
+from ..record.calls import data_dependent_size
 from ..record.collectives import is_collective
 from ..record.record import Flag, Kind, Record, TensorMeta
 from .graph import INPUT_OP_OF_KIND, Graph, Node, Op, Value
@@ -107,7 +107,7 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         # a data-dependent output size may move a checked call to another program (runtime/variants.py)
         barriers=tuple(sorted({b.position for b in record.excluded_blocks}
                               | {op.index for op in record.ops if is_collective(op.op)}
-                              | {op.index for op in record.ops if has_dynamic_output_shape(op.op)}
+                              | {op.index for op in record.ops if data_dependent_size(op, record)}
                               | {r.position for r in record.host_reads if is_inf_check(r.what)})),
     )
 

@@ -219,7 +219,23 @@ def is_view_op(op: Any) -> bool:
 
 @functools.cache
 def has_dynamic_output_shape(op: Any) -> bool:
+    """The op's schema says its output size may depend on tensor values (see data_dependent_size)."""
     return isinstance(op, torch._ops.OpOverload) and torch.Tag.dynamic_output_shape in op.tags
+
+
+# Index tensors that select by mask: their number of True elements is the output size
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def data_dependent_size(op: Any, record: Any) -> bool:
+    """Whether this recorded op's output size depends on tensor values. torch tags `x[idx]` as
+    dynamic for all its uses, but an integer index gives a result of the index's size, which
+    follows the inputs' sizes as any other op's does; a mask's count of True does not."""
+    if not has_dynamic_output_shape(op.op):
+        return False
+    if op.op is torch.ops.aten.index.Tensor:
+        return any(record.tensors[h].meta.dtype in _MASK_DTYPES for h in op.inputs[1:])
+    return True
 
 
 def is_ignored_op(op: Any) -> bool:

@@ -181,7 +181,11 @@ class ApiProgram:
         argument whose schema name is that of one dynamic scalar slot holding the same value in
         the traced call. Anything else is matched exactly."""
         start, end = call.span
-        if call.kind is not CallKind.COMPUTE or end - start != 1:
+        if call.kind is not CallKind.COMPUTE:
+            return {}
+        if end - start == 2 and self.record.ops[start].op is _SCALAR_TENSOR:
+            return self._wrapped_number_slot(call)
+        if end - start != 1:
             return {}
         if start < self.last_backward:
             # Autograd saves such a number for a backward op (`loss * scale` multiplies the
@@ -212,6 +216,21 @@ class ApiProgram:
                 if type(seen[index]) is type(item) and seen[index] == item:
                     slots[item_key] = offset + index
         return slots
+
+    def _wrapped_number_slot(self, call: ApiCall) -> dict:
+        """`torch.where(c, x, k)`: the number becomes a tensor (aten.scalar_tensor) that the one op
+        named like the call takes. With one number among the arguments, holding the value that
+        op got in the traced call, that number is the scalar_tensor's slot."""
+        start = call.span[0]
+        if start < self.last_backward or _direct_name(call.name) != self.record.ops[start + 1].op._schema.name.split("::")[-1]:
+            return {}
+        numbers = [(("arg", i), v) for i, v in enumerate(call.args) if type(v) in (int, float)]
+        numbers += [(("kw", k), v) for k, v in call.kwargs.items() if type(v) in (int, float)]
+        offset = self.scalar_offsets[start]
+        if len(numbers) != 1 or self.scalar_offsets[start + 1] != offset + 1:
+            return {}
+        (key, value), seen = numbers[0], self.scalars[offset]
+        return {key: offset} if type(seen) is type(value) and seen == value else {}
 
     # -- per call -------------------------------------------------------------------------------
 
@@ -360,7 +379,9 @@ class _NotReplayable(Exception):
 # dunder methods and the aten ops they bind
 _DUNDERS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub",
             "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
-            "__itruediv__": "div_", "__pow__": "pow", "__ipow__": "pow_"}
+            "__itruediv__": "div_", "__pow__": "pow", "__ipow__": "pow_", "__floordiv__": "floor_divide",
+            "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor", "__eq__": "eq"}
+_SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
 
 
 def _direct_name(name: str) -> str:

@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
-from ..record.calls import has_dynamic_output_shape
+from ..record.calls import data_dependent_size
 from ..record.names import ExternalNames, Locator, root_expression
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
@@ -58,7 +58,7 @@ def refuse_host_dependencies(record: Record) -> None:
             f"the call); pass changing values as tensors; for torch.optim use fused=True (Adam/AdamW "
             f"read step.item() otherwise) or capturable=True; or trace without without_host."
         )
-    dynamic = [op for op in record.ops if has_dynamic_output_shape(op.op)]
+    dynamic = [op for op in record.ops if data_dependent_size(op, record)]
     if dynamic:
         lines = "\n".join(f"    op #{op.index} {op.name} at {op.source}: {op.source.code}" for op in dynamic[:5])
         raise HostDependencyError(

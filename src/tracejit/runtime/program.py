@@ -23,7 +23,7 @@ import torch
 from ..backends.reference import ReferenceKernel
 from ..errors import TraceMismatchError
 from ..ir.graph import Graph, Node, Op
-from ..record.calls import has_dynamic_output_shape
+from ..record.calls import data_dependent_size
 from ..record.record import Record
 from .codegen import callable_for, generate_straight_line
 from .fastpath import generate_steps
@@ -231,7 +231,7 @@ class CheckedProgram:
                 for position in node.positions:
                     self.group_at[position] = group
         # Fused members and data-dependent output shapes take the generic path.
-        fast = [self.callables[op.index] is not None and not has_dynamic_output_shape(op.op) for op in record.ops]
+        fast = [self.callables[op.index] is not None and not data_dependent_size(op, record) for op in record.ops]
         self.profile_rows = None
         if profiler is not None:
             self.profile_rows = [self._profile_row(profiler, op) for op in record.ops]

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import TraceMismatchError
 from ..record.amp import in_grad_scaler
-from ..record.calls import HOST_VALUE_OPS, has_dynamic_output_shape, is_ignored_op, split_call
+from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, split_call
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
@@ -125,7 +125,7 @@ class Replayer:
             start = self.program.scalar_offsets[position]
             self.scalars[start:start + len(scalars)] = scalars
         result = self.program.execute(position, args, kwargs, tensors, self.state, self.scalars)
-        if has_dynamic_output_shape(func):
+        if data_dependent_size(op, record):
             metas = _metas(op, result)
             if metas != op.out_metas:
                 return self._new_size(func, args, kwargs, result, metas)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir.meta_check import MIXED_PRECISION_STATISTICS, REDUCED_PRECISION
-from ..record.calls import has_dynamic_output_shape
+from ..record.calls import data_dependent_size
 from ..record.record import Record
 from ..record.symbolic_shapes import ShapeGuards
 
@@ -74,7 +74,7 @@ def why_static(record: Record) -> str | None:
         return f"it reads a tensor value on the host ({read.what} at {read.source})"
     if record.excluded_blocks:
         return f"it has an exclude_from_trace() block at {record.excluded_blocks[0].source}"
-    dynamic = next((op for op in record.ops if has_dynamic_output_shape(op.op)), None)
+    dynamic = next((op for op in record.ops if data_dependent_size(op, record)), None)
     if dynamic is not None:
         return f"op #{dynamic.index} {dynamic.name} at {dynamic.source} has a data-dependent output size"
     if record.rng_calls:
