@@ -199,3 +199,50 @@ def test_a_scheduler_stepped_inside_the_function_is_refused_without_the_host(mon
         for _ in range(3):
             refused(x, y, model=model_c, opt=opt_c, scheduler=sched_c)
     assert refused.stats.host_free_calls == 0
+
+
+class _Trainer:
+    """Holds the optimizer and its schedule: the traced function reaches neither directly."""
+
+    def __init__(self, model, when):
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.opt, 1, gamma=0.5)
+        self.when = when
+
+    def update(self):
+        if self.when == "scheduler_before":
+            self.scheduler.step()
+        self.opt.step()
+        self.opt.zero_grad()
+        if self.when == "scheduler_after":
+            self.scheduler.step()
+        if self.when == "by_hand":
+            for group in self.opt.param_groups:
+                group["lr"] *= 0.5
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("when", ["scheduler_before", "scheduler_after", "by_hand"])
+def test_a_schedule_a_helper_object_steps_is_refused_without_the_host(when):
+    # the function reached neither optimizer nor scheduler: the learning rate froze at the
+    # recorded step in every later call, silently (0.05 instead of 0.00625 after four calls)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    trainer = _Trainer(model, when)
+
+    def train(x, *, model):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        trainer.update()
+        return loss.detach()
+
+    traced = tracejit.trace(train, backend="aten", without_host=True)
+    expected = {"scheduler_before": r"StepLR\.step\(\) at .*test_schedules.py:\d+ in update",
+                "scheduler_after": r"StepLR\.step\(\) at .*in update",
+                "by_hand": r"lr of param group 0 of SGD: [\d.]+ -> [\d.]+, written after its step\(\)"}[when]
+    with pytest.raises(tracejit.HostDependencyError, match=f"(?s)changes Python state.*{expected}"):
+        for _ in range(3):
+            traced(torch.randn(5, 8), model=model)
+    assert traced.stats.host_free_calls == 0
+    assert not any("step" in vars(cls) and getattr(vars(cls)["step"], "__wrapped__", None)
+                   for cls in (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.StepLR))

@@ -169,6 +169,7 @@ class trace(ProfileAccess):
         # first (HostFreeRunner.admit), before computing its own and looking it up
         self._fast_api: TraceEntry | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
+        self._changed_in_call: list[str] = []  # without_host: what the call's function changed (record/reached.py)
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
@@ -243,6 +244,7 @@ class trace(ProfileAccess):
         self._check_arguments(args, kwargs)
         if self.options.without_host:  # what the function changes that a host-free call would not
             self._state_before = python_state(self._function, kwargs)
+            self._changed_in_call = []
         key = signature(args, kwargs)
         entry = self._lookup(key, kwargs)
         if self.options.record_only:  # as MegEngine's: every call is an eager, recording one
@@ -367,6 +369,7 @@ class trace(ProfileAccess):
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
             seen.store(record)
+            self._changed_in_call = seen.changes
             dependency = rng_dependency(record, after_first_draw=True) if self.options.symbolic else None
             if dependency:
                 raise SymbolicTraceError(
@@ -527,6 +530,7 @@ class trace(ProfileAccess):
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
             seen.store(record)
+            self._changed_in_call = seen.changes
             record.rerecorded = replaced is not None
             dependency = rng_dependency(record, after_first_draw=True)
             if dependency:
@@ -611,6 +615,7 @@ class trace(ProfileAccess):
         except BaseException:
             replayer.abandon()  # what the function did before raising happens, as in an eager call
             raise
+        self._changed_in_call = seen.changes
         new_record = replayer.finish(result)
         if new_record is not None:
             new_record.rng_calls = tuple(call.rng_calls)
@@ -738,7 +743,8 @@ class trace(ProfileAccess):
         entry.handles = handles  # to_fx() finds the external objects there
         if not self.options.without_host or entry.provisional:
             return
-        error = refuse_python_state_changes(self._function, self.__name__, self._state_before, kwargs)
+        error = refuse_python_state_changes(self._function, self.__name__, self._state_before, kwargs,
+                                            self._changed_in_call)
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return

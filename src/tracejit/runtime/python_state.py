@@ -33,12 +33,14 @@ def python_state(function: Callable, kwargs: dict) -> dict[str, object]:
     return state
 
 
-def refuse_python_state_changes(function: Callable, function_name: str, before: dict,
-                                kwargs: dict) -> HostDependencyError | None:
-    """The error for a call that changed what `python_state` watches, or None."""
+def refuse_python_state_changes(function: Callable, function_name: str, before: dict, kwargs: dict,
+                                seen: list[str] = ()) -> HostDependencyError | None:
+    """The error for a call that changed what `python_state` watches, or what the recording's
+    watch saw change however the function reached it (`seen`, record/reached.py); or None."""
     after = python_state(function, kwargs)
     changed = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before
                if key in after and before[key] != after[key]]
+    changed = changed or list(seen)  # the names the function reaches them by, where it does
     if not changed:
         return None
     listed = "\n".join(f"    {line}" for line in changed[:5])
