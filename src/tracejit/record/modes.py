@@ -187,10 +187,49 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
     shape_hooks = _SHAPE_READ_HOOKS.installed() if records_shapes else contextlib.nullcontext()
     try:
         with _HOST_READ_HOOKS.installed(), shape_hooks, rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), \
-                _DispatchMode(context):
+                NO_FUSED_ATTENTION, _DispatchMode(context):
             yield context
     finally:
         _local.context = outer
+
+
+class _FusedAttentionOff:
+    """torch.nn.MultiheadAttention and the Transformer layers run one fused aten op
+    (`_native_multi_head_attention`, `_transformer_encoder_layer_fwd`, a nested tensor for a padding
+    mask) unless a torch function mode is active. Checked calls at the API level run under one (the
+    checker), so a call that records or replays at the aten level must take the same path, the
+    composite one: torch's switch for that fast path is off while such a call runs (and while an
+    API-level call of a trace that ran such a module runs). The switch is process-wide, hence the
+    count of calls running in any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._saved = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._saved = torch.backends.mha.get_fastpath_enabled()
+                torch.backends.mha.set_fastpath_enabled(False)
+            self._running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                torch.backends.mha.set_fastpath_enabled(self._saved)
+
+
+NO_FUSED_ATTENTION = _FusedAttentionOff()
+
+
+def ran_fused_attention(record: Any) -> bool:
+    """Whether a recorded call ran a module whose path NO_FUSED_ATTENTION decides: a checked call
+    at the API level then turns the fast path off too, or the module's torch-level calls (the
+    checks before its choice) would differ from those noted at the aten level."""
+    kinds = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
+    return any(isinstance(ref(), kinds) for ref in record.modules_called)
 
 
 def _ops_so_far(handler: Any) -> int:
