@@ -857,3 +857,23 @@ def test_exceptions_the_function_raises_do_not_keep_the_trace_at_the_aten_level(
         traced(torch.randn(8))
     assert traced.stats.api_replays == before + 4
     assert all(e.api_refused is None for e in traced._entries())
+
+
+def test_a_call_that_diverges_at_the_api_level_says_its_side_effects_ran_twice():
+    # the function runs again at the aten level: a counter it keeps moves twice in that call,
+    # which changes the numbers it computes from then on; one warning per trace says so
+    log = []
+
+    def step(x, *, k):
+        log.append("called")
+        return x.neg() if len(log) == 4 else x * 2  # the fourth run of the Python takes another branch
+
+    traced = tracejit.trace(step, backend="aten")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            traced(torch.randn(3), k=1)
+    twice = [w for w in caught if "happened twice in this call" in str(w.message)]
+    assert len(twice) == 1 and "diverged at the torch API level" in str(twice[0].message)
+    assert traced.stats.api_fallbacks == 1
+    assert len(log) == 5  # 4 calls, one of them ran the function twice

@@ -78,6 +78,7 @@ class TraceEntry:
     api_refused: str | None = None  # why this trace replays at the aten level only
     api_fallbacks: int = 0  # API-level calls that had to run at the aten level instead
     api_last_fallback: str | None = None
+    warned_ran_twice: bool = False  # a diverging call ran the function again: said once per trace
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
     shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
     tensor_kwargs: tuple[str, ...] | None = None  # its tensor keyword arguments, sorted (the signature fixes them)
@@ -294,6 +295,13 @@ class trace(ProfileAccess):
         # it says nothing against the API level. One that only the API level raised counts.
         result = self._replay(entry, args, kwargs)
         entry.api_fallbacks += 1
+        if not entry.warned_ran_twice:
+            entry.warned_ran_twice = True
+            self._warn_replay_level(
+                f"a checked call of {self.__name__}() diverged at the torch API level ({fallback}) and ran the "
+                f"function again at the aten level: its Python side effects before that point (a counter, a list "
+                f"it appends to, a print) happened twice in this call. Said once per trace; "
+                f"traced.stats.api_fallbacks counts such calls.")
         if entry.api_fallbacks >= 3 and entry.api_fallbacks * 4 > entry.replays:
             self._refuse_api(entry, f"{entry.api_fallbacks} calls diverged at the API level (last: {fallback})")
             entry.api = self._fast_api = None  # the replay had built it again
@@ -677,10 +685,12 @@ class trace(ProfileAccess):
     def _refuse_api(self, entry: TraceEntry, reason: str) -> None:
         """Keep this trace's checked calls at the aten level, saying why once."""
         entry.api_refused = reason
+        self._warn_replay_level(f"checked calls of {self.__name__}() stay at the aten level (slower): {reason}")
+
+    def _warn_replay_level(self, message: str) -> None:
         where = user_location()
-        warnings.warn_explicit(
-            f"tracejit: checked calls of {self.__name__}() stay at the aten level (slower): {reason}",
-            ReplayLevelWarning, where.filename or "<unknown>", where.line or 0)
+        warnings.warn_explicit(f"tracejit: {message}", ReplayLevelWarning, where.filename or "<unknown>",
+                               where.line or 0)
 
     def _api_tracer(self, entry: TraceEntry, replayer: Replayer, args: tuple, kwargs: dict) -> ApiTracer | None:
         if not self._api_level or entry.api_refused is not None or replayer.may_rerecord:
