@@ -138,3 +138,47 @@ def test_a_scheduler_stepped_inside_a_step_that_reaches_it_by_closure_is_refused
     with pytest.raises(tracejit.HostDependencyError, match=r"lr of param group 0 of opt: 0.1 -> 0.05"):
         for _ in range(3):
             traced(torch.randn(5, 4), torch.randn(5, 3))
+
+
+_FRESH_STATE_OPTIMIZERS = {
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.filterwarnings("ignore::tracejit.ReplayLevelWarning")
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+@pytest.mark.parametrize("optimizer", list(_FRESH_STATE_OPTIMIZERS))
+@pytest.mark.parametrize("change", ["state_cleared", "second_model"])
+def test_an_optimizer_without_state_records_its_lazy_state_again(change, optimizer, without_host):
+    # an optimizer whose state is empty creates it in the call, as the recorded call of a new one
+    # did: its first call records again (was: TraceMismatchError at the optimizer's first op, for
+    # opt.state.clear() between calls, or for one step function training two models in turn)
+    if without_host and optimizer == "adam":
+        pytest.skip("Adam's for-loop reads step.item(): refused without the host")
+    make = _FRESH_STATE_OPTIMIZERS[optimizer]
+    pairs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        twin = copy.deepcopy(model)
+        pairs.append(((model, make(model.parameters())), (twin, make(twin.parameters()))))
+    traced = tracejit.trace(mse_step, backend="aten", without_host=without_host)
+    schedule = [0, 0, 0, 0, 1, 1, 0, 1, 0] if change == "second_model" else [0] * 9
+    generator = torch.Generator().manual_seed(2)
+    for i, which in enumerate(schedule):
+        (model, opt), (twin, twin_opt) = pairs[which]
+        if change == "state_cleared" and i == 5:
+            opt.state.clear()
+            twin_opt.state.clear()
+        x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
+        got = traced(x, y, model=model, opt=opt)
+        assert torch.equal(got, mse_step(x, y, model=twin, opt=twin_opt)), i
+        for (m, o), (t, to) in pairs:
+            assert_same_state(t, to, m, o)
+    assert traced.stats.rerecords >= 2
+    if without_host:
+        assert traced.stats.host_free_calls >= 2  # calls that change model miss the guards and rebind
+    else:
+        assert traced.stats.api_replays >= 1

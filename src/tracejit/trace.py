@@ -597,14 +597,16 @@ class trace(ProfileAccess):
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         record = entry.record
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
+        fresh_optimizer = _optimizer_without_state(kwargs)
         replayer = Replayer(
             entry.program, args, kwargs,
             # the first replay of a record that created state records it again; so does, in the
             # automatic symbolic_shape mode, a size's first replay of a symbolic trace, should the
             # function dispatch what torch elides at concrete sizes (a full slice, a size query)
-            may_rerecord=entry.replays == 0 and (
+            may_rerecord=(entry.replays == 0 and (
                 (record.created_state and not record.rerecorded)
-                or (entry.shape_trace is not None and self.options.symbolic_shape is None)),
+                or (entry.shape_trace is not None and self.options.symbolic_shape is None))
+                or fresh_optimizer),
             external_names=ExternalNames(self._function, kwargs),
             capture_as_const=self.options.capture_as_const,
             variants=variants, room=self.options.max_traces - self._trace_count(), max_traces=self.options.max_traces,
@@ -661,6 +663,8 @@ class trace(ProfileAccess):
                     del self._traces[entry.key]
                 self._fast_call = self._fast_api = None
                 return result
+            if fresh_optimizer:  # like a first recording: the next call, with that state, may record again
+                new_record.rerecorded = False
             replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace)
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result)
@@ -920,6 +924,14 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
 
 
 _STATIC = object()  # _record_symbolic: record this call static instead
+
+
+def _optimizer_without_state(kwargs: dict) -> bool:
+    """A keyword optimizer with parameters and no state yet (another model's optimizer than the one
+    recorded with, one whose state was cleared) creates its state lazily in this call, as the
+    recorded call of a new optimizer did: the replay may record again from where it differs."""
+    return any(isinstance(v, torch.optim.Optimizer) and not any(v.state.values())  # a look up leaves {} behind
+               and any(g["params"] for g in v.param_groups) for v in kwargs.values())
 
 
 def _returns_graph(record: Record, result: Any) -> bool:
