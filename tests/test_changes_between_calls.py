@@ -182,3 +182,27 @@ def test_an_optimizer_without_state_records_its_lazy_state_again(change, optimiz
         assert traced.stats.host_free_calls >= 2  # calls that change model miss the guards and rebind
     else:
         assert traced.stats.api_replays >= 1
+
+
+@pytest.mark.filterwarnings("ignore::tracejit.ReplayLevelWarning")
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw_fused"])
+def test_a_param_group_added_between_calls_selects_a_trace(optimizer, without_host):
+    # unfreezing a layer with add_param_group: its parameters' state is created by the next step
+    # (was: TraceMismatchError at the optimizer's first op on the call after it)
+    make = _FRESH_STATE_OPTIMIZERS[optimizer]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = make(model[2].parameters()), make(twin[2].parameters())
+    traced = tracejit.trace(mse_step, backend="aten", without_host=without_host)
+    generator = torch.Generator().manual_seed(2)
+    for i in range(9):
+        if i == 4:
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+            twin_opt.add_param_group({"params": list(twin[0].parameters()), "lr": 1e-3})
+        x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
+        assert torch.equal(traced(x, y, model=model, opt=opt), mse_step(x, y, model=twin, opt=twin_opt)), i
+        assert_same_state(twin, twin_opt, model, opt)
+    served = traced.stats.host_free_calls if without_host else traced.stats.api_replays
+    assert served >= 2, traced.stats

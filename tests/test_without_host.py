@@ -509,7 +509,9 @@ ADAM_FUSED = functools.partial(torch.optim.Adam, lr=0.01, fused=True)
 def test_changed_optimizer_settings_are_followed(make_optimizer, change):
     # issue 11.7: only lr was rebound; momentum, betas, weight decay... froze
     stats = _train_with_settings(make_optimizer, change)
-    assert stats.host_free_misses == 1  # the changed setting made that call a checked one...
+    # the changed setting made that call a checked one (a new param group: a trace of its own,
+    # since the number of groups is part of the gradient state)...
+    assert stats.host_free_misses + (stats.records - 1) == 1, stats
     assert stats.host_free_calls >= 5  # ...which bound the new numbers
 
 

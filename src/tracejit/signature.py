@@ -114,10 +114,13 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[i
 
     This decides what autograd dispatches (a first gradient is stored, a later one accumulated
     with `add_`; DDP's reducer all-reduces or not), so a step that accumulates gradients over
-    several calls gets one trace per state instead of a mismatch. It is computed only for traces
-    whose recorded call touched gradients.
+    several calls gets one trace per state instead of a mismatch. The number of param groups of
+    each keyword optimizer comes last: `add_param_group` (unfreezing layers) adds parameters whose
+    state the next step creates. It is computed only for traces whose recorded call touched
+    gradients.
     """
     states = [_module_state(module) for module in kwargs.values() if isinstance(module, torch.nn.Module)]
+    states += [len(opt.param_groups) for opt in kwargs.values() if isinstance(opt, torch.optim.Optimizer)]
     for ref in watched:
         module = ref()
         states.append(-1 if module is None else _module_state(module))

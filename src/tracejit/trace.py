@@ -79,6 +79,8 @@ class TraceEntry:
     api_fallbacks: int = 0  # API-level calls that had to run at the aten level instead
     api_last_fallback: str | None = None
     warned_ran_twice: bool = False  # a diverging call ran the function again: said once per trace
+    # keyword optimizers that held state after the recorded call: one found empty later creates it again
+    stateful_optimizers: frozenset = frozenset()
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
     shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
     tensor_kwargs: tuple[str, ...] | None = None  # its tensor keyword arguments, sorted (the signature fixes them)
@@ -396,7 +398,8 @@ class trace(ProfileAccess):
         if self._watch_ddp(seen.modules, kwargs):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
-        entry = TraceEntry(key, record, program, grad_state if depends else None)
+        entry = TraceEntry(key, record, program, grad_state if depends else None,
+                           stateful_optimizers=_stateful_optimizers(kwargs))
         if replacing is not None:  # record_only: the newest call's record stands for its signature
             self._traces[key].remove(replacing)
         if not depends:
@@ -597,7 +600,7 @@ class trace(ProfileAccess):
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         record = entry.record
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
-        fresh_optimizer = _optimizer_without_state(kwargs)
+        fresh_optimizer = bool(entry.stateful_optimizers) and _optimizer_without_state(kwargs, entry.stateful_optimizers)
         replayer = Replayer(
             entry.program, args, kwargs,
             # the first replay of a record that created state records it again; so does, in the
@@ -665,7 +668,8 @@ class trace(ProfileAccess):
                 return result
             if fresh_optimizer:  # like a first recording: the next call, with that state, may record again
                 new_record.rerecorded = False
-            replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace)
+            replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace,
+                                  stateful_optimizers=_stateful_optimizers(kwargs))
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result)
             self.stats.rerecords += 1
@@ -926,12 +930,17 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
 _STATIC = object()  # _record_symbolic: record this call static instead
 
 
-def _optimizer_without_state(kwargs: dict) -> bool:
-    """A keyword optimizer with parameters and no state yet (another model's optimizer than the one
-    recorded with, one whose state was cleared) creates its state lazily in this call, as the
-    recorded call of a new optimizer did: the replay may record again from where it differs."""
-    return any(isinstance(v, torch.optim.Optimizer) and not any(v.state.values())  # a look up leaves {} behind
-               and any(g["params"] for g in v.param_groups) for v in kwargs.values())
+def _stateful_optimizers(kwargs: dict) -> frozenset:
+    """The keyword optimizers that hold state (after a call that ran the function)."""
+    return frozenset(name for name, v in kwargs.items()
+                     if isinstance(v, torch.optim.Optimizer) and any(v.state.values()))  # a look up leaves {} behind
+
+
+def _optimizer_without_state(kwargs: dict, stateful: frozenset) -> bool:
+    """A keyword optimizer that held state after the recorded call and holds none now (another
+    model's optimizer than the one recorded with, one whose state was cleared) creates its state
+    lazily in this call, as the recorded call did: the replay may record again from where it differs."""
+    return any(not any(kwargs[name].state.values()) for name in stateful if name in kwargs)
 
 
 def _returns_graph(record: Record, result: Any) -> bool:
