@@ -102,6 +102,16 @@ def scaled(x, y, *, lr, k):
     return (x * lr + y).relu() + k
 
 
+def log_of_powers(x, y):
+    # log2 and log10 are exact at powers of their base (floor of them counts bits and digits)
+    return torch.floor(torch.log2(x * 1.0)), torch.floor(torch.log10(y * 1.0))
+
+
+def powers_of_the_base(dtype):
+    return (torch.tensor([2.0 ** k for k in range(-20, 21)], dtype=dtype),
+            torch.tensor([10.0 ** k for k in range(-5, 11)], dtype=dtype))
+
+
 CASES = {
     **{f"sweep-{str(d).split('.')[-1]}": (lambda d=d: sweep_case(d)) for d in ts.FLOAT_TYPES + ts.INT_TYPES},
     **{f"chain-{seed}": (lambda seed=seed: chain_case(seed)) for seed in range(12)},
@@ -115,6 +125,8 @@ CASES = {
     "small_ints": lambda: (small_ints, small_int_inputs(0), {}, {}),
     "foreach_ints": lambda: (foreach_ints, (torch.arange(2000), torch.arange(5), torch.tensor(7)), {}, {}),
     "scaled": lambda: (scaled, (torch.randn(100), torch.randn(100)), {"lr": 0.1, "k": 3}, {}),
+    **{f"log_powers-{str(d).split('.')[-1]}": (lambda d=d: (log_of_powers, powers_of_the_base(d), {}, {}))
+       for d in (torch.float32, torch.float64)},
 }
 
 

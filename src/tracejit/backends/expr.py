@@ -10,8 +10,9 @@ Semantics every backend must keep (and the op-table tests check against eager Py
   fused multiply-adds, NaN and signed zeros as in PyTorch;
 - `maximum`/`minimum` propagate NaN from either side; `where` selects without evaluating order;
 - comparisons produce `bool`; `cast` converts like a C cast (float -> int truncates);
-- transcendentals (`exp`, `log`, `log1p`, `expm1`, `tanh`, `sigmoid`, `erf`) are within a few
-  ulp of the correctly rounded result, with exact special values (0, -0, +-inf, NaN).
+- transcendentals (`exp`, `log`, `log2`, `log10`, `log1p`, `expm1`, `tanh`, `sigmoid`, `erf`) are
+  within a few ulp of the correctly rounded result, with exact special values (0, -0, +-inf, NaN);
+  `log2` and `log10` are exact at powers of their base, as eager's are (`floor(log2(x))` counts bits).
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ from typing import Any
 import torch
 
 UNARY_FLOAT = frozenset({
-    "neg", "abs", "reciprocal", "sqrt", "rsqrt", "exp", "log", "log1p", "expm1", "tanh", "sigmoid", "erf",
-    "floor", "ceil", "trunc", "round", "sign",
+    "neg", "abs", "reciprocal", "sqrt", "rsqrt", "exp", "log", "log2", "log10", "log1p", "expm1", "tanh",
+    "sigmoid", "erf", "floor", "ceil", "trunc", "round", "sign",
 })
 BINARY = frozenset({"add", "sub", "mul", "div", "maximum", "minimum"})
 COMPARE = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 LOGICAL = frozenset({"and", "or", "xor", "not"})
 # every primitive a backend must render, besides the leaves load/scalar/const
 PRIMITIVES = UNARY_FLOAT | BINARY | COMPARE | LOGICAL | {"isnan", "where", "cast"}
-TRANSCENDENTAL = frozenset({"exp", "log", "log1p", "expm1", "tanh", "sigmoid", "erf"})
+TRANSCENDENTAL = frozenset({"exp", "log", "log2", "log10", "log1p", "expm1", "tanh", "sigmoid", "erf"})
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,14 @@ class Compute:
     """Lowering helpers bound to one op's compute dtype: every operand is converted to it first.
 
     Operands are `Ref`s (tensor elements or earlier results), `ScalarArg`s (dynamic scalars) or
-    Python numbers (constants of the op's definition).
+    Python numbers (constants of the op's definition). `device_type` is the device whose eager
+    kernels the result must equal, for the few edge values where eager's CPU and CUDA kernels differ.
     """
 
-    def __init__(self, builder: ExprBuilder, dtype: torch.dtype):
+    def __init__(self, builder: ExprBuilder, dtype: torch.dtype, device_type: str = "cpu"):
         self.b = builder
         self.dtype = dtype
+        self.device_type = device_type
 
     def value(self, operand: Any) -> Ref:
         if isinstance(operand, Ref):

@@ -5,11 +5,19 @@ A launcher is a small generated Python function with the kernel calling conventi
 inputs as `x0, x1, ...`, checks that every tensor the kernel addresses has the strides it was
 specialized for (another layout runs the group through the reference kernel, `FALLBACK`),
 allocates the outputs the caller did not hand in as `o0, o1, ...`, and returns the node's outputs.
+A dynamic scalar the kernel would convert to a type that cannot hold it (200 for an int8 tensor, 1e40
+for a float32 one) also runs the group through the reference kernel: eager then raises, or wraps,
+exactly as it does for that op (`clamp` raises, `where` wraps), where the kernel's conversion would
+silently wrap.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .lower import KernelSpec
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def addressed_inputs(spec: KernelSpec) -> list[int]:
@@ -27,6 +35,9 @@ def prologue(spec: KernelSpec, namespace: dict) -> list[str]:
     if addressed:
         checks = " or ".join(f"x{i}.stride() != {tuple(spec.input_metas[i].stride)!r}" for i in addressed)
         lines.append(f"if {checks}: return FALLBACK(inputs, s, outs)")
+    unrepresentable = _scalar_range_checks(spec)
+    if unrepresentable:
+        lines.append(f"if {' or '.join(unrepresentable)}: return FALLBACK(inputs, s, outs)")
     returned = {index: position for position, (kind, index) in enumerate(spec.output_sources) if kind == "new"}
     for a, meta in enumerate(spec.allocations):
         namespace[f"D{a}"] = meta.dtype
@@ -38,6 +49,39 @@ def prologue(spec: KernelSpec, namespace: dict) -> list[str]:
         else:
             lines.append(f"o{a} = {fresh}")
     return lines
+
+
+def _scalar_range_checks(spec: KernelSpec) -> list[str]:
+    """One condition per (dynamic scalar, narrower type it is converted to): true when the call's
+    value does not fit that type. Scalars are bound as float64/int64; only narrowing casts can lose."""
+    narrowed: dict[int, set[torch.dtype]] = {}
+    for expr in spec.exprs:
+        if expr.op == "cast" and spec.exprs[expr.args[0]].op == "scalar":
+            narrowed.setdefault(spec.exprs[expr.args[0]].value, set()).add(expr.dtype)
+    conditions = []
+    for k, targets in sorted(narrowed.items()):
+        slots = sorted({lane.scalars[k] for lane in spec.lanes})  # a list-wide scalar is one slot
+        for target in sorted(targets, key=str):
+            condition = _out_of_range(spec.scalar_types[k], target)
+            conditions += [condition.format(v=f"s[{slot}]") for slot in slots if condition]
+    return conditions
+
+
+def _out_of_range(kind: type, target: torch.dtype) -> str | None:
+    """A Python condition on `{v}`: the value does not fit `target` (eager's checked conversion:
+    a float type takes infinities and NaN, an integer type neither)."""
+    if target == torch.bool or target == torch.float64:
+        return None
+    if target.is_floating_point:
+        if kind is not float:
+            return None  # every int64 fits float32's range
+        return f"(abs({{v}}) > {_FLOAT32_MAX!r} and abs({{v}}) != float('inf'))"
+    info = torch.iinfo(target)
+    if kind is int and target == torch.int64:
+        return None
+    # negated so NaN counts as out of range; a float at 2**63 is out for int64 (the kernel's cast gives INT64_MIN)
+    high = f"< {info.max + 1}" if target == torch.int64 else f"<= {info.max}"
+    return f"not ({info.min} <= {{v}} {high})"
 
 
 def returned(spec: KernelSpec) -> str:

@@ -169,20 +169,29 @@ class _Lowering:
         per_lane = [[_lane_item(v, j) for v in values] if foreach else values for j in range(self.lanes)]
         operands = [self._across_lanes([lane[k] for lane in per_lane]) for k in range(len(values))]
         compute, common = self._compute_type(entry, per_lane[0])
+        if any(self._compute_type(entry, lane) != (compute, common) for lane in per_lane[1:]):
+            # one kernel computes every lane in one type (a float32 lane and a float64 lane of one
+            # `_foreach_` list promote differently)
+            raise Unsupported("lanes that compute in different types")
         if common in (torch.float16, torch.bfloat16):
             operands = self._rounded_to_common(entry, operands, per_lane[0], common)
-        element = entry.lower(Compute(self.builder, compute), *operands)
+        element = entry.lower(Compute(self.builder, compute, self._device_type(member)), *operands)
         written = self._written_per_lane(member, per_lane)
         if written is None:
             outputs = [v for v in member.outputs if v is not None]
             vids = tuple(outputs[j] if foreach else outputs[0] for j in range(self.lanes))
         else:
             vids = tuple(after for _, after in written)
+        _same_dtype_across_lanes(self.graph, vids, "results")
         element = self.builder.cast(element, self.graph.values[vids[0]].meta.dtype)
         for j, vid in enumerate(vids):
             self.env[j][vid] = element
         if written is None or not self._write_storage(written, element):
             self.produced.append((element, vids))
+
+    def _device_type(self, member: Node) -> str:
+        vid = next(v for v in (*member.outputs, *member.inputs) if v is not None)
+        return self.graph.values[vid].meta.device.type
 
     def _across_lanes(self, items: list):
         """The element for one argument position, which every lane must agree on."""
@@ -197,6 +206,7 @@ class _Lowering:
                 return known[0]
             if any(k is not None for k in known) or any(i.value not in self.input_index for i in items):
                 raise Unsupported("a value read through an alias of a value the group computes")
+            _same_dtype_across_lanes(self.graph, [i.value for i in items], "operands")
             self.operands.append(tuple(i.value for i in items))
             ref = self.builder.emit("load", (), self.graph.values[first.value].meta.dtype, len(self.operands) - 1)
             for j, item in enumerate(items):
@@ -353,6 +363,14 @@ class _Lowering:
         targets = [t if t >= 0 else allocated + written_inputs.index(-1 - t) for t, _, _ in stores]
         return Lane(shape, loads, tuple(zip(targets, strides[len(load_metas):])),
                     tuple(slots[lane] for slots in self.scalars))
+
+
+def _same_dtype_across_lanes(graph: Graph, vids, what: str) -> None:
+    """A kernel has one element type per operand and per store, which every lane's tensor must have:
+    the renderers address every lane's tensor with that one type (a float64 lane read as float32
+    gives garbage, a float32 lane written as float64 overruns its buffer)."""
+    if len({graph.values[v].meta.dtype for v in vids}) > 1:
+        raise Unsupported(f"{what} of different dtypes across the lanes of a multi-tensor op")
 
 
 def _lane_item(value, lane: int):

@@ -82,14 +82,10 @@ def _round(c: Compute, x, decimals=0):
     return c.mul(c.round(c.div(x, scale)), scale)
 
 
-@_op("log2", Promotion.INT_TO_FLOAT, example=lambda x, y, z: torch.log2(z))
-def _log2(c: Compute, x):
-    return c.mul(c.log(x), 1.0 / math.log(2.0))
-
-
-@_op("log10", Promotion.INT_TO_FLOAT, example=lambda x, y, z: torch.log10(z))
-def _log10(c: Compute, x):
-    return c.mul(c.log(x), 1.0 / math.log(10.0))
+# primitives of their own, not log(x) * (1 / ln b): that product misses the exact integer at powers of
+# the base (log2(8.0) gave 2.9999999999999996), so floor/ceil of it were off by one
+_unary("log2", example=lambda x, y, z: torch.log2(z))
+_unary("log10", example=lambda x, y, z: torch.log10(z))
 
 
 # -- binary arithmetic -----------------------------------------------------------------------------
@@ -271,6 +267,12 @@ def _gelu_tanh_inner(c: Compute, x):
 def _gelu(c: Compute, x, approximate="none"):
     if approximate == "tanh":
         return c.mul(c.mul(0.5, x), c.add(1, c.tanh(_gelu_tanh_inner(c, x))))
+    if c.device_type == "cpu" and isinstance(x, Ref) and c.b.dtype(x) == torch.float32:
+        # eager's float32 CPU kernel (torch 2.13, every ATEN_CPU_CAPABILITY) halves last, so x above
+        # FLT_MAX / 2 gives inf, and gives NaN at +inf; its float64, half-type and CUDA kernels give
+        # inf there, as the formula below does
+        halved_last = c.mul(c.mul(x, c.add(1, c.erf(c.mul(x, _SQRT1_2)))), 0.5)
+        return c.where(c.eq(x, math.inf), math.nan, halved_last)
     return c.mul(c.mul(x, 0.5), c.add(1, c.erf(c.mul(x, _SQRT1_2))))
 
 
@@ -363,7 +365,9 @@ def _copy(c: Compute, x, src, non_blocking=False):
     return src
 
 
-@_op("fill", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.clone().fill_(0.5))
+# the value converts straight to the tensor's type (int32 fill_(16777217.0) is exact), not through
+# the promotion of (int tensor, float), float32
+@_op("fill", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.clone().fill_(0.5), promote_args=(0,))
 def _fill(c: Compute, x, value):
     return c.value(value)
 

@@ -7,6 +7,7 @@ import hashlib
 from ...ir.graph import Graph, Node
 from ..base import CompiledBackend, Kernel
 from ..lower import KernelSpec
+from ..optable import Unsupported
 from .launch import make_launcher
 from .render import C_TYPES, prelude, render_kernel
 from .toolchain import CompilerUnavailable, build, compiler, warn_unavailable
@@ -26,17 +27,28 @@ class CBackend(CompiledBackend):
         return True
 
     def build(self, graph: Graph, specs: list[KernelSpec], nodes: list[Node]) -> list[Kernel | None]:
-        sources = []
-        names = []
+        sources: list[str | None] = []
+        names: list[str | None] = []
         for spec in specs:
-            body = render_kernel(spec, "KERNEL")
+            try:
+                body = render_kernel(spec, "KERNEL")
+            except Unsupported:  # a layout the renderer cannot walk: the group runs by reference
+                sources.append(None)
+                names.append(None)
+                continue
             name = f"tj_{spec.name.split('_')[0]}_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
             names.append(name)
             sources.append(body.replace("KERNEL", name))
-        unit = prelude(specs) + "\n" + "\n".join(dict.fromkeys(sources))
+        rendered = [spec for spec, source in zip(specs, sources) if source is not None]
+        if not rendered:
+            return [None] * len(specs)
+        unit = prelude(rendered) + "\n" + "\n".join(dict.fromkeys(s for s in sources if s is not None))
         library = build(unit)
         kernels: list[Kernel | None] = []
         for spec, node, name, source in zip(specs, nodes, names, sources):
+            if source is None:
+                kernels.append(None)
+                continue
             launcher = make_launcher(spec, getattr(library, name), self.fallback(graph, node), name)
             launcher.source = source
             kernels.append(launcher)

@@ -9,7 +9,8 @@ Method: argument reduction plus polynomials fitted by `tools/fit_math.py` (weigh
 on Chebyshev nodes, then rounded to float32). Measured maximum error against the correctly
 rounded result over a sweep of float32 values (`tests/test_c_mathlib.py` checks the bounds):
 exp 1 ulp, log 2 ulp, tanh 2 ulp, sigmoid 2 ulp, log1p 3 ulp, expm1 2 ulp, erf 2 ulp; results below
-the normal range within 2^-126 absolute (sigmoid(-100) is 0, as in eager). float64 kernels call
+the normal range within 2^-126 absolute (sigmoid(-100) is 0, as in eager). log2 and log10 are libm's
+double functions rounded once (exact at powers of the base; not vectorized). float64 kernels call
 libm (not vectorized).
 """
 
@@ -127,6 +128,15 @@ static inline float tj_tanhf(float x) {
   return a < 0.625f ? small : big;
 }
 """),
+    "tj_log2f": ((), r"""
+/* libm in double, rounded once: exact at powers of two and as close to eager as float32 allows (a
+   polynomial within 2 ulp is not exact there). A scalar call: a loop using it does not vectorize. */
+static inline float tj_log2f(float x) { return (float)log2((double)x); }
+"""),
+    "tj_log10f": ((), r"""
+/* as tj_log2f: exact at the powers of ten a float holds, rounded once from libm's double */
+static inline float tj_log10f(float x) { return (float)log10((double)x); }
+"""),
     "tj_sigmoidf": (("tj_expf",), r"""
 static inline float tj_sigmoidf(float x) { return 1.0f / (1.0f + tj_expf(-x)); }
 """),
@@ -169,6 +179,8 @@ FLOAT_FUNCTIONS = {
     # primitive -> (float32 function, float64 libm expression)
     "exp": ("tj_expf", "exp({})"),
     "log": ("tj_logf", "log({})"),
+    "log2": ("tj_log2f", "log2({})"),
+    "log10": ("tj_log10f", "log10({})"),
     "log1p": ("tj_log1pf", "log1p({})"),
     "expm1": ("tj_expm1f", "expm1({})"),
     "tanh": ("tj_tanhf", "tanh({})"),

@@ -19,6 +19,7 @@ import torch
 
 from ..expr import TRANSCENDENTAL, Expr
 from ..lower import KernelSpec, live_exprs
+from ..optable import Unsupported
 from .mathlib import FLOAT_FUNCTIONS, math_source
 
 C_TYPES = {
@@ -250,19 +251,20 @@ def _loops(shape: tuple[int, ...], index_vars: list[str], body: list[str]) -> st
 # -- many lanes -----------------------------------------------------------------------------------------
 
 def multi_layout(spec: KernelSpec) -> tuple[list[bool], list[int]]:
-    """Per tensor slot (operands, then stores) whether it is broadcast (one element); per lane its size."""
+    """Per tensor slot (operands, then stores) whether it is broadcast (one element); per lane its size.
+    Raises Unsupported for lanes it cannot walk flat (the group then runs through the reference kernel)."""
     slots = len(spec.load_dtypes) + len(spec.store_exprs)
     broadcast = [None] * slots
     for lane in spec.lanes:
         if len(lane.shape) > 1:
-            raise ValueError("multi-lane kernels walk flat lanes")
+            raise Unsupported("multi-lane kernels walk flat lanes")
         if lane.numel <= 1:
             continue
         strides = [s for _, s in lane.loads] + [s for _, s in lane.stores]
         for k, stride in enumerate(strides):
             flag = stride[0] == 0
             if stride[0] not in (0, 1) or (broadcast[k] is not None and broadcast[k] != flag):
-                raise ValueError("lanes of a multi-lane kernel must be contiguous or broadcast alike")
+                raise Unsupported("lanes of a multi-lane kernel must be contiguous or broadcast alike")
             broadcast[k] = flag
     return [bool(b) for b in broadcast], [lane.numel for lane in spec.lanes]
 

@@ -35,7 +35,8 @@ _HALF_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&", "or": "|", "xor": "^"}
 _BOOL_ARITHMETIC = {"add": "|", "mul": "&", "maximum": "|", "minimum": "&"}  # int1 would wrap
-_LIBDEVICE = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh", "erf": "erf",
+_LIBDEVICE = {"exp": "exp", "log": "log", "log2": "log2", "log10": "log10",
+              "log1p": "log1p", "expm1": "expm1", "tanh": "tanh", "erf": "erf",
               "trunc": "trunc", "round": "rint"}
 
 

@@ -67,7 +67,8 @@ def f16_to_f32(x):
 
 
 libdevice = SimpleNamespace(
-    exp=_math(np.exp), log=_math(np.log), log1p=_math(np.log1p), expm1=_math(np.expm1), tanh=_math(np.tanh),
+    exp=_math(np.exp), log=_math(np.log), log2=_math(np.log2), log10=_math(np.log10),
+    log1p=_math(np.log1p), expm1=_math(np.expm1), tanh=_math(np.tanh),
     erf=_math(np.vectorize(math.erf, otypes=[np.float64])), trunc=_math(np.trunc), rint=_math(np.rint),
 )
 

@@ -1,0 +1,235 @@
+"""Silent wrong results an adversarial tester found in the fused kernels, each traced with the C
+backend over several calls and compared with eager exactly:
+- a `_foreach_` chain over lanes of different dtypes (one kernel typed by lane 0) or layouts;
+- `fill_` of an integer tensor with a float, which went through float32;
+- `log2`/`log10`, computed as log(x) / ln b, one ulp short of the integer at powers of the base;
+- `gelu(+inf)` in float32, which eager's CPU kernel makes NaN;
+- a dynamic scalar out of range for the tensor's type, which eager refuses and the kernel wrapped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton_support as ts
+from fused_support import fused_nodes
+from triton_cases import CASES as TRITON_CASES
+
+import tracejit
+from tracejit.backends import resolve_backend
+
+pytestmark = pytest.mark.skipif(resolve_backend("c") is None, reason="no C compiler for the C backend")
+
+F = torch.nn.functional
+
+
+def trace_c(function):
+    return tracejit.trace(function, backend="c")
+
+
+def kernels_fired(traced) -> int:
+    """How many fused kernels the checked calls ran (a group left to the reference kernel counts
+    too, so callers also look at `kernel_sources`)."""
+    return sum(entry.program.groups_fired for entry in traced._entries())
+
+
+def same(got, want) -> bool:
+    """Equal values and dtypes, NaN in the same places."""
+    if isinstance(want, (tuple, list)):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want))
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want)
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+
+
+def assert_matches_eager(function, make_inputs, calls: int = 3):
+    """Trace `function`, call it `calls` times with fresh inputs (cloned for eager: the functions
+    write in place), each result equal to eager's; returns the traced function."""
+    traced = trace_c(function)
+    for call in range(calls):
+        inputs = make_inputs(call)
+        want = function(*[t.clone() for t in inputs])
+        got = traced(*[t.clone() for t in inputs])
+        assert same(got, want), f"call {call}: traced {got} vs eager {want}"
+    return traced
+
+
+# -- 1. _foreach_ lanes of different dtypes ----------------------------------------------------------
+
+def scale_and_shift_in_place(a, b):
+    torch._foreach_mul_([a, b], 2)
+    torch._foreach_add_([a, b], 1)
+    return a, b
+
+
+def two_lanes(first: torch.dtype, second: torch.dtype):
+    return lambda call: (torch.arange(40, dtype=first) + call, (torch.arange(40) + 10 * call).to(second))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64), (torch.float32, torch.int32),
+                                    (torch.float64, torch.float32)], ids=str)
+def test_foreach_lanes_of_different_dtypes_are_not_one_kernel(dtypes):
+    # lane 0's type used to type every lane's pointer: garbage, or a heap overrun (float64 first)
+    traced = assert_matches_eager(scale_and_shift_in_place, two_lanes(*dtypes))
+    assert not traced.kernel_sources(), "a kernel addresses lanes of different dtypes"
+
+
+def test_foreach_lanes_of_one_dtype_still_run_one_kernel():
+    traced = assert_matches_eager(scale_and_shift_in_place, two_lanes(torch.float32, torch.float32))
+    assert len(traced.kernel_sources()) == 1 and kernels_fired(traced)
+
+
+# -- 2. _foreach_ lanes of different layouts -----------------------------------------------------------
+
+def multiply_then_shift(a, b, c):
+    torch._foreach_mul_([a, b], [c, c])
+    torch._foreach_add_([a, b], 1.0)
+    return a, b
+
+
+def test_foreach_lanes_of_different_layouts_fall_back_to_aten():
+    # a transposed lane is not a flat walk: building the kernel raised ValueError on every call
+    def inputs(call):
+        g = torch.Generator().manual_seed(call)
+        return torch.randn(4, 3, generator=g).t(), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+
+    traced = assert_matches_eager(multiply_then_shift, inputs)
+    assert not traced.kernel_sources()
+
+
+# -- 3. fill_ of integer tensors with a float ----------------------------------------------------------
+
+def filled_int32(x):
+    y = x * 1  # something to fuse with
+    y.fill_(16777217.0)  # exact in int32, rounds to 16777216 in float32
+    return y
+
+
+def filled_int64(x):
+    y = x + 0
+    y.fill_(1e18)  # exact in int64 and in double, not in float32
+    return y
+
+
+@pytest.mark.parametrize("function,dtype", [(filled_int32, torch.int32), (filled_int64, torch.int64)],
+                         ids=["int32", "int64"])
+def test_fill_of_an_integer_tensor_keeps_the_value_exact(function, dtype):
+    traced = assert_matches_eager(function, lambda call: (torch.randint(-5, 5, (64,), dtype=dtype),))
+    assert kernels_fired(traced) and fused_nodes(traced)
+
+
+# -- 4. log2 and log10 at powers of their base -----------------------------------------------------------
+
+def bit_length(x):
+    return torch.floor(torch.log2(x * 1.0))
+
+
+def digit_count(x):
+    return torch.floor(torch.log10(x * 1.0)).to(torch.int64) + 1
+
+
+def powers(base: float, exponents: range, dtype: torch.dtype):
+    values = [base ** k for k in exponents]
+    return lambda call: (torch.tensor(values[call:] + values[:call], dtype=dtype),)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_log2_is_exact_at_powers_of_two(dtype):
+    exponents = range(-126, 128) if dtype == torch.float32 else range(-1022, 1024)
+    traced = assert_matches_eager(bit_length, powers(2.0, exponents, dtype))
+    assert torch.equal(traced(torch.tensor([8.0, 4096.0], dtype=dtype)), torch.tensor([3.0, 12.0], dtype=dtype))
+    assert kernels_fired(traced)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_log10_is_exact_at_powers_of_ten(dtype):
+    exponents = range(0, 11) if dtype == torch.float32 else range(-300, 300)  # float32 holds 10^0..10^10
+    traced = assert_matches_eager(digit_count, powers(10.0, exponents, dtype))
+    assert torch.equal(traced(torch.tensor([10.0, 1000.0], dtype=dtype)), torch.tensor([2, 4]))
+    assert kernels_fired(traced)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_triton_log2_and_log10_are_exact_at_powers(dtype):
+    function, inputs, _, _ = TRITON_CASES[f"log_powers-{dtype}"]()
+    with ts.interpreter():
+        traced = tracejit.trace(function, backend="triton")
+        for _ in range(3):
+            assert same(traced(*inputs), function(*inputs))
+        assert ts.triton_launchers(traced), "no Triton kernel ran"
+
+
+# -- 5. gelu at the top of float32 ------------------------------------------------------------------------
+
+def gelu_of(x):
+    return F.gelu(x * 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_gelu_at_infinity_and_overflow_matches_eager(dtype):
+    # eager's float32 CPU kernel: gelu(+inf) is NaN and x above FLT_MAX / 2 overflows; float64 neither
+    edges = [math.inf, -math.inf, 1.7e38, 1.71e38, 3e38, 10.0, -10.0, 0.0]  # erf is exactly +-1 or 0 here
+    traced = assert_matches_eager(gelu_of, lambda call: (torch.tensor(edges[call:] + edges[:call], dtype=dtype),))
+    assert kernels_fired(traced)
+
+
+# -- 6. dynamic scalars out of range for the tensor's type -----------------------------------------------------
+
+def clamped(x, *, k):
+    return (x * 1).clamp(max=k)
+
+
+def masked(x, *, k):
+    return (x * 1).masked_fill(x > 0, k)
+
+
+def selected(x, *, k):
+    return torch.where(x > 5, x * 1, k)
+
+
+RANGE_CASES = {
+    "clamp-int8": (clamped, torch.tensor([1, 100, -100, 120], dtype=torch.int8), 100, 200),
+    "masked_fill-int8": (masked, torch.tensor([1, 100, -100, 120], dtype=torch.int8), 100, 200),
+    "clamp-float32": (clamped, torch.tensor([1.0, 3e38, -5.0, 0.5]), 1e30, 1e40),
+    "masked_fill-float32": (masked, torch.tensor([1.0, 3e38, -5.0, 0.5]), 1e30, 1e40),
+}
+
+
+def eager_outcome(function, x, k):
+    try:
+        return function(x.clone(), k=k)
+    except RuntimeError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_an_out_of_range_scalar_raises_as_eager_does(case):
+    function, x, fits, overflows = RANGE_CASES[case]
+    traced = trace_c(function)
+    for _ in range(3):
+        assert same(traced(x.clone(), k=fits), function(x.clone(), k=fits))
+    assert kernels_fired(traced)
+    expected = eager_outcome(function, x, overflows)
+    assert isinstance(expected, str) and "without overflow" in expected
+    with pytest.raises(RuntimeError, match="without overflow"):
+        traced(x.clone(), k=overflows)
+    assert same(traced(x.clone(), k=fits), function(x.clone(), k=fits))
+    assert fused_nodes(traced), "an in-range value no longer runs the kernel"
+
+
+def test_an_out_of_range_scalar_eager_wraps_still_wraps():
+    # eager's where() wraps -1 to 255 in uint8 (and refuses 300): the out-of-range value runs
+    # through aten, which does exactly what eager does
+    x = torch.tensor([1, 10, 200, 3], dtype=torch.uint8)
+    traced = trace_c(selected)
+    for k in (7, 7, 7, -1):
+        assert same(traced(x.clone(), k=k), selected(x.clone(), k=k)), k
+    assert traced(x.clone(), k=-1).tolist() == [255, 10, 200, 255]
+    with pytest.raises(RuntimeError, match="without overflow"):
+        traced(x.clone(), k=300)
+    assert kernels_fired(traced) and fused_nodes(traced)
