@@ -18,7 +18,10 @@ member's position is reached, so nothing outside it may need a member's value, o
 member's input, between its first and last member. Groups never cross a host read or an excluded
 block, and in host-visible graphs nothing outside may even read a group input inside the span
 (holding it would change what autograd dispatches). A group that writes a storage it reads reads
-it only through the written tensor itself (one element, one index: no overlap hazard).
+it only through the written tensor itself (one element, one index: no overlap hazard); inputs
+that overlap in memory are views of one base in the record, so this covers `f(a, a.t())` too. A
+`_foreach_` op joins only if no other lane touches a storage one of its lanes writes (a kernel
+runs lane by lane, eager op by op).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from ..ir.fused_group import FusedGroup
 from ..ir.graph import Graph, Node, Op
+from ..record.calls import rebuild_call
 from .analysis import versions_of
 
 CanFuse = Callable[[Graph, Node], bool]
@@ -43,7 +47,7 @@ def group_elementwise(graph: Graph, can_fuse: CanFuse | None = None, max_members
         return graph
     grouping = _Grouping(graph, max_members)
     for index, node in enumerate(grouping.nodes):
-        if _candidate(node) and can_fuse(graph, node):
+        if _candidate(node) and _lanes_are_exclusive(graph, [node]) and can_fuse(graph, node):
             grouping.add(index, node)
     fused = [g for g in grouping.groups if len(g) >= min_members
              or (len(g) == 1 and alone is not None and alone(graph, grouping.nodes[g[0]]))]
@@ -159,7 +163,7 @@ def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = No
     member_ids = {id(m) for m in members}
     read = {v for m in members for v in m.inputs} - produced
     read_roots = {graph.values[v].root for v in read}
-    if not _writes_are_exclusive(graph, members, read):
+    if not _writes_are_exclusive(graph, members, read) or not _lanes_are_exclusive(graph, members):
         return False
     for node in nodes[start + 1:end]:
         if id(node) in member_ids or not node.positions:
@@ -192,6 +196,61 @@ def _writes_are_exclusive(graph: Graph, members: list[Node], read: set[int]) -> 
     # other views of a written storage get new versions too; no member may read one of them
     aliases = {v for m in members for v in m.writes if graph.values[v].handle != written.get(graph.values[v].root)}
     return not any(v in aliases for m in members for v in m.inputs)
+
+
+def _lanes_are_exclusive(graph: Graph, members: list[Node]) -> bool:
+    """A storage a lane of a `_foreach_` member writes is touched by no other lane of the group.
+
+    Eager runs a `_foreach_` op over every list element before the next op starts; a multi-tensor
+    kernel runs all its members lane by lane (and lanes in parallel). That is the same only when
+    the lanes are independent: `_foreach_mul_([a, a], 2)` writes one tensor in two lanes, and
+    `_foreach_add_([a, b], [b, a])` writes in lane 0 what lane 1 reads."""
+    lanes_of_root: dict[int, set[int]] = {}  # root -> lanes touching it (EVERY_LANE: a shared argument)
+    written: dict[int, set[int]] = {}  # root -> lanes writing it
+    for member in members:
+        per_lane = _lane_values(member)
+        if per_lane is None:
+            continue
+        writes = {graph.values[v].handle for v in member.writes}
+        for lane, vids in per_lane.items():
+            for vid in vids:
+                root = graph.values[vid].root
+                lanes_of_root.setdefault(root, set()).add(lane)
+                if lane != _EVERY_LANE and vid == vids[0] and graph.values[vid].handle in writes:
+                    written.setdefault(root, set()).add(lane)
+    return all(len(lanes) == 1 and lanes_of_root[root] == lanes for root, lanes in written.items())
+
+
+_EVERY_LANE = -1
+
+
+class _Slot:
+    """Stands for one tensor of a call while its argument structure is rebuilt."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int):
+        self.value = value
+
+
+def _lane_values(node: Node) -> dict[int, list[int]] | None:
+    """For a `_foreach_` op of more than one list element: lane -> the value ids it reads, its written
+    target (the first list's element) first; tensors outside the lists under _EVERY_LANE. None for
+    other ops (one lane: nothing runs beside it)."""
+    if not str(node.target).startswith("aten._foreach_"):
+        return None
+    args, kwargs = rebuild_call(node.statics, [_Slot(v) for v in node.inputs], [None] * len(node.scalars))
+    arguments = [*args, *kwargs.values()]
+    lists = [a for a in arguments if isinstance(a, list)]
+    if not lists or len(lists[0]) < 2:
+        return None
+    per_lane: dict[int, list[int]] = {}
+    for argument in arguments:
+        items = enumerate(argument) if isinstance(argument, list) else [(_EVERY_LANE, argument)]
+        for lane, item in items:
+            if isinstance(item, _Slot):
+                per_lane.setdefault(lane, []).append(item.value)
+    return per_lane
 
 
 def _rewrite(graph: Graph, nodes: list[Node], groups: list[list[int]]) -> Graph:

@@ -82,6 +82,19 @@ class Recorder:
             for name, value in kwargs.items()
             if isinstance(value, torch.Tensor)
         }
+        self._share_overlapping_inputs(args, kwargs)
+
+    def _share_overlapping_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Inputs whose memory overlaps (`f(a, a.t())`, `f(x[1:], x[:-1])`) become views of one base:
+        a write through one makes new versions of the others, and the passes see one storage (a fused
+        kernel must not read one while it writes the other). The input signature (shared_memory)
+        pins which inputs overlap, so every call of this trace has the same overlap."""
+        inputs = list(zip(self.arg_handles, args, strict=True))
+        inputs += [(self.kwarg_handles[name], v) for name, v in kwargs.items() if name in self.kwarg_handles]
+        # an object passed twice (`step(x, x)`) is one handle, its last: the others are never read
+        inputs = [(h, t) for h, t in inputs if self.handles.get(t) == h]
+        for handle, base in _overlapping_input_bases(inputs).items():
+            self.tensors[handle].base = base
 
     @classmethod
     def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
@@ -414,6 +427,39 @@ def _first_handle_created_from(record: Record, position: int) -> int:
     while limit in seen:
         limit += 1
     return limit
+
+
+def _overlapping_input_bases(inputs: list[tuple[int, torch.Tensor]]) -> dict[int, int]:
+    """Input handle -> the first handle of the group of inputs it shares memory with, for every input
+    whose bytes overlap another input's (transitively). Inputs in disjoint parts of one storage
+    (`f(x[0], x[1])`) stay apart, so a kernel may still write one while it reads the other."""
+    spans = [(h, _byte_span(t)) for h, t in inputs]
+    spans = [(h, span) for h, span in spans if span is not None]
+    group = {h: h for h, _ in spans}  # union-find over handles, the smallest handle representing
+
+    def find(h: int) -> int:
+        while group[h] != h:
+            h = group[h]
+        return h
+
+    for i, (h, (start, end)) in enumerate(spans):
+        for other, (other_start, other_end) in spans[:i]:
+            if start < other_end and other_start < end:
+                low, high = sorted((find(h), find(other)))
+                group[high] = low
+    return {h: find(h) for h, _ in spans if find(h) != h}
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """[first byte, last byte + 1) of the memory a tensor's elements occupy; None without memory."""
+    if storage_address(tensor) == 0 or tensor.numel() == 0:
+        return None
+    size = tensor.element_size()
+    low = high = tensor.data_ptr()
+    for extent, stride in zip(tensor.shape, tensor.stride()):
+        reach = (extent - 1) * stride * size
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return low, high + size
 
 
 def _copy_info(info: TensorInfo) -> TensorInfo:

@@ -166,7 +166,7 @@ class _GroupRun:
                 raise self._kept_error(wanted)
             env = state.env
             inputs = [env[self.handle_of[v]] for v in self.node.inputs]
-            env[handle].copy_(self.reference.partial(inputs, scalars, wanted))
+            _fill_placeholder(env[handle], self.reference.partial(inputs, scalars, wanted))
             del state.pending[handle]
             return
         self.interrupt(state, scalars)
@@ -191,11 +191,20 @@ class _GroupRun:
             for vid, placeholder in placeholders.items():
                 # no placeholder: the member whose call fired the kernel (which then raised)
                 if placeholder is not None and values[vid] is not placeholder:
-                    placeholder.copy_(values[vid])
+                    _fill_placeholder(placeholder, values[vid])
                     values[vid] = placeholder
         for handle in [h for h, group in state.pending.items() if group is self]:
             del state.pending[handle]
         state.broken.add(self)
+
+
+def _fill_placeholder(placeholder: torch.Tensor, value: torch.Tensor) -> None:
+    """Give a placeholder handed to the host its value. The host may have made it a leaf that
+    requires grad since (`x = (x * 1.0).requires_grad_()`: requires_grad_ is never dispatched, so
+    the record cannot see it); eager's tensor was born with the value, so the fill is no autograd
+    op, and copy_ under grad mode would refuse to write into such a leaf."""
+    with torch.no_grad():
+        placeholder.copy_(value)
 
 
 def _recomputable(graph: Graph, node: Node) -> set[int]:
