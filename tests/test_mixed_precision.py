@@ -180,3 +180,74 @@ def test_autocast_entered_around_each_step(without_host):
         assert stats.host_free_calls >= 4 and stats.host_free_misses == 0, stats
     else:
         assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
+
+
+_SETTINGS_CHANGES = {
+    "growth_factor": lambda scaler: scaler.set_growth_factor(4.0),
+    "backoff_factor": lambda scaler: scaler.set_backoff_factor(0.25),
+    "growth_interval": lambda scaler: scaler.set_growth_interval(3),
+    "load_state_dict": lambda scaler: scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 1,
+                                                             "growth_factor": 3.0}),
+}
+
+
+@pytest.mark.parametrize("mode", ["checked", "without_host"])
+@pytest.mark.parametrize("change", list(_SETTINGS_CHANGES))
+def test_scaler_settings_changed_between_calls_are_followed(change, mode):
+    # the growth and backoff factors and the interval reach aten._amp_update_scale_ as numbers: they
+    # were structural (a checked call at the API level then ran the function twice and left the
+    # scaler between step() and update(), refusing every later call), and frozen without the host
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = (OPTIMIZERS["adam_fused"](m.parameters()) for m in (model_a, model_b))
+    scaler_a, scaler_b = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) for _ in range(2))
+    traced = tracejit.trace(step, backend="aten", without_host=mode == "without_host")
+    generator = torch.Generator().manual_seed(1)
+    for i in range(10):
+        if i == 5:
+            _SETTINGS_CHANGES[change](scaler_a)
+            _SETTINGS_CHANGES[change](scaler_b)
+        x, y = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        overflow = torch.tensor(float("inf") if i == 7 else 1.0)
+        want = step(x, y, overflow, model=model_a, opt=opt_a, scaler=scaler_a)
+        got = traced(x, y, overflow, model=model_b, opt=opt_b, scaler=scaler_b)
+        assert torch.equal(got, want), i
+        assert _scaler_state(scaler_b) == _scaler_state(scaler_a), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    stats = traced.stats
+    if mode == "checked":
+        assert stats.api_replays >= 6 and stats.api_fallbacks == 0, stats
+    else:
+        assert stats.host_free_calls >= 6, stats
+
+
+def test_a_mismatch_between_the_scalers_step_and_update_leaves_the_scaler_usable():
+    # the call raises TraceMismatchError after scaler.step(): the scaler's stage goes back to what
+    # it was when the call began (was: torch's "step() has already been called since the last
+    # update()" on every later call)
+    def logged_step(x, y, overflow, *, model, opt, scaler, log):
+        loss = F.cross_entropy(model(x), y) * overflow
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        if log == "extra":
+            loss = loss * 1.0
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = OPTIMIZERS["adam_fused"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    traced = tracejit.trace(logged_step, backend="aten")
+    x, y, one = torch.randn(6, 8), torch.randint(0, 4, (6,)), torch.tensor(1.0)
+    for _ in range(5):
+        traced(x, y, one, model=model, opt=opt, scaler=scaler, log="plain")
+    served = traced.stats.api_replays
+    assert served >= 1
+    with pytest.raises(tracejit.TraceMismatchError, match="a different op ran"):
+        traced(x, y, one, model=model, opt=opt, scaler=scaler, log="extra")
+    for _ in range(3):
+        traced(x, y, one, model=model, opt=opt, scaler=scaler, log="plain")
+    assert traced.stats.api_replays > served

@@ -29,7 +29,7 @@ from .ir import build_graph
 from .ir.to_fx import to_fx
 from .methods import bound_trace
 from .options import TraceOptions
-from .record.amp import is_inf_check
+from .record.amp import ScalerStages, is_inf_check
 from .record.api import ApiTracer
 from .record.calls import data_dependent_size
 from .record.ddp_calls import is_ddp
@@ -173,6 +173,7 @@ class trace(ProfileAccess):
         self._fast_api: TraceEntry | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
         self._changed_in_call: list[str] = []  # without_host: what the call's function changed (record/reached.py)
+        self._scalers: ScalerStages | None = None  # the GradScalers the function reaches, found at its first replay
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
@@ -618,6 +619,9 @@ class trace(ProfileAccess):
         context = call_context_key()
         call = CallContext(self, replayer, self.options.capture_as_const)
         seen = Seen(optimizers=self.options.without_host)  # for a record this call makes (a re-record, a variant)
+        if self._scalers is None:
+            self._scalers = ScalerStages(self._function, kwargs)
+        scaler_stages = self._scalers.save(kwargs) if self._scalers else None
         try:
             with seen.watching(), traced_call(call):
                 if tracer is None:
@@ -625,11 +629,20 @@ class trace(ProfileAccess):
                 else:
                     with tracer:
                         result = self._function(*args, **kwargs)
-        except BaseException:
+        except BaseException as error:
             replayer.abandon()  # what the function did before raising happens, as in an eager call
+            if scaler_stages and isinstance(error, TraceMismatchError):
+                ScalerStages.restore(scaler_stages)
             raise
         self._changed_in_call = seen.changes
-        new_record = replayer.finish(result)
+        try:
+            new_record = replayer.finish(result)
+        except TraceMismatchError:
+            if scaler_stages:
+                # the function would have gone on to scaler.update(): a scaler left between its step()
+                # and update() would refuse every later step ("step() has already been called")
+                ScalerStages.restore(scaler_stages)
+            raise
         if new_record is not None:
             new_record.rng_calls = tuple(call.rng_calls)
             seen.store(new_record)
@@ -752,6 +765,7 @@ class trace(ProfileAccess):
         externals = {h: t for h, t in replayer.handles.live().items() if entry.record.tensors[h].kind is Kind.EXTERNAL}
         try:
             entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context, externals)
+            entry.api.scalers = ScalerStages(self._function, kwargs) or None
         except NotReplayable as reason:
             self._refuse_api(entry, str(reason))
 

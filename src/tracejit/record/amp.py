@@ -4,12 +4,25 @@ Unless the optimizer takes the scaler on the device (`Adam(fused=True)` gets `gr
 `found_inf`), `GradScaler.step()` reads `found_inf.item()` and skips `optimizer.step()` on an
 overflow: the one data-dependent branch of a mixed-precision step. Checked replay lets that branch
 go the other way (runtime/replay.py), and without_host names it in its refusal.
+
+A scaler also keeps, per optimizer, which of its calls a step has made (`unscale_`, `step`,
+cleared by `update`). A checked call that diverges at the API level runs the function again: the
+scalers it reaches get back the stages they had before the first run (ScalerStages), or the second
+run's `scaler.step()` would raise torch's "step() has already been called since the last update()".
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+from .names import roots_of
 
 _GRAD_SCALER = os.path.join("amp", "grad_scaler.py")
 INF_CHECK = " (GradScaler's inf check)"  # appended to the `what` of such a host read
@@ -34,3 +47,28 @@ def in_grad_scaler() -> bool:
 def is_inf_check(what: str) -> bool:
     """Whether a recorded host read (its `what`) is GradScaler's inf check."""
     return what.endswith(INF_CHECK)
+
+
+class ScalerStages:
+    """The GradScalers a traced function reaches directly (keyword arguments, globals, closure
+    cells), whose per-optimizer stages a call can save and restore."""
+
+    def __init__(self, function: Any, kwargs: dict):
+        self.keywords = tuple(name for name, value in kwargs.items() if isinstance(value, torch.amp.GradScaler))
+        self.others = tuple(weakref.ref(value) for _, _, value in roots_of(function, {})
+                            if isinstance(value, torch.amp.GradScaler))
+
+    def __bool__(self) -> bool:
+        return bool(self.keywords or self.others)
+
+    def save(self, kwargs: dict) -> list:
+        scalers = [kwargs.get(name) for name in self.keywords] + [ref() for ref in self.others]
+        return [(scaler, {key: (state["stage"], dict(state["found_inf_per_device"]))
+                          for key, state in scaler._per_optimizer_states.items()})
+                for scaler in scalers if isinstance(scaler, torch.amp.GradScaler)]
+
+    @staticmethod
+    def restore(saved: list) -> None:
+        for scaler, states in saved:
+            scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state, {
+                key: {"stage": stage, "found_inf_per_device": dict(found)} for key, (stage, found) in states.items()})

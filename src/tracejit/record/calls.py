@@ -31,6 +31,8 @@ _VALUE_SCALAR_OPS = {
     "clamp_", "clamp_min_", "clamp_max_", "mse_loss", "l1_loss", "cross_entropy_loss",
     # the value of torch.where(c, x, 0.5)'s scalar, of x // k, and of the fill ops
     "scalar_tensor", "floor_divide", "floor_divide_", "index_fill", "index_fill_",
+    # GradScaler's growth and backoff factors (set_growth_factor() between calls)
+    "_amp_update_scale", "_amp_update_scale_",
 }
 # A Python number can also arrive in a Tensor slot: the dispatcher unwraps wrapped-number tensors
 # (`t / 0.5` reaches aten.div.Tensor with a float).
@@ -62,14 +64,19 @@ def _is_in_place_pointwise(op: torch._ops.OpOverload, name: str) -> bool:
     return functional is not None and torch.Tag.pointwise in functional.tags
 
 
+# Integer arguments that are values, not sizes: GradScaler's growth interval (set_growth_interval())
+_INT_VALUES = {"_amp_update_scale": frozenset({"growth_interval"}), "_amp_update_scale_": frozenset({"growth_interval"})}
+
+
 @functools.cache
 def dynamic_slots(op: torch._ops.OpOverload) -> tuple[frozenset[int], frozenset[str]]:
     """Positions and keyword names of `op`'s arguments that carry dynamic scalars."""
     if not isinstance(op, torch._ops.OpOverload) or not _is_value_scalar_op(op):
         return frozenset(), frozenset()
+    int_values = _INT_VALUES.get(op._schema.name.split("::")[-1], frozenset())
     positions, names = set(), set()
     for i, arg in enumerate(op._schema.arguments):
-        if str(arg.type) in _SCALAR_TYPES:
+        if str(arg.type) in _SCALAR_TYPES or arg.name in int_values:
             names.add(arg.name)
             if not arg.kwarg_only:
                 positions.add(i)

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import TraceMismatchError
+from ..record.amp import ScalerStages
 from ..record.api import (
     RUN_FOR_REAL,
     ApiCall,
@@ -96,6 +97,7 @@ class ApiProgram:
         self.checking_kwargs: dict | None = None
         self.reads_host = any(call.kind is CallKind.HOST_READ for call in trace.calls)  # _Reader needs the call
         self.attention = ran_fused_attention(record)  # nn.MultiheadAttention: the aten level's path (modes.py)
+        self.scalers: ScalerStages | None = None  # the GradScalers the function reaches (set by the trace)
         self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
         self.steps = [self._step(call) for call in trace.calls]
@@ -573,6 +575,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if program.reads_host:
         program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
     generator = torch.default_generator.get_state() if program.draws else None
+    scaler_stages = program.scalers.save(kwargs) if program.scalers else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
     context = program.call_context
@@ -610,16 +613,19 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             program.read_slices = {}
     if failure is not None:  # the checker is off the mode stack now: it would answer torch.equal
         _restore_generator(generator)
-        return None, failure
-    if generator is not None and _restore_generator(generator):
-        return None, "the function changed the random number generator's state (torch.manual_seed, set_rng_state)"
-    if checker.diverged is not None:
-        return None, checker.diverged  # the function swallowed ApiDiverged
-    if checker.position != checker.count:
+    elif generator is not None and _restore_generator(generator):
+        failure = "the function changed the random number generator's state (torch.manual_seed, set_rng_state)"
+    elif checker.diverged is not None:
+        failure = checker.diverged  # the function swallowed ApiDiverged
+    elif checker.position != checker.count:
         call = program.calls[checker.position]
-        return None, f"the call ended before call #{checker.position} {call.name} at {call.source}"
-    if not program.check_output(result, inputs, externals, program.placeholders):
-        return None, "the function returned other values than recorded"
+        failure = f"the call ended before call #{checker.position} {call.name} at {call.source}"
+    elif not program.check_output(result, inputs, externals, program.placeholders):
+        failure = "the function returned other values than recorded"
+    if failure is not None:
+        if scaler_stages:  # the aten level runs the function again, from the scalers' stages before this run
+            ScalerStages.restore(scaler_stages)
+        return None, failure
     del result
     kept = program.kept_placeholders()
     if kept:

@@ -30,7 +30,15 @@ from ..record.rng import rng_dependency
 from ..signature import any_gradient_hooks, call_context_key, gradient_hooks, gradient_state, shared_memory
 from .meta_guard import MetaGuard
 from .module_guards import guarded_modules, module_guards
-from .optimizer_settings import find_bindings, optimizer_hook_guards, param_ids, reached_optimizers, setting_guards, stepped_optimizers
+from .optimizer_settings import (
+    find_bindings,
+    optimizer_hook_guards,
+    param_ids,
+    reached_optimizers,
+    scaler_guards,
+    setting_guards,
+    stepped_optimizers,
+)
 from .program import HostFreeProgram, scalar_layout
 from .state_holders import Holder, find_holders
 
@@ -278,6 +286,7 @@ class HostFreeRunner:
                        if ref() is not None and id(ref()) not in known]
         bindings = find_bindings(self.record, objects, optimizers, scalars)
         settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
+        settings += scaler_guards(self.function, kwargs, src.constant, _fail)
         if not self.checked:  # a checked call runs step(), and its hooks with it
             guards += optimizer_hook_guards(optimizers, src.constant, _fail, new_hooks)
         if new_hooks:

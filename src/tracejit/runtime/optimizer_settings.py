@@ -52,15 +52,36 @@ def reached_optimizers(function: Any, kwargs: dict) -> list[tuple[str, torch.opt
     """The optimizers the function reaches directly (keyword arguments in keyword order, then its
     globals and closure cells), each once, with the expression that reaches it in a generated call
     (`kw['opt']`, `CELLS[0].cell_contents`)."""
-    found: list[tuple[str, torch.optim.Optimizer]] = []
+    return reached(function, kwargs, torch.optim.Optimizer)
+
+
+def reached(function: Any, kwargs: dict, kind: type) -> list[tuple[str, Any]]:
+    """The objects of `kind` the function reaches directly, as reached_optimizers."""
+    found: list[tuple[str, Any]] = []
     seen: set[int] = set()
     keyword = [(("kwarg", name), value) for name, value in sorted(kwargs.items())]
     others = [(root, value) for _, root, value in roots_of(function, {})]
     for root, value in keyword + others:
-        if isinstance(value, torch.optim.Optimizer) and id(value) not in seen:
+        if isinstance(value, kind) and id(value) not in seen:
             seen.add(id(value))
             found.append((root_expression(root), value))
     return found
+
+
+# What decides the numbers and ops of a GradScaler's calls besides its tensors
+_SCALER_SETTINGS = ("_enabled", "_growth_factor", "_backoff_factor", "_growth_interval")
+
+
+def scaler_guards(function: Any, kwargs: dict, constant: Any, fail: Any) -> list[str]:
+    """Lines that fail unless every torch.amp.GradScaler the function reaches directly has its
+    recorded settings: `set_growth_factor()` and the like between calls make the call a checked
+    one, which passes the new numbers to the program (they were frozen)."""
+    lines = []
+    for expr, scaler in reached(function, kwargs, torch.amp.GradScaler):
+        settings = {name: scaler.__dict__.get(name) for name in _SCALER_SETTINGS}
+        lines.append(fail(f"({', '.join(f'{expr}.{name}' for name in settings)}) != "
+                          f"{constant(tuple(settings.values()), 'sc')}", f"the settings of the GradScaler {expr} changed"))
+    return lines
 
 
 def optimizer_hook_guards(optimizers: list[tuple[str, Any]], constant: Any, fail: Any, new_hooks: list[str]) -> list[str]:
