@@ -412,3 +412,20 @@ def test_a_normalization_under_bf16_autocast_dumps_and_loads(norm):
         file.seek(0)
         (got,) = tracejit.load(file, backend=backend)(x)
         assert torch.equal(got, run(x, model=model)), backend
+
+
+def test_operator_named_aten_ops_dump_and_load():
+    # `x << 1` dispatches aten.__lshift__.Scalar: refused at dump as "not of the form
+    # aten::<name>.<overload>" before; other dunder names stay refused (test_load_fuzz.py)
+    def shifts(a, b):
+        return (a << 1) + (a >> 2) + (a & b) + (a | b) + (a ^ b)
+
+    traced = tracejit.trace(shifts, capture_as_const=True)
+    a, b = torch.randint(0, 50, (3, 4)), torch.randint(0, 50, (3, 4))
+    assert torch.equal(traced(a, b), shifts(a, b))
+    buffer = io.BytesIO()
+    traced.dump(buffer)
+    graph = tracejit.load(buffer.getvalue())
+    for _ in range(3):
+        a, b = torch.randint(-50, 50, (3, 4)), torch.randint(0, 50, (3, 4))
+        assert torch.equal(graph(a, b)[0], shifts(a, b))

@@ -40,6 +40,10 @@ DENIED_OPS = frozenset({
     "_sparse_compressed_tensor_unsafe",
 })
 _TENSOR_RETURNS = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]"}
+# The aten ops whose names are Python operator names (`x << 1` dispatches aten.__lshift__.Scalar);
+# other dunder names are refused before anything looks them up as attributes
+_DUNDER_OPS = frozenset({"__lshift__", "__rshift__", "__ilshift__", "__irshift__", "__and__", "__or__", "__xor__",
+                         "__iand__", "__ior__", "__ixor__"})
 OUT_KINDS = ("tensor", "tuple", "list", "none")
 
 
@@ -48,7 +52,7 @@ def resolve_op(qualified: object) -> torch._ops.OpOverload:
     if not isinstance(qualified, str) or not qualified.startswith("aten::"):
         raise LoadError(f"op {qualified!r} is not an aten op (a graph may only hold aten::<name>.<overload> ops)")
     name, _, overload = qualified.removeprefix("aten::").partition(".")
-    if not (_IDENTIFIER.match(name) and _IDENTIFIER.match(overload)) or name.startswith("__"):
+    if not (_IDENTIFIER.match(name) and _IDENTIFIER.match(overload)) or (name.startswith("__") and name not in _DUNDER_OPS):
         raise LoadError(f"op {qualified!r} is not of the form aten::<name>.<overload>")
     if name in DENIED_OPS:
         raise LoadError(f"op {qualified} is not allowed in a loaded graph (it touches files, process state or "
