@@ -439,3 +439,73 @@ def test_a_bf16_model_with_layer_norm_still_shares_one_symbolic_trace():
         x = torch.randn(n, 8, dtype=torch.bfloat16)
         assert torch.equal(traced(x, model=model), infer(x, model=model)), n
     assert len(traced._shape_traces) == 1 and traced.stats.shape_specializations >= 2
+
+
+@pytest.mark.parametrize("symbolic_shape", [True, None], ids=["symbolic", "automatic"])
+def test_a_backward_op_that_leaves_out_the_input_gradient(symbolic_shape):
+    # BatchNorm1d over an input that needs no gradient: native_batch_norm_backward's output_mask
+    # leaves out the input's gradient, which its meta kernel makes anyway. The symbolic record kept
+    # that value, and realizing it raised "tracejit internal error: ... unmaterialized"
+    def step(x, *, bn, opt):
+        h = bn(x.transpose(1, 2).contiguous()).transpose(1, 2)
+        loss = h.reshape(h.shape[0], -1).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(16)
+    twin = copy.deepcopy(bn)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (bn, twin))
+    traced = tracejit.trace(step, backend="aten", symbolic_shape=symbolic_shape)
+    for batch in (4, 4, 5, 6, 5, 4):
+        x = torch.randn(batch, 8, 16)
+        assert torch.equal(traced(x, bn=bn, opt=opt), step(x, bn=twin, opt=twin_opt)), batch
+        for a, b in zip(bn.state_dict().values(), twin.state_dict().values()):
+            assert torch.equal(a, b), batch
+    assert traced.stats.checked_replays + traced.stats.api_replays >= 3, traced.stats
+
+
+def _empty_batch_step(x, y, *, model, opt):
+    loss = F.mse_loss(model(x), y)  # mean over an empty batch: eager gives nan
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _padded(x):
+    return F.pad(x, (0, 0, 0, x.shape[1] % 4)) * 2  # a pad computed from a size
+
+
+@pytest.mark.parametrize("case", ["empty_batch", "computed_pad"])
+def test_what_torch_cannot_derive_from_symbols_is_a_symbolic_trace_error(case):
+    # raised ZeroDivisionError from torch's mse_loss_backward decomposition, and a RuntimeError
+    # "SymIntArrayRef expected to contain only concrete integers" from constant_pad_nd
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if case == "empty_batch":
+        strict = tracejit.trace(_empty_batch_step, symbolic_shape=True, backend="aten")
+        strict(torch.randn(4, 6), torch.randn(4, 3), model=model, opt=opt)
+        weight = model.weight.clone()
+        with pytest.raises(SymbolicTraceError, match=r"mse_loss_backward.*ZeroDivisionError.*symbolic_shape=None"):
+            strict(torch.randn(0, 6), torch.randn(0, 3), model=model, opt=opt)
+        assert torch.equal(model.weight, weight)
+        automatic = tracejit.trace(_empty_batch_step, backend="aten")
+        twin = copy.deepcopy(model)
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+        for batch in (4, 0, 5, 0, 4):
+            x, y = torch.randn(batch, 6), torch.randn(batch, 3)
+            got, want = automatic(x, y, model=model, opt=opt), _empty_batch_step(x, y, model=twin, opt=twin_opt)
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), batch
+            assert torch.equal(model.weight, twin.weight), batch
+    else:
+        strict = tracejit.trace(_padded, symbolic_shape=True, backend="aten")
+        with pytest.raises(SymbolicTraceError, match=r"constant_pad_nd.*concrete.*symbolic_shape=None"):
+            strict(torch.randn(3, 6, 5))
+        automatic = tracejit.trace(_padded, backend="aten")
+        for length in (8, 6, 7, 6):
+            x = torch.randn(3, length, 5)
+            assert torch.equal(automatic(x), _padded(x)), length

@@ -11,6 +11,7 @@ them as state, the user holds them -- and once the program has run they hold rea
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -195,15 +196,31 @@ class PlaceholderExecutor:
             _quiet.running.active = True
             try:
                 with mode:
-                    return func(*fake_args, **fake_kwargs), real_of_fake
+                    return _masked_outputs(func, args, kwargs, func(*fake_args, **fake_kwargs)), real_of_fake
             except (DynamicOutputShapeException, DataDependentOutputException, UnsupportedOperatorException,
-                    RuntimeError) as error:
-                explained = _explain(func, error)
+                    RuntimeError, ArithmeticError) as error:
+                explained = _explain(func, error, self._sizes is not None)
                 if explained is error:
                     raise
                 raise explained from error
             finally:
                 _quiet.running.active = False
+
+
+def _masked_outputs(func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
+    """The backward ops that take an `output_mask` (`native_batch_norm_backward`,
+    `native_layer_norm_backward`, `convolution_backward`...) return None where it is False; their
+    meta kernels return a tensor there, which the record would keep as a value no real run makes."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not isinstance(result, tuple):
+        return result
+    position = next((i for i, a in enumerate(schema.arguments) if a.name == "output_mask"), None)
+    if position is None:
+        return result
+    mask = kwargs.get("output_mask", args[position] if position < len(args) else None)
+    if not isinstance(mask, (list, tuple)) or len(mask) != len(result):
+        return result
+    return tuple(value if wanted else None for value, wanted in zip(result, mask, strict=True))
 
 
 def _any_fake(tree: Any) -> bool:
@@ -220,9 +237,17 @@ def _allocate_like(fake: torch.Tensor) -> torch.Tensor:
     return empty.set_(storage, fake.storage_offset(), fake.shape, fake.stride())
 
 
-def _explain(func: Any, error: Exception) -> Exception:
+def _explain(func: Any, error: Exception, symbolic_sizes: bool = False) -> Exception:
     """Turn the fake run's "needs data" failures into a SymbolicTraceError; leave user errors alone."""
     where = f"{func} at {user_location()}"
+    option, instead = (("symbolic_shape=True", "symbolic_shape=None (the default: such calls record their sizes)")
+                       if symbolic_sizes else ("symbolic=True", "symbolic=False"))
+    if isinstance(error, ArithmeticError) or (isinstance(error, RuntimeError) and _SYMBOLIC_LIMITS.search(str(error))):
+        # torch's Python decomposition or a kernel's size handling, not the op itself: eager computes it
+        # (mse_loss's backward divides by the numel of an empty batch in Python; F.pad by a computed amount)
+        return SymbolicTraceError(
+            f"tracejit: {option} cannot record {where}: torch cannot derive its outputs without data at these "
+            f"sizes ({type(error).__name__}: {error}). Trace this function with {instead}.")
     if isinstance(error, DynamicOutputShapeException):
         reason = ("the shape of its output depends on the values of its inputs (like nonzero, masked_select "
                   "or indexing with a boolean mask)")
@@ -238,11 +263,14 @@ def _explain(func: Any, error: Exception) -> Exception:
     else:
         # An error eager execution would raise as well (shapes that do not broadcast, a bad dtype).
         if hasattr(error, "add_note"):
-            error.add_note(f"tracejit: raised by {where} while symbolic=True derived its outputs "
-                           f"without data")
+            error.add_note(f"tracejit: raised by {where} while {option} derived its outputs without data")
         return error
     return SymbolicTraceError(
-        f"tracejit: symbolic recording cannot run {where}: {reason}, and symbolic=True computes no "
-        f"values while recording. Trace this function with symbolic=False, or move the op out of the "
+        f"tracejit: symbolic recording cannot run {where}: {reason}, and {option} computes no "
+        f"values while recording. Trace this function with {instead}, or move the op out of the "
         f"traced function."
     )
+
+
+# What torch says when a kernel needs concrete sizes where the recording has symbols
+_SYMBOLIC_LIMITS = re.compile(r"SymInt|SymFloat|symbolic|concrete int")
