@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -796,3 +797,24 @@ def test_amsgrad_turned_on_raises_as_eager_and_updates_nothing():
         assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
     assert traced.stats.host_free_calls > calls
+
+
+def test_a_returned_leaf_the_function_flagged_requires_grad_keeps_the_flag():
+    # requires_grad_() is Python, never dispatched: from the second call on the program's tensor
+    # came back without the flag (values right); and no GradientWarning for a leaf, which has no
+    # graph to lose
+    def perturbation(x):
+        delta = (torch.zeros_like(x) + 0.1 * x.sign()).requires_grad_()
+        return delta, x * 2
+
+    traced = tracejit.trace(perturbation, without_host=True, backend="aten")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tracejit.GradientWarning)
+        for _ in range(4):
+            x = torch.randn(5)
+            (delta, double), (want_delta, want_double) = traced(x), perturbation(x)
+            assert torch.equal(delta, want_delta) and torch.equal(double, want_double)
+            assert delta.requires_grad and delta.is_leaf and not double.requires_grad
+            delta.sum().backward()  # a leaf of the caller's own graph
+            assert torch.equal(delta.grad, torch.ones(5))
+    assert traced.stats.host_free_calls == 3

@@ -961,7 +961,7 @@ def _returns_graph(record: Record, result: Any) -> bool:
     """The call returns tensors that require grad and runs no backward pass itself."""
     if any(op.backward_of for op in record.ops):
         return False
-    return any(t.requires_grad for t in _tensors_of(result))
+    return any(t.requires_grad and not t.is_leaf for t in _tensors_of(result))  # a leaf has no graph to lose
 
 
 def _containers_of(value: Any) -> list:

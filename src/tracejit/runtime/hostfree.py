@@ -491,6 +491,11 @@ class HostFreeRunner:
                 body += holder.store(f"h{handle}", ref, src)
             else:
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
+        # A leaf the function made and flagged (`torch.zeros_like(x).requires_grad_()`): the flag is
+        # set in Python, never dispatched, so the program's tensor needs it set again
+        body += [f"h{handle}.requires_grad_(True)" for handle, obj in sorted(objects.items())
+                 if tensors[handle].flags & Flag.RETURNED and tensors[handle].kind is Kind.INTERNAL
+                 and obj.is_leaf and obj.requires_grad]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
 
