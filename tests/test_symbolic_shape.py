@@ -509,3 +509,32 @@ def test_what_torch_cannot_derive_from_symbols_is_a_symbolic_trace_error(case):
         for length in (8, 6, 7, 6):
             x = torch.randn(3, length, 5)
             assert torch.equal(automatic(x), _padded(x)), length
+
+
+def test_a_failed_catch_up_does_not_hide_the_recordings_error():
+    # abandon() runs what was recorded before the error; when that fails too, the recording's own
+    # error (a SymbolicTraceError naming the cause) is raised, with a note, not the catch-up's
+    from tracejit.trace import _abandon
+
+    class FailingRecorder:
+        def abandon(self):
+            raise RuntimeError("view size is not compatible with input tensor's size and stride")
+
+    error = SymbolicTraceError("tracejit: f() keeps t3 ...")
+    _abandon(FailingRecorder(), error)
+    assert any("running the ops recorded before this error failed too (RuntimeError: view size" in note
+               for note in error.__notes__)
+
+
+def test_keeping_the_base_of_a_returned_view_says_so():
+    def f(x):
+        out = (x * 2).sum(1)
+        return out.detach().view(-1)  # the detached tensor lives on as the view's base
+
+    strict = tracejit.trace(f, symbolic_shape=True, backend="aten")
+    with pytest.raises(SymbolicTraceError, match=r"as the base of a view the call returns"):
+        strict(torch.randn(4, 3))
+    automatic = tracejit.trace(f, backend="aten")
+    for batch in (4, 5, 6, 5):
+        x = torch.randn(batch, 3)
+        assert torch.equal(automatic(x), f(x))

@@ -389,8 +389,8 @@ class trace(ProfileAccess):
                     f"function (torch.utils.checkpoint does this to recompute dropout in backward). Trace it "
                     f"with symbolic=False.")
             program = self._compile(record)
-        except BaseException:
-            recorder.abandon()  # symbolic: run what was recorded, so side effects match an eager call
+        except BaseException as error:
+            _abandon(recorder, error)  # symbolic: run what was recorded, so side effects match an eager call
             raise
         recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
         # A call that ran a backward pass, or created or accumulated gradients, depends on which
@@ -558,7 +558,7 @@ class trace(ProfileAccess):
                     f"which symbolic_shape cannot evaluate from the input sizes. Trace it with symbolic_shape=False.")
             concrete = specialize(record, guards.binding([t for _, t in inputs]))
             program = self._compile(concrete, fused=False)
-        except Exception:
+        except Exception as error:
             if self.options.symbolic_shape is None and not recorder.ran_for_real and not recorder.stand_in_escaped:
                 # The automatic mode tried symbols and the function cannot run on stand-ins of
                 # symbolic size (a size torch needs as a number, a view it cannot express): nothing
@@ -567,10 +567,10 @@ class trace(ProfileAccess):
                 # runs twice in this call). A stand-in the function kept raises, as it always did.
                 self._static_families.add(family(key))
                 return _STATIC
-            recorder.abandon()  # run what was recorded, so side effects match an eager call
+            _abandon(recorder, error)  # run what was recorded, so side effects match an eager call
             raise
-        except BaseException:
-            recorder.abandon()
+        except BaseException as error:
+            _abandon(recorder, error)
             raise
         recorder.complete(program)
         result = recorder.real_result(result)
@@ -955,6 +955,17 @@ def _optimizer_without_state(kwargs: dict, stateful: frozenset) -> bool:
     model's optimizer than the one recorded with, one whose state was cleared) creates its state
     lazily in this call, as the recorded call did: the replay may record again from where it differs."""
     return any(not any(kwargs[name].state.values()) for name in stateful if name in kwargs)
+
+
+def _abandon(recorder: Any, error: BaseException) -> None:
+    """Run what a failed recording recorded (the side effects of an eager call that raised there).
+    If that fails too (the fake kernels mispredicted a layout the real ones then refuse), the
+    call's own error is still the one raised, with a note."""
+    try:
+        recorder.abandon()
+    except Exception as failure:  # noqa: BLE001 - the recording's error is the news
+        error.add_note(f"tracejit: running the ops recorded before this error failed too ({type(failure).__name__}: "
+                       f"{str(failure).splitlines()[0] if str(failure) else ''}): their side effects may be missing")
 
 
 def _returns_graph(record: Record, result: Any) -> bool:

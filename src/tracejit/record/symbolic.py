@@ -298,12 +298,14 @@ class SymbolicRecorder(Recorder):
                     and not any(t is tensor for t in tree_leaves(result))):
                 producer = record.ops[info.producer]
                 self.stand_in_escaped = id(tensor) not in bases
+                how = ("as the base of a view the call returns (return a copy: `.clone()` before the view), "
+                       "or in Python state" if id(tensor) in bases else
+                       "in Python state, or saved by the autograd graph of a returned tensor")
                 raise SymbolicTraceError(
                     f"tracejit: {self.function_name}() keeps t{handle}, a tensor of symbolic size made by op "
-                    f"#{producer.index} {producer.name} at {producer.source}, beyond the call (in Python state, "
-                    f"or saved by the autograd graph of a returned tensor) without returning it. With "
-                    f"symbolic_shape such a tensor is a stand-in until the call returns, so it cannot be kept. "
-                    f"Return it, or trace with symbolic_shape=False.")
+                    f"#{producer.index} {producer.name} at {producer.source}, beyond the call ({how}) without "
+                    f"returning it. With symbolic_shape such a tensor is a stand-in until the call returns, so it "
+                    f"cannot be kept. Return it, or trace with symbolic_shape=None (the default) or False.")
 
     def real_result(self, result: Any) -> Any:
         """The call's result with each stand-in of symbolic size replaced by its computed value."""
