@@ -157,16 +157,17 @@ def test_a_loss_scale_keyword_that_changes_every_call_reaches_backward():
     opt_a, opt_b = OPTIMIZERS["adam_fused"](model_a.parameters()), OPTIMIZERS["adam_fused"](model_b.parameters())
     traced = tracejit.trace(scaled_step, backend="aten")
     g = torch.Generator().manual_seed(0)
-    with pytest.warns(tracejit.ReplayLevelWarning, match="diverged at the API level"):
-        for i in range(6):
-            x, y = torch.randn(5, 8, generator=g), torch.randint(0, 4, (5,), generator=g)
-            want = scaled_step(x, y, model=model_a, opt=opt_a, scale=1.0 / (i + 1))
-            assert torch.equal(traced(x, y, model=model_b, opt=opt_b, scale=1.0 / (i + 1)), want), i
-            assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
-    # backward multiplies by the scale autograd saved, which the API level does not see: a new
-    # scale runs the call at the aten level (was: backward kept the traced scale, silently)
+    for i in range(6):
+        x, y = torch.randn(5, 8, generator=g), torch.randint(0, 4, (5,), generator=g)
+        want = scaled_step(x, y, model=model_a, opt=opt_a, scale=1.0 / (i + 1))
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b, scale=1.0 / (i + 1)), want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    # backward multiplies by the scale autograd saved, which the API level does not see (once,
+    # backward kept the traced scale, silently; then a new scale ran the call at the aten level):
+    # the scale changed between the recorded call and the one the API level was built from, and
+    # so did MulBackward's copy of it, so the API level passes the new scale to both
     stats = traced.stats
-    assert stats.checked_replays + stats.rerecords == 5 and stats.api_replays == 0, stats
+    assert stats.api_replays == 3 and stats.api_fallbacks == 0, stats
 
 
 def test_a_scheduler_stepped_inside_the_function_is_refused_without_the_host(monkeypatch):

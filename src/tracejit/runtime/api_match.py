@@ -19,15 +19,17 @@ class Numbers:
     aten op the call binds directly is passed on to the program (`S[slot] = value`); every other
     number must equal the recorded one."""
 
-    def __init__(self, slots: dict):
+    def __init__(self, slots: dict, links: dict | None = None):
         self.slots = slots  # ("arg", index) or ("kw", name) -> scalar slot
+        self.links = links or {}  # slot -> the slots of backward ops that take the same number
         self.key: tuple | None = None  # the top-level argument being matched
 
     def line(self, expr: str, value: Any) -> str | None:
         slot = self.slots.get(self.key) if self.key is not None else None
         if slot is None:
             return None
-        return f"if type({expr}) is not {type(value).__name__}: return FAIL\nS[{slot}] = {expr}"
+        stores = "".join(f"\nS[{s}] = {expr}" for s in (slot, *self.links.get(slot, ())))
+        return f"if type({expr}) is not {type(value).__name__}: return FAIL{stores}"
 
 
 def same_literal(tensor: Any, recorded: torch.Tensor) -> bool:

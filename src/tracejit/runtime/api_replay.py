@@ -85,8 +85,10 @@ class ApiProgram:
                                           "TENSOR": torch.Tensor}
         self.locals = 0
         self.scalars = list(runner.bound_scalars)
-        self.scalar_offsets, _ = scalar_layout(record)
+        self.scalar_offsets, recorded_scalars = scalar_layout(record)
         self.last_backward = max((i for i, op in enumerate(record.ops) if op.backward_of), default=-1)
+        self.backward_links = _backward_links(record, self.scalar_offsets, recorded_scalars, self.scalars,
+                                              self.last_backward)
         self.located = _located_externals(trace.calls)
         # the program draws the call's random numbers after the function ran: the function must not
         # have moved the generator meanwhile (checked around it, see run_checked)
@@ -168,7 +170,7 @@ class ApiProgram:
             body.append(f"if kwargs.keys() != {self.constant(set(call.kwargs), 'k')}: return FAIL")
         else:
             body.append("if kwargs: return FAIL")
-        numbers = Numbers(self._direct_slots(call))
+        numbers = Numbers(self._direct_slots(call), self.backward_links)
         for i, template in enumerate(call.args):
             numbers.key = ("arg", i)
             body += match_lines(f"args[{i}]", template, self, numbers)
@@ -190,11 +192,13 @@ class ApiProgram:
             return self._wrapped_number_slot(call)
         if end - start != 1:
             return {}
-        if start < self.last_backward:
+        before_backward = start < self.last_backward
+        if before_backward and self.backward_links is None:
             # Autograd saves such a number for a backward op (`loss * scale` multiplies the
             # gradient by `scale`), which the API level does not see: the program would compute
             # backward with the traced value. Before the last backward, numbers are matched exactly
-            # (a new one runs the call at the aten level, where backward gets it).
+            # (a new one runs the call at the aten level, where backward gets it) unless
+            # _backward_links found every backward op that takes them.
             return {}
         op = self.record.ops[start]
         if not isinstance(op.op, torch._ops.OpOverload) or _direct_name(call.name) != op.op._schema.name.split("::")[-1]:
@@ -218,6 +222,8 @@ class ApiProgram:
             for (item_key, item), index in zip(items, indexes):
                 if type(seen[index]) is type(item) and seen[index] == item:
                     slots[item_key] = offset + index
+        if before_backward:  # only the numbers seen to change, with the backward slots that changed with them
+            slots = {key: slot for key, slot in slots.items() if len(key) == 2 and slot in self.backward_links}
         return slots
 
     def _wrapped_number_slot(self, call: ApiCall) -> dict:
@@ -225,7 +231,9 @@ class ApiProgram:
         named like the call takes. With one number among the arguments, holding the value that
         op got in the traced call, that number is the scalar_tensor's slot."""
         start = call.span[0]
-        if start < self.last_backward or _direct_name(call.name) != self.record.ops[start + 1].op._schema.name.split("::")[-1]:
+        before_backward = start < self.last_backward
+        if (before_backward and (self.backward_links is None or self.scalar_offsets[start] not in self.backward_links)
+                or _direct_name(call.name) != self.record.ops[start + 1].op._schema.name.split("::")[-1]):
             return {}
         numbers = [(("arg", i), v) for i, v in enumerate(call.args) if type(v) in (int, float)]
         numbers += [(("kw", k), v) for k, v in call.kwargs.items() if type(v) in (int, float)]
@@ -385,6 +393,32 @@ _DUNDERS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": 
             "__itruediv__": "div_", "__pow__": "pow", "__ipow__": "pow_", "__floordiv__": "floor_divide",
             "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor", "__eq__": "eq"}
 _SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
+
+
+def _backward_links(record: Record, offsets: list[int], recorded: list, now: list, last_backward: int) -> dict | None:
+    """Which backward ops take the numbers forward ops took, seen from two calls: the recorded one
+    and the one the API level is built from. A forward number that changed between them is linked
+    to every backward slot that changed from the same value to the same value (`loss * w` with a
+    new `w`: MulBackward multiplies the gradient by `w` too). Returns forward slot -> its backward
+    slots, for the forward numbers that changed; None when a backward slot changed that no changed
+    forward number explains (`x ** k`'s backward takes `k - 1`): then no number before the last
+    backward is passed on, and a new one runs its call at the aten level."""
+    if last_backward < 0:
+        return {}
+    owner = [i for i, op in enumerate(record.ops) for _ in op.scalars]
+    changed = [slot for slot, (a, b) in enumerate(zip(recorded, now, strict=True))
+               if type(a) is not type(b) or a != b]
+    forward = [s for s in changed if owner[s] < last_backward and not record.ops[owner[s]].backward_of]
+    links: dict[int, list[int]] = {slot: [] for slot in forward}
+    for slot in changed:
+        if not record.ops[owner[slot]].backward_of:
+            continue
+        same = [f for f in forward if type(recorded[f]) is type(recorded[slot]) and recorded[f] == recorded[slot]
+                and now[f] == now[slot]]
+        if len(same) != 1:
+            return None
+        links[same[0]].append(slot)
+    return {slot: tuple(found) for slot, found in links.items()}
 
 
 def _direct_name(name: str) -> str:
