@@ -6,6 +6,7 @@ calls replayed.
 """
 
 import copy
+import functools
 import itertools
 
 import pytest
@@ -538,3 +539,29 @@ def test_keeping_the_base_of_a_returned_view_says_so():
     for batch in (4, 5, 6, 5):
         x = torch.randn(batch, 3)
         assert torch.equal(automatic(x), f(x))
+
+
+@pytest.mark.parametrize("symbolic_shape", [True, None], ids=["symbolic", "automatic"])
+def test_a_new_optimizer_on_a_size_specialization_records_its_state_again(symbolic_shape):
+    # entries made from a symbolic trace did not know which optimizers held state after its
+    # recorded call: a new optimizer raised TraceMismatchError instead of recording its lazy state
+    def step(x, y, *, model, opt):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    make = functools.partial(torch.optim.Adam, lr=0.01, fused=True)
+    opt, twin_opt = make(model.parameters()), make(twin.parameters())
+    traced = tracejit.trace(step, backend="aten", symbolic_shape=symbolic_shape)
+    for i, batch in enumerate((8, 8, 8, 6, 6, 6, 5, 5, 5, 5, 5, 6)):
+        if i == 9:  # a new optimizer, without state
+            opt, twin_opt = make(model.parameters()), make(twin.parameters())
+        x, y = torch.randn(batch, 4), torch.randn(batch, 2)
+        assert torch.equal(traced(x, y, model=model, opt=opt), step(x, y, model=twin, opt=twin_opt)), i
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b), i

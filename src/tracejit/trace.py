@@ -487,7 +487,7 @@ class trace(ProfileAccess):
                 return None  # record it again, now that the state it created exists
             record = specialize(shape_trace.record, shape_trace.guards.binding(tensors))
             entry = TraceEntry(key, record, self._compile(record, fused=False), shape_trace.grad_state,
-                               shape_trace=shape_trace)
+                               shape_trace=shape_trace, stateful_optimizers=shape_trace.stateful_optimizers)
             self._add_specialization(entry)
             self.stats.shape_specializations += 1
             return entry
@@ -580,14 +580,16 @@ class trace(ProfileAccess):
                 self._drop_shape_trace(replaced)
             self.stats.records += 1
             return result
-        shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None)
+        shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None,
+                                 stateful_optimizers=_stateful_optimizers(kwargs))
         if replaced is not None:
             self._drop_shape_trace(replaced)
             self.stats.rerecords += 1
         else:
             self.stats.records += 1
         self._shape_traces.append(shape_trace)
-        self._add_specialization(TraceEntry(key, concrete, program, shape_trace.grad_state, shape_trace=shape_trace))
+        self._add_specialization(TraceEntry(key, concrete, program, shape_trace.grad_state, shape_trace=shape_trace,
+                                            stateful_optimizers=shape_trace.stateful_optimizers))
         return result
 
     def _new_recorder(self, kwargs: dict) -> Recorder:

@@ -100,6 +100,7 @@ class ShapeTrace:
     dynamic: tuple[tuple[bool, ...], ...]  # per tensor input, the dims recorded as symbols
     grad_state: tuple | None  # as TraceEntry.grad_state
     specializations: OrderedDict = field(default_factory=OrderedDict)  # signature -> None, oldest first
+    stateful_optimizers: frozenset = frozenset()  # as TraceEntry.stateful_optimizers
 
     @property
     def provisional(self) -> bool:
