@@ -233,3 +233,18 @@ def test_an_out_of_range_scalar_eager_wraps_still_wraps():
     with pytest.raises(RuntimeError, match="without overflow"):
         traced(x.clone(), k=300)
     assert kernels_fired(traced) and fused_nodes(traced)
+
+
+@pytest.mark.parametrize("function", [clamped, masked], ids=["clamp", "masked_fill"])
+def test_triton_half_precision_scalar_beyond_float16_raises_as_eager_does(function):
+    # the kernel computes float16 in float32, where 1e5 fits; eager converts it to float16 and raises
+    x = torch.randn(256).to(torch.float16)
+    with ts.interpreter():
+        traced = tracejit.trace(function, backend="triton")
+        for _ in range(3):
+            assert same(traced(x.clone(), k=4.0), function(x.clone(), k=4.0))
+        assert ts.triton_launchers(traced), "no Triton kernel ran"
+        assert "without overflow" in eager_outcome(function, x, 1e5)
+        with pytest.raises(RuntimeError, match="without overflow"):
+            traced(x.clone(), k=1e5)
+        assert same(traced(x.clone(), k=4.0), function(x.clone(), k=4.0))

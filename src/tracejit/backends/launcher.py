@@ -17,8 +17,6 @@ import torch
 
 from .lower import KernelSpec
 
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
 
 def addressed_inputs(spec: KernelSpec) -> list[int]:
     """Positions in node.inputs of the tensors the kernel reads or writes."""
@@ -58,9 +56,16 @@ def _scalar_range_checks(spec: KernelSpec) -> list[str]:
     for expr in spec.exprs:
         if expr.op == "cast" and spec.exprs[expr.args[0]].op == "scalar":
             narrowed.setdefault(spec.exprs[expr.args[0]].value, set()).add(expr.dtype)
+    # A half-precision kernel computes in float32, but eager converts the scalar to the tensor's
+    # type (`clamp(max=1e5)` of a float16 tensor raises): a float scalar must fit the narrowest
+    # float type the kernel reads or writes as well. Too strict for ops that do not convert is only
+    # slower: that call runs through aten.
+    tensor_floats = [d for d in (*spec.load_dtypes, *(d for _, d in spec.store_exprs)) if d.is_floating_point]
     conditions = []
     for k, targets in sorted(narrowed.items()):
         slots = sorted({lane.scalars[k] for lane in spec.lanes})  # a list-wide scalar is one slot
+        if any(t.is_floating_point for t in targets):
+            targets = targets | set(tensor_floats)
         for target in sorted(targets, key=str):
             condition = _out_of_range(spec.scalar_types[k], target)
             conditions += [condition.format(v=f"s[{slot}]") for slot in slots if condition]
@@ -73,9 +78,10 @@ def _out_of_range(kind: type, target: torch.dtype) -> str | None:
     if target == torch.bool or target == torch.float64:
         return None
     if target.is_floating_point:
+        largest = float(torch.finfo(target).max)
         if kind is not float:
-            return None  # every int64 fits float32's range
-        return f"(abs({{v}}) > {_FLOAT32_MAX!r} and abs({{v}}) != float('inf'))"
+            return None if target == torch.float32 else f"abs({{v}}) > {largest!r}"  # every int64 fits float32
+        return f"(abs({{v}}) > {largest!r} and abs({{v}}) != float('inf'))"
     info = torch.iinfo(target)
     if kind is int and target == torch.int64:
         return None
