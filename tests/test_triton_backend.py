@@ -166,6 +166,17 @@ def test_bool_and_small_int_kernels_match_eager(name):
     assert ts.triton_launchers(traced) and all(hasattr(k, "kernel") for _, k in ts.fused_kernels(traced))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_negative_zero_is_false(dtype):
+    # the interpreter holds bfloat16 as its bits: -0.0 compared unwidened was True
+    function, first, _, _ = CASES[f"half_truths-{dtype}"]()
+    traced = trace(function)
+    for _ in range(3):
+        for g, w in zip(traced(*first), function(*first)):
+            assert ts.mismatch(g, w, exact_match=True) is None
+    assert ts.triton_launchers(traced)
+
+
 def test_a_huge_iteration_space_uses_64_bit_offsets():
     kernel = huge_kernel()
     assert "offs = tl.program_id(0).to(tl.int64) * 1024 + tl.arange(0, 1024)" in kernel.source

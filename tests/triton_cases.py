@@ -112,6 +112,16 @@ def powers_of_the_base(dtype):
             torch.tensor([10.0 ** k for k in range(-5, 11)], dtype=dtype))
 
 
+def half_truths(x, y):
+    # a half value as a condition: -0.0 is false (its bits are not zero: compare it widened)
+    return (x * 1).to(torch.bool), torch.where((y * 1).bool(), x, y)
+
+
+def signed_zeros(dtype):
+    return (torch.tensor([0.0, -0.0, 1.5, -2.0, float("nan")], dtype=dtype),
+            torch.tensor([-0.0, 0.0, 0.0, 3.0, -0.0], dtype=dtype))
+
+
 CASES = {
     **{f"sweep-{str(d).split('.')[-1]}": (lambda d=d: sweep_case(d)) for d in ts.FLOAT_TYPES + ts.INT_TYPES},
     **{f"chain-{seed}": (lambda seed=seed: chain_case(seed)) for seed in range(12)},
@@ -127,6 +137,8 @@ CASES = {
     "scaled": lambda: (scaled, (torch.randn(100), torch.randn(100)), {"lr": 0.1, "k": 3}, {}),
     **{f"log_powers-{str(d).split('.')[-1]}": (lambda d=d: (log_of_powers, powers_of_the_base(d), {}, {}))
        for d in (torch.float32, torch.float64)},
+    **{f"half_truths-{str(d).split('.')[-1]}": (lambda d=d: (half_truths, signed_zeros(d), {}, {}))
+       for d in (torch.float16, torch.bfloat16)},
 }
 
 

@@ -62,12 +62,14 @@ def convert(value: str, source: torch.dtype, target: torch.dtype) -> str:
     """`value` (of type `source`) as `target`, rounding like PyTorch's element conversions."""
     if source == target:
         return value
-    if target == torch.bool:
+    if target == torch.bool and source not in HALF_TYPES:
         zero = "0.0" if source.is_floating_point else "0"
         return f"({value} != {zero})"
-    if source in HALF_TYPES:
+    if source in HALF_TYPES:  # a half value is compared widened: -0.0's bits are not zero
         value = f"{_HALF_NAMES[source]}_to_f32({value})"
         source = torch.float32
+        if target == torch.bool:
+            return f"({value} != 0.0)"
         if target == torch.float32:
             return value
     if target in HALF_TYPES:
