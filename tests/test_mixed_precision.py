@@ -251,3 +251,41 @@ def test_a_mismatch_between_the_scalers_step_and_update_leaves_the_scaler_usable
     for _ in range(3):
         traced(x, y, one, model=model, opt=opt, scaler=scaler, log="plain")
     assert traced.stats.api_replays > served
+
+
+def test_a_scaler_reached_through_a_helper_object_is_guarded_without_the_host():
+    # the guard covered scalers the function reaches directly; one reached through a trainer
+    # object kept its recorded growth factor (scale 262144 against eager's 8388608 after ten steps)
+    class Trainer:
+        def __init__(self, model):
+            self.opt = OPTIMIZERS["adam_fused"](model.parameters())
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+
+        def update(self, loss):
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.opt.zero_grad()
+
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model_b = copy.deepcopy(model_a)
+    trainers = {id(model_a): Trainer(model_a), id(model_b): Trainer(model_b)}
+
+    def train(x, y, *, model):
+        loss = F.cross_entropy(model(x), y)
+        trainers[id(model)].update(loss)
+        return loss.detach()
+
+    traced = tracejit.trace(train, backend="aten", without_host=True)
+    generator = torch.Generator().manual_seed(1)
+    for i in range(10):
+        if i == 5:
+            for trainer in trainers.values():
+                trainer.scaler.set_growth_factor(4.0)
+        x, y = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        assert torch.equal(traced(x, y, model=model_b), train(x, y, model=model_a)), i
+        a, b = trainers[id(model_a)], trainers[id(model_b)]
+        assert _scaler_state(b.scaler) == _scaler_state(a.scaler), i
+        assert_same_state(model_a, a.opt, model_b, b.opt)
+    assert traced.stats.host_free_calls >= 6, traced.stats

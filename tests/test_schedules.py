@@ -245,5 +245,46 @@ def test_a_schedule_a_helper_object_steps_is_refused_without_the_host(when):
         for _ in range(3):
             traced(torch.randn(5, 8), model=model)
     assert traced.stats.host_free_calls == 0
-    assert not any("step" in vars(cls) and getattr(vars(cls)["step"], "__wrapped__", None)
-                   for cls in (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.StepLR))
+    for cls in (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.StepLR):
+        if "step" in vars(cls):  # wrapped once for good, to tell the recording call's watch
+            assert not getattr(vars(cls)["step"].__wrapped__, "__tracejit_notes__", False)
+
+
+def test_schedulers_stepped_while_two_threads_record_are_told_apart():
+    # the wrappers of scheduler.step tell the call the stepping thread runs: a thread recording
+    # without the host is not refused for another thread's scheduler, and the wrappers never nest
+    import threading
+
+    torch.manual_seed(0)
+    barrier = threading.Barrier(2)
+    errors, refused = [], []
+
+    def plain(x, *, model):
+        barrier.wait(timeout=10)
+        out = model(x).pow(2).mean()
+        barrier.wait(timeout=10)
+        return out.detach()
+
+    def run(traced, stepping):
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+        try:
+            for _ in range(3):
+                traced(torch.randn(3, 4), model=model)
+                if stepping:
+                    scheduler.step()  # outside the traced call: never refused
+        except tracejit.HostDependencyError as error:
+            refused.append(error)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    tracers = [tracejit.trace(plain, without_host=True) for _ in range(2)]
+    threads = [threading.Thread(target=run, args=(t, i == 0)) for i, t in enumerate(tracers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors and not refused, (errors, refused)
+    step = vars(torch.optim.lr_scheduler.LRScheduler)["step"]
+    assert not getattr(step.__wrapped__, "__tracejit_notes__", False)

@@ -7,9 +7,11 @@ hooks note them while a call records: a module whose forward runs, an optimizer 
 runs, reached through a keyword argument, a closure, a global or a helper function alike.
 
 Without the host, the same watch notes what such a call changes that a call without the function
-would not: a learning-rate scheduler stepped (scheduler classes' `step` methods are wrapped for
-the call's duration, torch having no global scheduler hook), and settings of an optimizer's param
-groups written after its `step()`. A call without the function would freeze either.
+would not: a learning-rate scheduler stepped, and settings of an optimizer's param groups written
+after its `step()` (a call without the function would freeze either); and the GradScalers whose
+`update()` it ran, whose settings a call without the function must guard. Schedulers and scalers
+have no global hooks: their classes' `step` and `update` are wrapped once, for good, and tell the
+watch of the call the running thread makes, if any.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ class Seen:
     def __init__(self, optimizers: bool):
         self.modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.scalers: list[torch.amp.GradScaler] = []  # without the host: GradScalers whose update() ran
         self.watch_optimizers = optimizers
         self._ids: set[int] = set()
         self.changes: list[str] = []  # without the host: what the call changed that only the function changes
         self._settings_at_step: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
+        self._thread = threading.get_ident()
+        self._scheduler_noted = False  # the first step is enough (SequentialLR steps its children: it is named)
 
     def _note(self, found: list, obj: object) -> None:
-        if id(obj) not in self._ids:
+        if id(obj) not in self._ids and threading.get_ident() == self._thread:  # the hooks are process-wide
             self._ids.add(id(obj))
             found.append(obj)
 
@@ -48,17 +53,17 @@ class Seen:
     def watching(self) -> Iterator[None]:
         handles = [torch.nn.modules.module.register_module_forward_pre_hook(
             lambda module, args: self._note(self.modules, module))]
-        patched: list[tuple[type, object]] = []
+        outer = getattr(_watched, "seen", None)
         if self.watch_optimizers:  # only without the host: the API level's snapshot of an optimizer takes global hooks as the user's
             handles.append(optimizer_module.register_optimizer_step_pre_hook(self._stepping))
-            patched = self._wrap_scheduler_steps()
+            _install_method_notes()
+            _watched.seen = self
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
-            for cls, original in patched:
-                cls.step = original
+            _watched.seen = outer
         for optimizer, settings in self._settings_at_step.values():
             now = _settings(optimizer)
             self.changes += [f"{key} of param group {index} of {type(optimizer).__name__}: {before!r} -> "
@@ -67,46 +72,72 @@ class Seen:
                              if (index, key) in now and _differs(now[index, key], before)]
 
     def _stepping(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() != self._thread:
+            return
         self._note(self.optimizers, optimizer)
         if id(optimizer) not in self._settings_at_step:
             self._settings_at_step[id(optimizer)] = (optimizer, _settings(optimizer))
 
-    def _wrap_scheduler_steps(self) -> list[tuple[type, object]]:
-        thread = threading.get_ident()
-        noted: list[str] = []  # the first step is enough (SequentialLR steps its children: it is named)
+    def scheduler_stepped(self, scheduler: object) -> None:
+        if not self._scheduler_noted:
+            self._scheduler_noted = True
+            self.changes.append(f"{type(scheduler).__name__}.step() at {user_location()}")
 
-        def wrap(original):
-            @functools.wraps(original)
-            def step(scheduler, *args, **kwargs):
-                if not noted and threading.get_ident() == thread:
-                    noted.append(f"{type(scheduler).__name__}.step() at {user_location()}")
-                    self.changes += noted
-                return original(scheduler, *args, **kwargs)
-            return step
-
-        patched = []
-        for cls in _scheduler_classes():
-            original = cls.__dict__["step"]
-            patched.append((cls, original))
-            cls.step = wrap(original)
-        return patched
+    def scaler_updated(self, scaler: torch.amp.GradScaler) -> None:
+        self._note(self.scalers, scaler)
 
     def store(self, record) -> None:
         """Keep them, weakly, with the record they were used by."""
         record.modules_called = tuple(map(weakref.ref, self.modules))
         record.optimizers_stepped = tuple(map(weakref.ref, self.optimizers))
+        record.scalers_updated = tuple(map(weakref.ref, self.scalers))
 
 
-def _scheduler_classes() -> list[type]:
-    """Every scheduler class that defines its own `step`, torch's and the user's subclasses."""
+# Schedulers and GradScalers have no global hooks: their `step` and `update` methods are wrapped,
+# once per class and for good, to tell the Seen of the call the thread runs (if any).
+_watched = threading.local()
+_install_lock = threading.Lock()
+
+
+def _install_method_notes() -> None:
+    with _install_lock:  # new user subclasses since the last call are wrapped too
+        for cls in _scheduler_classes():
+            _wrap(cls, "step", Seen.scheduler_stepped)
+        for cls in _subclasses((torch.amp.GradScaler,)):
+            if "update" in cls.__dict__:
+                _wrap(cls, "update", Seen.scaler_updated)
+
+
+def _wrap(cls: type, name: str, note) -> None:
+    original = cls.__dict__[name]
+    if getattr(original, "__tracejit_notes__", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(obj, *args, **kwargs):
+        seen = getattr(_watched, "seen", None)
+        if seen is not None:
+            note(seen, obj)
+        return original(obj, *args, **kwargs)
+
+    wrapper.__tracejit_notes__ = True
+    setattr(cls, name, wrapper)
+
+
+def _subclasses(bases: tuple) -> list[type]:
     found: list[type] = []
-    pending = list(_SCHEDULER_BASES)
+    pending = list(bases)
     while pending:
         cls = pending.pop()
         if cls not in found:
             found.append(cls)
             pending += cls.__subclasses__()
-    return [cls for cls in found if "step" in cls.__dict__]
+    return found
+
+
+def _scheduler_classes() -> list[type]:
+    """Every scheduler class that defines its own `step`, torch's and the user's subclasses."""
+    return [cls for cls in _subclasses(_SCHEDULER_BASES) if "step" in cls.__dict__]
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> dict:

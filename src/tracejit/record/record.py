@@ -167,6 +167,7 @@ class Record:
     # host checks that they are as they were (record/reached.py)
     modules_called: tuple = ()
     optimizers_stepped: tuple = ()  # likewise the optimizers whose step() ran (noted without the host only)
+    scalers_updated: tuple = ()  # and the torch.amp.GradScalers whose update() ran (without the host only)
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]

@@ -286,7 +286,7 @@ class HostFreeRunner:
                        if ref() is not None and id(ref()) not in known]
         bindings = find_bindings(self.record, objects, optimizers, scalars)
         settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
-        settings += scaler_guards(self.function, kwargs, src.constant, _fail)
+        settings += scaler_guards(self.function, kwargs, self.record.scalers_updated, src.constant, _fail)
         if not self.checked:  # a checked call runs step(), and its hooks with it
             guards += optimizer_hook_guards(optimizers, src.constant, _fail, new_hooks)
         if new_hooks:

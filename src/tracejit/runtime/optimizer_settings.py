@@ -72,12 +72,16 @@ def reached(function: Any, kwargs: dict, kind: type) -> list[tuple[str, Any]]:
 _SCALER_SETTINGS = ("_enabled", "_growth_factor", "_backoff_factor", "_growth_interval")
 
 
-def scaler_guards(function: Any, kwargs: dict, constant: Any, fail: Any) -> list[str]:
-    """Lines that fail unless every torch.amp.GradScaler the function reaches directly has its
-    recorded settings: `set_growth_factor()` and the like between calls make the call a checked
-    one, which passes the new numbers to the program (they were frozen)."""
+def scaler_guards(function: Any, kwargs: dict, updated: tuple, constant: Any, fail: Any) -> list[str]:
+    """Lines that fail unless every torch.amp.GradScaler the function reaches directly, or whose
+    update() the recorded call ran (`updated`, weak references: reached through a helper object),
+    has its recorded settings: `set_growth_factor()` and the like between calls make the call a
+    checked one, which passes the new numbers to the program (they were frozen)."""
+    scalers = reached(function, kwargs, torch.amp.GradScaler)
+    known = {id(scaler) for _, scaler in scalers}
+    scalers += [(f"{constant(ref, 'sr')}()", ref()) for ref in updated if ref() is not None and id(ref()) not in known]
     lines = []
-    for expr, scaler in reached(function, kwargs, torch.amp.GradScaler):
+    for expr, scaler in scalers:
         settings = {name: scaler.__dict__.get(name) for name in _SCALER_SETTINGS}
         lines.append(fail(f"({', '.join(f'{expr}.{name}' for name in settings)}) != "
                           f"{constant(tuple(settings.values()), 'sc')}", f"the settings of the GradScaler {expr} changed"))
