@@ -1,6 +1,6 @@
 """torch.nn.MultiheadAttention and the Transformer encoder layers choose a fused fast path in eval
 under no_grad unless a torch function mode is active. Checked calls at the API level run under one,
-so every traced call takes the composite path (record/modes.py NO_FUSED_ATTENTION). Before, the
+so every traced call takes the composite path (record/modes.py _composite_attention). Before, the
 recording call took the fast path and every later call raised TraceMismatchError at op #0, and
 a padding mask crashed the recorder on the fast path's nested tensor."""
 
@@ -13,12 +13,13 @@ import tracejit
 
 def _composite(module, *args, **kwargs):
     """What the traced call computes: eager with torch's fast path off."""
+    setting = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         with torch.no_grad():
             return module(*args, **kwargs)
     finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+        torch.backends.mha.set_fastpath_enabled(setting)
 
 
 def _layer():
@@ -96,3 +97,27 @@ def test_the_fast_path_switch_is_restored_after_a_failing_call():
         with pytest.raises(ValueError, match="user error"):
             traced(torch.randn(2, 3, 16), model=model)
         assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_the_users_fast_path_setting_is_left_alone():
+    # the composite path is chosen per thread by a torch function mode: torch's process-wide switch
+    # is neither read nor written (it was switched off for every traced call, in every thread)
+    model = _layer()
+    seen = []
+
+    def evaluate(x, *, model):
+        seen.append(torch.backends.mha.get_fastpath_enabled())
+        with torch.no_grad():
+            return model(x)
+
+    traced = tracejit.trace(evaluate, backend="aten")
+    for setting in (True, False, True):
+        torch.backends.mha.set_fastpath_enabled(setting)
+        try:
+            for _ in range(2):
+                x = torch.randn(2, 3, 16)
+                assert torch.equal(traced(x, model=model), _composite(model, x))
+            assert torch.backends.mha.get_fastpath_enabled() is setting and set(seen) == {setting}
+            seen.clear()
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)

@@ -17,11 +17,13 @@ that runs it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .collectives import run_collective
@@ -187,49 +189,41 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
     shape_hooks = _SHAPE_READ_HOOKS.installed() if records_shapes else contextlib.nullcontext()
     try:
         with _HOST_READ_HOOKS.installed(), shape_hooks, rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), \
-                NO_FUSED_ATTENTION, _DispatchMode(context):
+                _DispatchMode(context):
             yield context
     finally:
         _local.context = outer
 
 
-class _FusedAttentionOff:
-    """torch.nn.MultiheadAttention and the Transformer layers run one fused aten op
+class _Composite(TorchFunctionMode):
+    """A torch function mode that only passes calls on: its presence is what turns torch's fused
+    attention fast path off (see _composite_attention)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _composite_attention(forward: Any) -> Any:
+    """nn.MultiheadAttention and the Transformer encoder layers run one fused aten op
     (`_native_multi_head_attention`, `_transformer_encoder_layer_fwd`, a nested tensor for a padding
-    mask) unless a torch function mode is active. Checked calls at the API level run under one (the
-    checker), so a call that records or replays at the aten level must take the same path, the
-    composite one: torch's switch for that fast path is off while such a call runs (and while an
-    API-level call of a trace that ran such a module runs). The switch is process-wide, hence the
-    count of calls running in any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0
-        self._saved = True
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if self._running == 0:
-                self._saved = torch.backends.mha.get_fastpath_enabled()
-                torch.backends.mha.set_fastpath_enabled(False)
-            self._running += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._running -= 1
-            if self._running == 0:
-                torch.backends.mha.set_fastpath_enabled(self._saved)
+    mask) in eval under no_grad, unless a torch function mode is active. Checked calls at the API
+    level run under one (the checker), so a call that records or replays at the aten level must
+    take the same path, the composite one: their forward runs under a pass-through mode there.
+    Thread-local, as the mode stack is; eager calls and excluded blocks keep the fast path."""
+    @functools.wraps(forward)
+    def composite(module, *args, **kwargs):
+        context = getattr(_local, "context", None)
+        if context is None or context.excluded or torch._C._is_torch_function_mode_enabled():
+            return forward(module, *args, **kwargs)
+        with _Composite():
+            return forward(module, *args, **kwargs)
+    composite.__tracejit_composite__ = True
+    return composite
 
 
-NO_FUSED_ATTENTION = _FusedAttentionOff()
-
-
-def ran_fused_attention(record: Any) -> bool:
-    """Whether a recorded call ran a module whose path NO_FUSED_ATTENTION decides: a checked call
-    at the API level then turns the fast path off too, or the module's torch-level calls (the
-    checks before its choice) would differ from those noted at the aten level."""
-    kinds = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
-    return any(isinstance(ref(), kinds) for ref in record.modules_called)
+for _attention in (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder):
+    if not getattr(_attention.forward, "__tracejit_composite__", False):
+        _attention.forward = _composite_attention(_attention.forward)
 
 
 def _ops_so_far(handler: Any) -> int:

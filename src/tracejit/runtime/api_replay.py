@@ -45,7 +45,7 @@ from ..record.api import (
     function_name,
 )
 from ..record.calls import rebuild_call, scalar_slot_names
-from ..record.modes import NO_FUSED_ATTENTION, CallContext, enter_api_checked_call, leave_api_checked_call, ran_fused_attention
+from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
 from ..record.record import Kind, Record
 from ..signature import call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
@@ -98,7 +98,6 @@ class ApiProgram:
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
         self.reads_host = any(call.kind is CallKind.HOST_READ for call in trace.calls)  # _Reader needs the call
-        self.attention = ran_fused_attention(record)  # nn.MultiheadAttention: the aten level's path (modes.py)
         self.scalers: ScalerStages | None = None  # the GradScalers the function reaches (set by the trace)
         self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
@@ -618,10 +617,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     context.excluded = 0
     outer = pushed = failure = None
     handlers = _install_fast_paths()
-    attention = program.attention
     try:
-        if attention:
-            NO_FUSED_ATTENTION.__enter__()
         outer = enter_api_checked_call(context)
         PUSH_MODE(checker)  # what `with checker:` does, without its two Python frames each way
         pushed = checker
@@ -635,8 +631,6 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             POP_MODE()
         _remove_fast_paths(handlers)
         leave_api_checked_call(outer)
-        if attention:
-            NO_FUSED_ATTENTION.__exit__(None, None, None)
         if stand_ins:
             program.stand_ins.remove(stand_ins)
         if module_stand_ins:
