@@ -173,7 +173,6 @@ class trace(ProfileAccess):
         self._fast_api: TraceEntry | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
         self._changed_in_call: list[str] = []  # without_host: what the call's function changed (record/reached.py)
-        self._scalers: ScalerStages | None = None  # the GradScalers the function reaches, found at its first replay
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
@@ -621,9 +620,8 @@ class trace(ProfileAccess):
         context = call_context_key()
         call = CallContext(self, replayer, self.options.capture_as_const)
         seen = Seen(optimizers=self.options.without_host)  # for a record this call makes (a re-record, a variant)
-        if self._scalers is None:
-            self._scalers = ScalerStages(self._function, kwargs)
-        scaler_stages = self._scalers.save(kwargs) if self._scalers else None
+        scalers = ScalerStages(self._function, kwargs)  # this call's: its keywords may differ from the last
+        scaler_stages = scalers.save(kwargs) if scalers else None
         try:
             with seen.watching(), traced_call(call):
                 if tracer is None:
