@@ -394,26 +394,39 @@ _DUNDERS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": 
 _SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
 
 
+# The backward nodes known to take their forward op's number as it is: MulBackward0 multiplies
+# the gradient by the `other` of `x * k`, DivBackward0 divides it by that of `x / k`
+_SAME_NUMBER_BACKWARD = {"mul": "MulBackward0", "div": "DivBackward0"}
+
+
 def _backward_links(record: Record, offsets: list[int], recorded: list, now: list, last_backward: int) -> dict | None:
     """Which backward ops take the numbers forward ops took, seen from two calls: the recorded one
-    and the one the API level is built from. A forward number that changed between them is linked
-    to every backward slot that changed from the same value to the same value (`loss * w` with a
-    new `w`: MulBackward multiplies the gradient by `w` too). Returns forward slot -> its backward
-    slots, for the forward numbers that changed; None when a backward slot changed that no changed
-    forward number explains (`x ** k`'s backward takes `k - 1`): then no number before the last
-    backward is passed on, and a new one runs its call at the aten level."""
+    and the one the API level is built from. A number of a forward `mul` or `div` that changed
+    between them (`loss * w` with a new `w`) is linked to the slots of its kind of backward node
+    (MulBackward0, DivBackward0) that changed from the same value to the same value. Returns forward
+    slot -> its backward slots, for those numbers; None when any other backward slot changed, or
+    one matches two numbers: two equal pairs of values are no proof of one number (PowBackward's
+    `k - 1` can move as a loss weight does), so then no number before the last backward is passed
+    on, and a new one runs its call at the aten level."""
     if last_backward < 0:
         return {}
     owner = [i for i, op in enumerate(record.ops) for _ in op.scalars]
     changed = [slot for slot, (a, b) in enumerate(zip(recorded, now, strict=True))
                if type(a) is not type(b) or a != b]
-    forward = [s for s in changed if owner[s] < last_backward and not record.ops[owner[s]].backward_of]
+
+    def kind(slot: int) -> str | None:
+        op = record.ops[owner[slot]]
+        name = op.op._schema.name.split("::")[-1] if isinstance(op.op, torch._ops.OpOverload) else None
+        return _SAME_NUMBER_BACKWARD.get(name) if owner[slot] < last_backward and not op.backward_of else None
+
+    forward = [s for s in changed if kind(s) is not None]
     links: dict[int, list[int]] = {slot: [] for slot in forward}
     for slot in changed:
-        if not record.ops[owner[slot]].backward_of:
+        node = record.ops[owner[slot]].backward_of
+        if not node:
             continue
-        same = [f for f in forward if type(recorded[f]) is type(recorded[slot]) and recorded[f] == recorded[slot]
-                and now[f] == now[slot]]
+        same = [f for f in forward if kind(f) == node and type(recorded[f]) is type(recorded[slot])
+                and recorded[f] == recorded[slot] and now[f] == now[slot]]
         if len(same) != 1:
             return None
         links[same[0]].append(slot)
