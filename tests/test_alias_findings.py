@@ -163,3 +163,33 @@ def test_a_group_value_the_host_makes_a_leaf_requiring_grad_is_filled_like_eager
             assert (g.requires_grad, g.is_leaf) == (w.requires_grad, w.is_leaf)
     assert fused_nodes(traced)
     assert sum(entry.program.groups_fired for entry in traced._entries()) > 0  # fused kernels ran
+
+
+def _flat_grads_step(*, w1, w2, flat):
+    w1.grad.mul_(2)
+    a = flat.sum()
+    w2.grad.mul_(2)
+    return torch.stack([a, flat.sum()])  # eager: the second sum sees w2's doubling
+
+
+def _flat_grads():
+    w1, w2 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    flat = torch.ones(4)
+    w1.grad, w2.grad = flat[:2], flat[2:]  # gradients in one flat buffer, which the call also takes
+    return {"w1": w1, "w2": w2, "flat": flat}
+
+
+@pytest.mark.parametrize("backend", ["aten", "c"])
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_an_external_in_the_memory_of_an_input_is_a_view_of_it(without_host, backend):
+    # a parameter's .grad is a view of a flat buffer the call takes as a keyword tensor: the passes
+    # took them for two storages, and CSE merged the two sums around the write (was [24, 24])
+    if backend == "c" and tracejit.backends.resolve_backend("c") is None:
+        pytest.skip("no C compiler")
+    traced_state, eager_state = _flat_grads(), _flat_grads()
+    traced = tracejit.trace(_flat_grads_step, backend=backend, without_host=without_host)
+    for i in range(5):
+        assert torch.equal(traced(**traced_state), _flat_grads_step(**eager_state)), i
+        assert torch.equal(traced_state["flat"], eager_state["flat"]), i
+    served = traced.stats.host_free_calls if without_host else traced.stats.api_replays
+    assert served >= 2, traced.stats

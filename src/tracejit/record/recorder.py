@@ -70,6 +70,9 @@ class Recorder:
         # takes the tensor as a new external (a cut, see _cut).
         self.cut_below = 0
         self._busy = 0  # inside a handler method: shape reads are tracejit's own, not the host's
+        # the memory of the call's inputs and externals (handle -> bytes): an external found in one
+        # of them (a parameter's .grad, a view of a flat buffer the call takes) is a view of it
+        self._outer_spans: dict[int, tuple[int, int]] = {}
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -95,6 +98,10 @@ class Recorder:
         inputs = [(h, t) for h, t in inputs if self.handles.get(t) == h]
         for handle, base in _overlapping_input_bases(inputs).items():
             self.tensors[handle].base = base
+        for handle, tensor in inputs:
+            span = _byte_span(tensor)
+            if span is not None:
+                self._outer_spans[handle] = span
 
     @classmethod
     def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
@@ -155,10 +162,25 @@ class Recorder:
             if not literal:
                 self.constant_storage[handle] = storage_address(tensor)
             return handle
-        handle = self._new_handle(tensor, Kind.EXTERNAL, name)
+        handle = self._new_handle(tensor, Kind.EXTERNAL, name, base=self._overlapped(tensor))
         if self.cut_below:  # made by an excluded block, say: a later call's block may pass an older tensor
             self.tensors[handle].cut = self.cut_below
         return handle
+
+    def _overlapped(self, tensor: torch.Tensor) -> int | None:
+        """The base of the input or external whose memory a new external overlaps, if any; notes the
+        new one's memory. Without it the passes took them for two storages: a write through one
+        did not order the other's reads (CSE merged two `flat.sum()` around `p.grad.mul_(2)`)."""
+        span = _byte_span(tensor) if not isinstance(tensor, FakeTensor) else None
+        if span is None:
+            return None
+        start, end = span
+        other = next((h for h, (a, b) in self._outer_spans.items() if start < b and a < end), None)
+        self._outer_spans[len(self.tensors)] = span  # the handle about to be made
+        if other is None:
+            return None
+        info = self.tensors[other]
+        return info.base if info.base is not None else other
 
     def _cut(self, tensor: torch.Tensor, handle: int) -> int:
         """A tensor alive when the last excluded block began, used after it: the block may have
