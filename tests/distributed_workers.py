@@ -341,6 +341,42 @@ def ddp_no_sync(rank: int, world: int) -> dict:
     return facts
 
 
+def ddp_forward(x, *, model):
+    return model(x)
+
+
+def ddp_forward_sync(rank: int, world: int) -> dict:
+    """DDP(MLP + BatchNorm) without the host: a training step, then a forward under no_grad in train
+    mode (BatchNorm updates its running statistics). DDP's _post_forward leaves
+    require_forward_param_sync False after the no_grad forward, so the next training forward does
+    not broadcast the buffers: a host-free call must leave the flag as eager does (it did not, and
+    rank 1's running statistics took rank 0's)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    facts: dict = {"failures": [], "runs": {}}
+    data = batches(rank, steps=8)
+    results = []
+    for traced in (False, True):
+        model = DistributedDataParallel(mlp_bn())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        options = {"backend": "aten", "without_host": True}
+        step = tracejit.trace(ddp_step, **options) if traced else ddp_step
+        forward = tracejit.trace(ddp_forward, **options) if traced else ddp_forward
+        flags = []
+        for x, y in data:
+            step(x, y, model=model, opt=opt)
+            with torch.no_grad():
+                forward(x, model=model)
+            flags.append(model.require_forward_param_sync)
+        results.append((state_of(model.module, opt), flags))
+        if traced:
+            facts["runs"]["traced"] = {"host_free_calls": step.stats.host_free_calls + forward.stats.host_free_calls}
+    facts["failures"] += differences(results[0][0], results[1][0], exact=True)
+    if results[0][1] != results[1][1]:
+        facts["failures"].append(f"require_forward_param_sync: eager {results[0][1]}, traced {results[1][1]}")
+    return facts
+
+
 def stop_together(rank: int, key: str) -> None:
     """Rank 1 stays alive (its connections open) until rank 0 stopped: rank 0 cannot learn of the
     failure from a closed connection, only from the store."""
@@ -671,6 +707,7 @@ SCENARIOS = {
     "ddp": ddp,
     "ddp_options": ddp_options,
     "ddp_no_sync": ddp_no_sync,
+    "ddp_forward_sync": ddp_forward_sync,
     "ddp_api_level": ddp_api_level,
     "ddp_api_no_sync": ddp_api_no_sync,
     "ddp_api_settings": ddp_api_settings,

@@ -156,6 +156,11 @@ def test_ddp_no_sync_selects_its_own_trace(ranks):
         assert run["all_reduces"][0] == 0 and run["all_reduces"][-1] >= 1, run
 
 
+def test_a_host_free_ddp_forward_leaves_the_forward_sync_flag_as_eager(ranks):
+    for facts in facts_of(ranks, "ddp_forward_sync"):
+        assert facts["runs"]["traced"]["host_free_calls"] >= 4
+
+
 def test_checked_ddp_steps_run_at_the_api_level(ranks):
     """DDP answered whole by its stand-in on every rank, the program running the all-reduces and the
     buffer broadcast: parameters, gradients, buffers and optimizer state equal eager DDP's after

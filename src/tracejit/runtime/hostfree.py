@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
 from ..record.calls import data_dependent_size
+from ..record.ddp_calls import is_ddp
 from ..record.names import ExternalNames, Locator, root_expression
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
@@ -141,6 +142,7 @@ class _Source:
 
 
 MISS = object()  # what a generated call returns when it cannot serve the call
+_FORWARD_SYNC = "require_forward_param_sync"
 
 
 def _other_device(expr: str, device: torch.device, src: _Source) -> str:
@@ -491,6 +493,14 @@ class HostFreeRunner:
                 body += holder.store(f"h{handle}", ref, src)
             else:
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
+        # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
+        # no_sync() say (`_post_forward`): whether the next forward broadcasts the buffers. The
+        # signature fixes both, so the recorded call's value is every call's
+        for ref in self.record.modules_called:
+            module = ref()
+            if module is not None and is_ddp(module) and _FORWARD_SYNC in module.__dict__:
+                body += [f"d = {src.constant(ref, 'dr')}()",
+                         f"if d is not None: d.{_FORWARD_SYNC} = {module.__dict__[_FORWARD_SYNC]!r}"]
         # A leaf the function made and flagged (`torch.zeros_like(x).requires_grad_()`): the flag is
         # set in Python, never dispatched, so the program's tensor needs it set again
         body += [f"h{handle}.requires_grad_(True)" for handle, obj in sorted(objects.items())
