@@ -230,9 +230,8 @@ class ApiProgram:
         named like the call takes. With one number among the arguments, holding the value that
         op got in the traced call, that number is the scalar_tensor's slot."""
         start = call.span[0]
-        before_backward = start < self.last_backward
-        if (before_backward and (self.backward_links is None or self.scalar_offsets[start] not in self.backward_links)
-                or _direct_name(call.name) != self.record.ops[start + 1].op._schema.name.split("::")[-1]):
+        # before backward only a mul's or div's number is ever linked (_backward_links): this one is matched
+        if start < self.last_backward or _direct_name(call.name) != self.record.ops[start + 1].op._schema.name.split("::")[-1]:
             return {}
         numbers = [(("arg", i), v) for i, v in enumerate(call.args) if type(v) in (int, float)]
         numbers += [(("kw", k), v) for k, v in call.kwargs.items() if type(v) in (int, float)]
