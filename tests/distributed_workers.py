@@ -678,7 +678,9 @@ def replay_divergence(rank: int, world: int) -> dict:
 def lone_record(rank: int, world: int) -> dict:
     """Rank 1 calls with another batch size at step 2: it records a new trace while rank 0 replays.
     The collectives still match (gradients have the parameters' shapes), but rank 1 waits in vain
-    for rank 0's list at the end of its record: it raises, and rank 0 stops in its next all-reduce."""
+    for rank 0's list at the end of its record. Rank 0 is busy outside any collective for longer
+    than TRACEJIT_DIST_TIMEOUT (so rank 1 cannot see it blocked): rank 1 raises at the timeout, and
+    rank 0 stops in its next all-reduce."""
     os.environ["TRACEJIT_DIST_TIMEOUT"] = "2"
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -687,6 +689,8 @@ def lone_record(rank: int, world: int) -> dict:
     for i, (x, y) in enumerate(batches(rank, steps=6)):
         if rank == 1 and i == 2:
             x, y = x[:4], y[:4]
+        if rank == 0 and i == 3:
+            time.sleep(2.5)
         try:
             traced(x, y, model=model, opt=opt, world=world)
         except Exception as error:
@@ -696,6 +700,40 @@ def lone_record(rank: int, world: int) -> dict:
                 store.set("test/rank0_stopped", "1")
             else:
                 store.wait(["test/rank0_stopped"], datetime.timedelta(seconds=60))
+            return facts
+    facts["failures"].append("every step ran")
+    return facts
+
+
+def ddp_record_divergence(rank: int, world: int) -> dict:
+    """Rank 1 takes another branch at step 3 of DDP training, while DDP's first iterations still
+    re-record (bucket rebuilding): rank 1 records the step again, rank 0 replays it and waits in the
+    next step's all-reduce. Rank 1 sees rank 0 blocked there and raises without waiting for
+    TRACEJIT_DIST_TIMEOUT (30 s); rank 0 then raises in that all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def step(x, y, *, model, opt):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if DIVERGE["now"]:
+            loss = loss * 2
+        loss.backward()
+        opt.step()
+        return loss
+
+    model = DistributedDataParallel(mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    traced = tracejit.trace(step, backend="aten")
+    facts: dict = {"failures": []}
+    for i, (x, y) in enumerate(batches(rank, steps=6)):
+        DIVERGE["now"] = rank == 1 and i == 3
+        started = time.perf_counter()
+        try:
+            traced(x, y, model=model, opt=opt)
+        except Exception as error:
+            facts.update(step=i, error_type=type(error).__name__, error=str(error),
+                         raised_after=time.perf_counter() - started)
+            stop_together(rank, "test/ddp_record_rank0_stopped")
             return facts
     facts["failures"].append("every step ran")
     return facts
@@ -717,5 +755,6 @@ SCENARIOS = {
     "replay_divergence": replay_divergence,  # last: it leaves an all-reduce in flight on rank 0
     "lone_record": lone_record,  # in a run of its own, for the same reason
     "ddp_api_divergence": ddp_api_divergence,  # and this one
+    "ddp_record_divergence": ddp_record_divergence,  # and this one
 }
-SCENARIOS_LEAVE_GROUP_BROKEN = {"replay_divergence", "lone_record", "ddp_api_divergence"}
+SCENARIOS_LEAVE_GROUP_BROKEN = {"replay_divergence", "lone_record", "ddp_api_divergence", "ddp_record_divergence"}

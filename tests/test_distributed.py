@@ -24,7 +24,7 @@ WORLD = 2
 
 
 # Scenarios that leave a collective in flight end their run: each gets a run of its own.
-ALONE = ["lone_record", "ddp_api_divergence"]
+ALONE = ["lone_record", "ddp_api_divergence", "ddp_record_divergence"]
 RUNS = [[name for name in distributed_workers.SCENARIOS if name not in ALONE], *([name] for name in ALONE)]
 
 
@@ -74,6 +74,19 @@ def test_a_rank_recording_alone_stops_both_ranks(ranks):
     assert "rank 1 recorded all_reduce_step() (its record #3 there) and rank 0 did not within 2 s" in rank1["error"]
     assert rank0["step"] == 3 and rank0["error_type"] == "CollectiveAbortedError", rank0["error"]
     assert "rank 1 failed in all_reduce_step(): CollectiveMismatchError" in rank0["error"]
+
+
+def test_a_rank_diverging_while_ddp_still_records_stops_both_ranks(ranks):
+    rank0, rank1 = facts_of(ranks, "ddp_record_divergence")
+    assert rank1["step"] == 3 and rank1["error_type"] == "CollectiveMismatchError", rank1
+    assert ("rank 1 recorded step() (its record #4 there) and rank 0 did not: rank 0 has been waiting for"
+            in rank1["error"]), rank1["error"]
+    assert "in all_reduce on process group '0', a collective rank 1 will not join" in rank1["error"]
+    assert rank0["step"] == 4 and rank0["error_type"] == "CollectiveAbortedError", rank0["error"]
+    assert "rank 1 failed in step(): CollectiveMismatchError" in rank0["error"]
+    print(f"divergence while recording at step 3: rank 1 raised after {rank1['raised_after']:.2f} s, "
+          f"rank 0 after {rank0['raised_after']:.2f} s into step 4")
+    assert rank1["raised_after"] < 10 and rank0["raised_after"] < 10  # not TRACEJIT_DIST_TIMEOUT's 30 s
 
 
 # -- one process: what the compiler does with collectives ----------------------------------------

@@ -46,6 +46,11 @@ def _group(name: str) -> Any:
     return _resolve_process_group(name)
 
 
+def group_ranks(name: str) -> list[int]:
+    """The global ranks of the process group called `name`."""
+    return torch.distributed.get_process_group_ranks(_group(name))
+
+
 def _reduce_op(number: int) -> Any:
     return _c10d.ReduceOp.RedOpType(number)
 

@@ -8,8 +8,10 @@ be exactly the one that will not join the next collective.
   tensor shapes, source line) under a key numbered by how many records with collectives of that
   function the process made, reads the other ranks' lists and compares: a difference raises
   `CollectiveMismatchError` on every rank, naming the first differing collective on each rank.
-  A rank that records alone (its peers replay) finds no list from them within
-  `TRACEJIT_DIST_TIMEOUT` seconds and raises too.
+  A rank that records alone (its peers replay) raises too: once a peer has been seen blocked in
+  a collective that includes this rank for `BLOCKED_SECONDS` (a rank that finished recording
+  issues nothing more until the lists agree, so that peer can never post its list), or after
+  `TRACEJIT_DIST_TIMEOUT` seconds without a list.
 - A traced call that raises on one rank posts the failure under `tracejit/failure/<rank>`. Every
   collective tracejit runs waits in slices of `POLL_SECONDS`; between slices it checks the failure
   count, and a peer's failure that stands for `FAILURE_GRACE_SECONDS` raises
@@ -18,6 +20,9 @@ be exactly the one that will not join the next collective.
   the differing collective (the replay checks each op first), so its peers stop within a slice.
   A rank that runs a collective again after posting (its caller handled the error) retracts the
   post first, so an error every rank raised and handled does not stop later collectives.
+- A collective still waiting after a slice posts `tracejit/blocked/<rank>` (which collective,
+  on which ranks, how many slices so far), cleared when it returns: what a rank waiting for that
+  peer's list of collectives looks at. A collective that returns within a slice posts nothing.
 
 See docs/distributed.md.
 """
@@ -38,9 +43,14 @@ POLL_SECONDS = 0.25
 # How long a posted failure must stand before a waiting peer gives up: a rank that every rank's
 # error sent through its handler may rejoin a little later than the others.
 FAILURE_GRACE_SECONDS = 5.0
+# How long a recording rank must see a peer stay blocked in a collective it takes part in before
+# concluding that the peer will never record the same call. The peer's wait may be one this rank
+# joined just before it began waiting, still completing: four more slices rule that out.
+BLOCKED_SECONDS = 1.0
 _FAILURES = "tracejit/failures"
 _records_made: dict[str, int] = {}  # function name -> records with collectives this process made of it
 _posted = [False]  # this process posted a failure it has not retracted yet
+_blocked_waits = [0]  # how many waits of this process outlasted a slice: tells one blocked wait from the next
 
 
 def distributed() -> bool:
@@ -90,9 +100,12 @@ def agree_on_collectives(record: Any) -> None:
     lists = {rank: mine}
     deadline = time.monotonic() + agreement_timeout()
     standing_since = None  # a peer's posted failure, as in wait(): it may be one that peer has handled
+    advice = ("Every rank must record the same calls: a new input signature or lazy state on one rank only "
+              "makes the ranks issue different collectives. Give every rank the same shapes and state.")
     for other in range(world):
         if other == rank:
             continue
+        first_seen_blocked, next_look = None, time.monotonic()
         while not store.check([prefix + str(other)]):
             failure = peer_failure(store, rank)
             if failure is None:
@@ -101,12 +114,22 @@ def agree_on_collectives(record: Any) -> None:
                 standing_since = time.monotonic()
             elif time.monotonic() - standing_since >= FAILURE_GRACE_SECONDS:
                 raise CollectiveAbortedError(f"tracejit: recording {name}() on rank {rank}: {failure}")
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + POLL_SECONDS
+                blocked = _peer_blocked(store, other, rank)
+                if blocked is None or first_seen_blocked is None or blocked["wait"] != first_seen_blocked["wait"]:
+                    first_seen_blocked = blocked
+                elif (blocked["slices"] - first_seen_blocked["slices"]) * POLL_SECONDS >= BLOCKED_SECONDS:
+                    raise CollectiveMismatchError(
+                        f"tracejit: rank {rank} recorded {name}() (its record #{number} there) and rank {other} "
+                        f"did not: rank {other} has been waiting for {blocked['slices'] * POLL_SECONDS:.2f} s in "
+                        f"{blocked['collective']} on process group {blocked['group']!r}, a collective rank {rank} "
+                        f"will not join (it issues nothing more until the ranks' lists of collectives agree). "
+                        + advice)
             if time.monotonic() > deadline:
                 raise CollectiveMismatchError(
                     f"tracejit: rank {rank} recorded {name}() (its record #{number} there) and rank {other} did "
-                    f"not within {agreement_timeout():.0f} s (TRACEJIT_DIST_TIMEOUT). Every rank must record "
-                    f"the same calls: a new input signature or lazy state on one rank only makes the ranks "
-                    f"issue different collectives. Give every rank the same shapes and state.")
+                    f"not within {agreement_timeout():.0f} s (TRACEJIT_DIST_TIMEOUT). " + advice)
             time.sleep(0.01)
         lists[other] = json.loads(store.get(prefix + str(other)))
     if any(lists[r] != mine for r in lists):
@@ -167,30 +190,68 @@ def peer_failure(store: Any, rank: int) -> str | None:
 
 def wait(work: Any, collective: str, group: str) -> None:
     """Wait for a collective's `work`, raising CollectiveAbortedError once a peer's failure has
-    stood for FAILURE_GRACE_SECONDS (a peer that handles the error and comes back retracts it)."""
+    stood for FAILURE_GRACE_SECONDS (a peer that handles the error and comes back retracts it).
+    Past the first slice, the wait is posted as blocked for a recording peer to see."""
     if _posted[0]:
         _retract_failure()
     slice_ = datetime.timedelta(seconds=POLL_SECONDS)
     standing_since = None
-    while True:
-        try:
-            work.wait(slice_)
-            return
-        except RuntimeError as error:
-            timed_out = "timed out" in str(error).lower()
-            failure = _posted_failure()
-            if failure is None:
-                if not timed_out:
-                    raise
-                standing_since = None
-                continue
-            # the collective broke (the failed peer's process ended), or the failure stands
-            standing_since = time.monotonic() if standing_since is None else standing_since
-            if not timed_out or time.monotonic() - standing_since >= FAILURE_GRACE_SECONDS:
-                raise CollectiveAbortedError(
-                    f"tracejit: rank {torch.distributed.get_rank()} stopped waiting in {collective} on process "
-                    f"group {group!r}: {failure}. The process group now has a collective in flight that will "
-                    f"not complete: destroy it (or end the job) rather than issuing more collectives.") from None
+    slices = 0  # that ran out
+    try:
+        while True:
+            try:
+                work.wait(slice_)
+                return
+            except RuntimeError as error:
+                timed_out = "timed out" in str(error).lower()
+                failure = _posted_failure()
+                if failure is None:
+                    if not timed_out:
+                        raise
+                    standing_since = None
+                    slices += 1
+                    _post_blocked(collective, group, slices)
+                    continue
+                # the collective broke (the failed peer's process ended), or the failure stands
+                standing_since = time.monotonic() if standing_since is None else standing_since
+                if not timed_out or time.monotonic() - standing_since >= FAILURE_GRACE_SECONDS:
+                    raise CollectiveAbortedError(
+                        f"tracejit: rank {torch.distributed.get_rank()} stopped waiting in {collective} on process "
+                        f"group {group!r}: {failure}. The process group now has a collective in flight that will "
+                        f"not complete: destroy it (or end the job) rather than issuing more collectives.") from None
+    finally:
+        if slices:
+            _clear_blocked()
+
+
+def _post_blocked(collective: str, group: str, slices: int) -> None:
+    try:
+        from .collectives import group_ranks  # collectives.py waits through this module
+
+        if slices == 1:
+            _blocked_waits[0] += 1
+        post = {"wait": _blocked_waits[0], "slices": slices, "collective": collective, "group": group,
+                "ranks": group_ranks(group)}
+        _store().set(f"tracejit/blocked/{torch.distributed.get_rank()}", json.dumps(post))
+    except Exception:  # the store went away with a failed peer: the collective's own error says enough
+        pass
+
+
+def _clear_blocked() -> None:
+    try:
+        _store().set(f"tracejit/blocked/{torch.distributed.get_rank()}", "")
+    except Exception:
+        pass
+
+
+def _peer_blocked(store: Any, other: int, rank: int) -> dict | None:
+    """The collective rank `other` has posted it is blocked in, if this rank takes part in it."""
+    key = f"tracejit/blocked/{other}"
+    if not store.check([key]):
+        return None
+    text = store.get(key).decode()
+    post = json.loads(text) if text else None
+    return post if post and rank in post["ranks"] else None
 
 
 def _posted_failure() -> str | None:
