@@ -45,7 +45,7 @@ from .record.source import user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
-from .runtime.api_replay import ApiProgram, NotReplayable, run_checked
+from .runtime.api_replay import ApiProgram, NotReplayable, gradient_owners, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
@@ -754,7 +754,7 @@ class trace(ProfileAccess):
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry, checked=True)
             entry.host_free.bind(live, args, kwargs, replayer.names, entry.grad_state, replayer.scalars,
-                                 external_slots=external_slots)
+                                 external_slots=external_slots, grad_owners=gradient_owners(trace, external_slots))
         except HostDependencyError as error:
             self._refuse_api(entry, f"the compiled program cannot run without the function: {error}")
             entry.host_free = None

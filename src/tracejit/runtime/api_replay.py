@@ -295,6 +295,19 @@ def _located_externals(calls: list[ApiCall]) -> dict[int, int]:
     return located
 
 
+def gradient_owners(trace: ApiTrace, external_slots: dict[int, int]) -> dict[int, int]:
+    """gradient handle -> handle of the parameter whose `.grad` the function read it as."""
+    handle_of = {slot: handle for handle, slot in external_slots.items()}
+    owners = {}
+    for call in trace.calls:
+        result, args = call.result, call.args
+        if (call.kind is CallKind.VIRTUAL and call.name.endswith("grad.__get__") and isinstance(result, TensorRef)
+                and result.kind is RefKind.EXTERNAL and args and isinstance(args[0], TensorRef)
+                and args[0].kind is RefKind.EXTERNAL and result.key in handle_of and args[0].key in handle_of):
+            owners[handle_of[result.key]] = handle_of[args[0].key]
+    return owners
+
+
 class _Reader:
     """Answers a host read (`step.item()`, `bool(flag)`): the value is computed when it is read, by
     the slice of the record that leads to it, with this call's numbers so far; inputs the slice

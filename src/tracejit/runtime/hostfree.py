@@ -205,11 +205,13 @@ class HostFreeRunner:
         self.gradient_state = gradient_state  # the trace's, which also watches DDPs reached without a keyword
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
-             grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None) -> None:
+             grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None,
+             grad_owners: dict[int, int] | None = None) -> None:
         """Specialize the call to the inputs' signature and the objects and scalar values a host-run
         call just used (`scalars`: its dynamic scalars; None: the record's own). A checked runner
         gets the externals the API-level checker holds as `E` (`external_slots`: handle -> slot):
-        the function's calls matched them, so they are not reached through modules again."""
+        the function's calls matched them, so they are not reached through modules again, and
+        `grad_owners` (gradient handle -> parameter handle) says whose `.grad` each was read as."""
         self.external_slots = external_slots or {}
         scalars = list(self.initial_scalars if scalars is None else scalars)
         for info in self.record.tensors:
@@ -255,7 +257,17 @@ class HostFreeRunner:
             if isinstance(value, _PRIMITIVES):
                 guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
         self._located_grads: list[str] = []
+        self._cleared_grads: list[str] = []  # parameters whose `.grad` the call leaves None
         self._meta: list[tuple[str, str]] = []  # (local, its layout check)
+        self._bound_by_locator = {names.locator_of(t): t for t in objects.values() if t is not None}
+        # A gradient the call found and then freed (`zero_grad()` after the step) while something
+        # else keeps it alive (`held = p.grad`): setting `.grad` is Python, no op the program has,
+        # so the epilogue repeats it. Binding follows a call that ran the function: a parameter's
+        # `.grad` now is where such a call leaves it.
+        for grad, param in (grad_owners or {}).items():
+            if (objects.get(grad) is not None and objects.get(param) is not None and objects[param].grad is None
+                    and param in self.external_slots):
+                self._cleared_grads.append(f"E[{self.external_slots[param]}]")  # the program reuses h<param>
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
@@ -401,6 +413,10 @@ class HostFreeRunner:
                         f"{obj.storage_offset()} or {local}.stride() != {src.constant(info.meta.stride, 'st')}")
                 what = f"{locator.describe()} is missing, a view"
                 self._located_grads.append(local)
+                # one the call frees (see bind), found where it is
+                param = self._bound_by_locator.get(Locator(locator.root, locator.steps[:-1]))
+                if param is not None and param.grad is None and expr.endswith(".grad"):
+                    self._cleared_grads.append(expr[:-len(".grad")])
         else:
             lines = [f"{local} = {ref}()"]
             same = f"{local} is None"
@@ -493,6 +509,7 @@ class HostFreeRunner:
                 body += holder.store(f"h{handle}", ref, src)
             else:
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
+        body += [f"{param}.grad = None" for param in self._cleared_grads]
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
         # no_sync() say (`_post_forward`): whether the next forward broadcasts the buffers. The
         # signature fixes both, so the recorded call's value is every call's
