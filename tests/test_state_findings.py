@@ -61,3 +61,37 @@ def test_a_gradient_the_caller_holds_is_still_cleared_by_zero_grad(mode):
         assert torch.equal(*losses), f"call {i}"
         assert_same_model(models[0], models[1], f"call {i}")
     assert fast_calls(traced, mode) >= 2
+
+
+def make_closure_step(model):
+    def step(x, y, *, opt):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_freezing_a_layer_of_a_closure_model_selects_a_trace_of_its_own(mode):
+    """requires_grad_(False) on a layer of a model the step reaches by closure, between calls: the
+    layer stops training as in eager (it kept training before)."""
+    torch.manual_seed(0)
+    data = [(torch.randn(5, 4), torch.randn(5, 2)) for _ in range(CALLS)]
+    models = [nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    steps = [make_closure_step(models[0]), tracejit.trace(make_closure_step(models[1]), **MODES[mode])]
+    for i, (x, y) in enumerate(data):
+        if i == 4:
+            for m in models:
+                m[0].requires_grad_(False)
+        if i == 7:
+            for m in models:
+                m[0].requires_grad_(True)
+        losses = [step(x, y, opt=opt) for step, opt in zip(steps, opts)]
+        assert torch.equal(*losses), f"call {i}"
+        assert_same_model(models[0], models[1], f"call {i}")
+    assert steps[1].stats.records == 2  # one trace per requires_grad state
+    assert fast_calls(steps[1], mode) >= 3

@@ -106,7 +106,8 @@ _GRAD = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
 
 
-def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[int, ...]:
+def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = (),
+                   reached: Sequence[weakref.ref] = ()) -> tuple[int, ...]:
     """Which parameters of keyword modules require grad and which hold a `.grad`, and the state of
     a DistributedDataParallel module (`_ddp_state`); then the same of the `watched` modules, the
     DDP modules a traced function reaches without a keyword (a closure, a global), -1 for one
@@ -117,13 +118,19 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[i
     several calls gets one trace per state instead of a mismatch. The number of param groups of
     each keyword optimizer comes last: `add_param_group` (unfreezing layers) adds parameters whose
     state the next step creates. It is computed only for traces whose recorded call touched
-    gradients.
+    gradients. Last, which parameters require grad in the `reached` modules: those the function
+    reaches without a keyword (a closure's or a global's model), so that freezing a layer of one
+    selects a trace of its own as it does for a keyword module. Only `requires_grad`: whether
+    their `.grad` exists is checked where the function reads it.
     """
     states = [_module_state(module) for module in kwargs.values() if isinstance(module, torch.nn.Module)]
     states += [len(opt.param_groups) for opt in kwargs.values() if isinstance(opt, torch.optim.Optimizer)]
     for ref in watched:
         module = ref()
         states.append(-1 if module is None else _module_state(module))
+    for ref in reached:
+        module = ref()
+        states.append(-1 if module is None else _requires_grad_bits(module))
     return tuple(states)
 
 
@@ -143,13 +150,21 @@ def gradient_hooks(tensor: torch.Tensor) -> tuple:
     return tuple(tensor._backward_hooks or ()), tuple(tensor._post_accumulate_grad_hooks or ())
 
 
-def _module_state(module: torch.nn.Module) -> int:
+def _parameters_of(module: torch.nn.Module) -> tuple:
     known = _parameters.get(id(module))
     if known is None or known[0]() is not module:  # walking module.parameters() each call would cost more
         key = id(module)
         known = _parameters[key] = (weakref.ref(module, lambda _, key=key: _parameters.pop(key, None)),
                                     tuple(module.parameters()))
-    params = known[1]
+    return known[1]
+
+
+def _requires_grad_bits(module: torch.nn.Module) -> int:
+    return int.from_bytes(bytes(map(_REQUIRES_GRAD, _parameters_of(module))))
+
+
+def _module_state(module: torch.nn.Module) -> int:
+    params = _parameters_of(module)
     # a byte a parameter, the first one highest: requires_grad in bit 1, has a .grad in bit 0
     # (built by C loops: this runs on every checked call); then the DDP state, and whether a
     # gradient hook is registered (backward runs it: a trace of its own, which runs backward)

@@ -155,6 +155,9 @@ class trace(ProfileAccess):
         # DistributedDataParallel modules the function reaches without a keyword (a closure, a
         # global, inside a keyword module): their state selects traces too (see _watch_ddp)
         self._watched_ddp: list[weakref.ref] = []
+        # the outermost other modules it reaches without a keyword: their parameters' requires_grad
+        # selects traces too (see _watch_reached)
+        self._watched_reached: list[weakref.ref] = []
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
@@ -310,7 +313,25 @@ class trace(ProfileAccess):
         return result
 
     def _gradient_state(self, kwargs: dict) -> tuple[int, ...]:
-        return gradient_state(kwargs, self._watched_ddp)
+        return gradient_state(kwargs, self._watched_ddp, self._watched_reached)
+
+    def _watch_reached(self, seen: list, kwargs: dict, grad_state: tuple | None, live: dict, record: Record) -> tuple | None:
+        """Watch the outermost modules a recording call ran that no keyword argument holds (a
+        closure's model) and whose parameters the trace reads as externals (not a module the call
+        made); the call's gradient state with theirs appended (their `requires_grad` now is what it
+        was when the call began, unless the call changed it, which its replays check op by op)."""
+        externals = {id(t) for h, t in live.items() if record.tensors[h].kind is Kind.EXTERNAL}
+        held = {id(m) for value in kwargs.values() if isinstance(value, torch.nn.Module) for m in value.modules()}
+        held |= {id(m) for ref in (*self._watched_ddp, *self._watched_reached) if ref() is not None
+                 for m in ref().modules()}
+        candidates = {id(m): m for m in seen if id(m) not in held and not is_ddp(m)}
+        inner = {id(sub) for m in candidates.values() for sub in m.modules() if sub is not m}
+        new = [weakref.ref(m) for key, m in candidates.items()
+               if key not in inner and any(id(p) in externals for p in m.parameters())]
+        self._watched_reached += new
+        if grad_state is None or not new:
+            return grad_state
+        return (*grad_state, *gradient_state({}, (), new))
 
     def _watch_ddp(self, seen: list, kwargs: dict) -> bool:
         """Watch the DDP modules a recording call ran that are not keyword arguments themselves;
@@ -398,6 +419,7 @@ class trace(ProfileAccess):
         if self._watch_ddp(seen.modules, kwargs):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
+        grad_state = self._watch_reached(seen.modules, kwargs, grad_state, recorder.handles.live(), record)
         entry = TraceEntry(key, record, program, grad_state if depends else None,
                            stateful_optimizers=_stateful_optimizers(kwargs))
         if replacing is not None:  # record_only: the newest call's record stands for its signature
@@ -579,6 +601,7 @@ class trace(ProfileAccess):
                 self._drop_shape_trace(replaced)
             self.stats.records += 1
             return result
+        grad_state = self._watch_reached(seen.modules, kwargs, grad_state, recorder.handles.live(), record)
         shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None,
                                  stateful_optimizers=_stateful_optimizers(kwargs))
         if replaced is not None:
