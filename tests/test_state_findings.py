@@ -95,3 +95,71 @@ def test_freezing_a_layer_of_a_closure_model_selects_a_trace_of_its_own(mode):
         assert_same_model(models[0], models[1], f"call {i}")
     assert steps[1].stats.records == 2  # one trace per requires_grad state
     assert fast_calls(steps[1], mode) >= 3
+
+
+def discriminator_step(z, real, *, gen, disc, opt_d):
+    """A GAN's discriminator step that hands the generator's output, graph intact, to the caller."""
+    fake = gen(z)
+    loss_d = F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()
+    loss_d.backward()
+    opt_d.step()
+    opt_d.zero_grad()
+    return fake
+
+
+def gan_models():
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3)), nn.Linear(3, 1)
+    return gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+
+
+def test_a_returned_tensor_whose_graph_no_backward_used_keeps_it_in_checked_calls():
+    """The generator's output goes back to the caller with its autograd graph: the caller's own
+    backward must reach the generator (it silently did not at the API level)."""
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 2), torch.randn(4, 3)) for _ in range(CALLS)]
+    eager, traced_models = gan_models(), gan_models()
+    traced = tracejit.trace(discriminator_step)
+    with pytest.warns(tracejit.ReplayLevelWarning, match="returns a tensor that requires grad"):
+        for i, (z, real) in enumerate(data):
+            for step, (gen, disc, opt_g, opt_d) in ((discriminator_step, eager), (traced, traced_models)):
+                fake = step(z, real, gen=gen, disc=disc, opt_d=opt_d)
+                assert fake.requires_grad and fake.grad_fn is not None, f"call {i}"
+                F.softplus(-disc(fake)).mean().backward()
+                opt_g.step()
+                opt_g.zero_grad()
+            assert_same_model(eager[0], traced_models[0], f"generator, call {i}")
+            assert_same_model(eager[1], traced_models[1], f"discriminator, call {i}")
+    assert traced.stats.checked_replays >= CALLS - 2 and traced.stats.api_replays == 0
+
+
+def test_a_returned_view_of_a_parameter_keeps_its_graph_in_checked_calls():
+    def step(x, *, m, opt):
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return m.weight[0]
+
+    torch.manual_seed(0)
+    models = [nn.Linear(3, 2)]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    traced = tracejit.trace(step)
+    with pytest.warns(tracejit.ReplayLevelWarning, match="returns a tensor that requires grad"):
+        for i in range(CALLS):
+            x = torch.randn(4, 3)
+            for f, m, opt in ((step, models[0], opts[0]), (traced, models[1], opts[1])):
+                row = f(x, m=m, opt=opt)
+                assert type(row.grad_fn).__name__ == "SelectBackward0", f"call {i}"
+                row.sum().backward()  # the caller's own loss on the returned row
+            assert_same_model(models[0], models[1], f"call {i}")
+    assert traced.stats.checked_replays >= CALLS - 2
+
+
+def test_without_the_host_a_returned_graph_no_backward_used_is_warned_of():
+    gen, disc, _, opt_d = gan_models()
+    traced = tracejit.trace(discriminator_step, without_host=True)
+    with pytest.warns(tracejit.GradientWarning, match="no backward pass inside the call used their autograd graph"):
+        for _ in range(3):
+            traced(torch.randn(4, 2), torch.randn(4, 3), gen=gen, disc=disc, opt_d=opt_d)

@@ -428,7 +428,8 @@ class trace(ProfileAccess):
             self._traces[key] = [e for e in self._traces.get(key, []) if e.grad_state is not None]
         self._traces.setdefault(key, []).append(entry)
         self._traces[key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
-        self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs, result=result)
+        self._prepare_host_free(entry, recorder.handles, recorder.names, args, kwargs, result=result,
+                                live_graph=seen.live_graph)
         self.stats.records += 1
         return result
 
@@ -707,7 +708,8 @@ class trace(ProfileAccess):
             replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace,
                                   stateful_optimizers=_stateful_optimizers(kwargs))
             entries[entries.index(entry)] = replaced
-            self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result)
+            self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result,
+                                    live_graph=seen.live_graph)
             self.stats.rerecords += 1
         else:
             entry.replays += 1
@@ -721,9 +723,11 @@ class trace(ProfileAccess):
                 entry.handles = replayer.handles
             else:
                 self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars,
-                                        result=result)
+                                        result=result, live_graph=seen.live_graph)
             if tracer is not None:
-                self._prepare_api(entry, tracer.finish(result), replayer, args, kwargs, context)
+                api_trace = tracer.finish(result)
+                api_trace.live_graph = seen.live_graph
+                self._prepare_api(entry, api_trace, replayer, args, kwargs, context)
         return result
 
     def _refuse_api(self, entry: TraceEntry, reason: str) -> None:
@@ -793,7 +797,8 @@ class trace(ProfileAccess):
             self._refuse_api(entry, str(reason))
 
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
-                           kwargs: dict, scalars: list | None = None, result: Any = None) -> None:
+                           kwargs: dict, scalars: list | None = None, result: Any = None,
+                           live_graph: Callable[[torch.Tensor], bool] | None = None) -> None:
         """After a call that ran the function: (re)bind the program that runs without it."""
         entry.handles = handles  # to_fx() finds the external objects there
         if not self.options.without_host or entry.provisional:
@@ -803,10 +808,13 @@ class trace(ProfileAccess):
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return
-        if entry.host_free is None and _returns_graph(entry.record, result):
+        if entry.host_free is None and live_graph is not None and _returns_graph(result, live_graph):
             where = user_location()
+            what = ("runs no backward pass itself" if not any(op.backward_of for op in entry.record.ops) else
+                    "no backward pass inside the call used their autograd graph (a generator's output that "
+                    "only a detached copy of went into the call's loss, a view of a parameter)")
             warnings.warn_explicit(
-                f"tracejit: {self.__name__}() returns tensors that require grad and runs no backward pass itself; "
+                f"tracejit: {self.__name__}() returns tensors that require grad and {what}; "
                 f"with without_host=True later calls return them without an autograd graph, so a backward pass "
                 f"after the call does not reach the parameters. Trace the whole training step (forward, backward "
                 f"and optimizer step), call it under torch.no_grad() for inference, or trace without without_host.",
@@ -939,8 +947,11 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
     returned = [t for t in _tensors_of(result) if id(t) in internal]
     outputs = {id(t) for t in returned} | {id(t._base) for t in returned if t._base is not None}
     containers = {id(c) for c in _containers_of(result)} | {id(live), id(returned)} | {id(o) for o in ours}
-    for tensor in _tensors_of(result) if not trace.ran_backward else ():
-        if tensor.requires_grad and id(tensor) in internal:
+    for tensor in _tensors_of(result):
+        # with a backward pass in the call, only what it did not free (a generator's output of which
+        # only a detached copy went into the loss, a view of a parameter)
+        if (tensor.requires_grad and id(tensor) in internal
+                and (not trace.ran_backward or trace.live_graph is None or trace.live_graph(tensor))):
             return ("the function returns a tensor that requires grad (a backward pass outside the call "
                     "needs the autograd graph that only the aten level builds)")
     for tensor in returned:  # an output stored elsewhere too keeps its identity there
@@ -991,11 +1002,9 @@ def _abandon(recorder: Any, error: BaseException) -> None:
                        f"{str(failure).splitlines()[0] if str(failure) else ''}): their side effects may be missing")
 
 
-def _returns_graph(record: Record, result: Any) -> bool:
-    """The call returns tensors that require grad and runs no backward pass itself."""
-    if any(op.backward_of for op in record.ops):
-        return False
-    return any(t.requires_grad and not t.is_leaf for t in _tensors_of(result))  # a leaf has no graph to lose
+def _returns_graph(result: Any, live_graph: Callable[[torch.Tensor], bool]) -> bool:
+    """The call returns tensors with autograd history that no backward pass of the call freed."""
+    return any(t.requires_grad and live_graph(t) for t in _tensors_of(result))  # a leaf has no graph to lose
 
 
 def _containers_of(value: Any) -> list:

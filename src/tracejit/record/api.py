@@ -95,6 +95,7 @@ class ApiTrace:
     output: Any = None  # the call's result with tensors as TensorRef
     output_objects: Any = None  # the call's result itself, until the API program is built
     ran_backward: bool = False  # a backward pass ran inside the call (it consumed the outputs' graph)
+    live_graph: Any = None  # tensor -> True if it has autograd history the call's backward did not free
     optimizer_calls: list[OptimizerCall] = field(default_factory=list)  # step()/zero_grad() spans of calls
     module_calls: list[ModuleCall] = field(default_factory=list)  # torch.nn module forwards' spans of calls
 

@@ -12,6 +12,12 @@ after its `step()` (a call without the function would freeze either); and the Gr
 `update()` it ran, whose settings a call without the function must guard. Schedulers and scalers
 have no global hooks: their classes' `step` and `update` are wrapped once, for good, and tell the
 watch of the call the running thread makes, if any.
+
+It also notes which autograd nodes the call's backward passes consumed (freed, without
+`retain_graph`): a returned tensor whose `grad_fn` is not among them (the generator's output of a
+GAN step, a view of a parameter) still has a graph the caller can backpropagate through, which
+only a call that runs autograd can hand out. torch's `autograd._engine_run_backward`, through
+which `Tensor.backward`, `autograd.backward` and `autograd.grad` all run, is wrapped for that.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Seen:
         self._settings_at_step: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
         self._thread = threading.get_ident()
         self._scheduler_noted = False  # the first step is enough (SequentialLR steps its children: it is named)
+        self.consumed: dict[int, object] = {}  # id -> autograd node a backward pass of the call freed
 
     def _note(self, found: list, obj: object) -> None:
         if id(obj) not in self._ids and threading.get_ident() == self._thread:  # the hooks are process-wide
@@ -54,6 +61,9 @@ class Seen:
         handles = [torch.nn.modules.module.register_module_forward_pre_hook(
             lambda module, args: self._note(self.modules, module))]
         outer = getattr(_watched, "seen", None)
+        outer_backward = getattr(_watched, "backward", None)
+        _install_backward_note()
+        _watched.backward = self
         if self.watch_optimizers:  # only without the host: the API level's snapshot of an optimizer takes global hooks as the user's
             handles.append(optimizer_module.register_optimizer_step_pre_hook(self._stepping))
             _install_method_notes()
@@ -64,6 +74,7 @@ class Seen:
             for handle in handles:
                 handle.remove()
             _watched.seen = outer
+            _watched.backward = outer_backward
         for optimizer, settings in self._settings_at_step.values():
             now = _settings(optimizer)
             self.changes += [f"{key} of param group {index} of {type(optimizer).__name__}: {before!r} -> "
@@ -86,6 +97,22 @@ class Seen:
     def scaler_updated(self, scaler: torch.amp.GradScaler) -> None:
         self._note(self.scalers, scaler)
 
+    def backward_runs(self, roots: tuple, retain_graph: object, create_graph: object) -> None:
+        """Note the nodes of the graph behind `roots` that this backward pass frees."""
+        if retain_graph or create_graph or threading.get_ident() != self._thread:
+            return
+        pending = [getattr(root, "grad_fn", None) or getattr(root, "node", None) for root in roots]
+        consumed = self.consumed
+        while pending:
+            node = pending.pop()
+            if node is not None and id(node) not in consumed:
+                consumed[id(node)] = node  # held: a node's Python object, and its id, live as long
+                pending += [edge[0] for edge in node.next_functions]
+
+    def live_graph(self, tensor: torch.Tensor) -> bool:
+        """True if `tensor` has autograd history no backward pass of the call freed."""
+        return tensor.grad_fn is not None and id(tensor.grad_fn) not in self.consumed
+
     def store(self, record) -> None:
         """Keep them, weakly, with the record they were used by."""
         record.modules_called = tuple(map(weakref.ref, self.modules))
@@ -106,6 +133,29 @@ def _install_method_notes() -> None:
         for cls in _subclasses((torch.amp.GradScaler,)):
             if "update" in cls.__dict__:
                 _wrap(cls, "update", Seen.scaler_updated)
+
+
+def _install_backward_note() -> None:
+    """Wrap torch.autograd's `_engine_run_backward` once, for good: it tells the watch of the
+    running thread's call which graph a backward pass is about to free."""
+    original = torch.autograd.__dict__.get("_engine_run_backward")
+    if original is None or getattr(original, "__tracejit_notes__", False):
+        return
+    with _install_lock:
+        original = torch.autograd.__dict__["_engine_run_backward"]
+        if getattr(original, "__tracejit_notes__", False):
+            return
+
+        @functools.wraps(original)
+        def engine_run_backward(t_outputs, *args, **kwargs):
+            seen = getattr(_watched, "backward", None)
+            if seen is not None:  # (outputs, grad_outputs, retain_graph, create_graph, ...)
+                seen.backward_runs(tuple(t_outputs), kwargs.get("retain_graph", args[1] if len(args) > 1 else None),
+                                   kwargs.get("create_graph", args[2] if len(args) > 2 else None))
+            return original(t_outputs, *args, **kwargs)
+
+        engine_run_backward.__tracejit_notes__ = True
+        torch.autograd._engine_run_backward = engine_run_backward
 
 
 def _wrap(cls: type, name: str, note) -> None:
