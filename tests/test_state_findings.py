@@ -163,3 +163,70 @@ def test_without_the_host_a_returned_graph_no_backward_used_is_warned_of():
     with pytest.warns(tracejit.GradientWarning, match="no backward pass inside the call used their autograd graph"):
         for _ in range(3):
             traced(torch.randn(4, 2), torch.randn(4, 3), gen=gen, disc=disc, opt_d=opt_d)
+
+
+class Trainer:
+    """A plain object holding what the step uses: not a module, an optimizer or a tensor."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        self.model = nn.Linear(3, 2)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+
+def trainer_step(x, *, trainer):
+    loss = trainer.model(x).square().mean()
+    loss.backward()
+    trainer.opt.step()
+    trainer.opt.zero_grad()
+    return loss.detach()
+
+
+def test_without_the_host_a_plain_object_keyword_is_followed_to_its_tensors():
+    """Two trainers, both alive, passed in turn: each call trains its own trainer's model (every
+    host-free call trained the first trainer's weights)."""
+    eager = [Trainer(0), Trainer(1)]
+    traced_trainers = [Trainer(0), Trainer(1)]
+    traced = tracejit.trace(trainer_step, without_host=True)
+    for i in range(CALLS):
+        x = torch.randn(4, 3)
+        which = (i // 3) % 2  # three calls each: the second call of a run is host-free
+        assert torch.equal(traced(x, trainer=traced_trainers[which]), trainer_step(x, trainer=eager[which])), i
+        for a, b in zip(eager, traced_trainers):
+            assert_same_model(a.model, b.model, f"call {i}")
+    assert traced.stats.host_free_calls >= 2 and traced.stats.host_free_misses >= 1
+
+
+class Carrier:
+    pass
+
+
+def carry(x, *, state):
+    h = state.h * 0.5 + x
+    state.h = h
+    return h.sum()
+
+
+@pytest.mark.parametrize("holder", ["object", "module attribute", "buffer"])
+def test_without_the_host_state_carried_from_call_to_call_is_not_frozen(holder):
+    """`state.h = h` on every call while the caller keeps the old states (an RNN's hidden state
+    across truncated-BPTT windows): each call reads the latest one, and kept ones never change."""
+    def make():
+        state = Carrier() if holder == "object" else nn.Module()
+        if holder == "buffer":
+            state.register_buffer("h", torch.zeros(3))
+        else:
+            state.h = torch.zeros(3)
+        return state
+
+    states, kept = [make(), make()], [[], []]
+    traced = tracejit.trace(carry, without_host=True)
+    for i in range(6):
+        x = torch.full((3,), float(i + 1))
+        outputs = []
+        for step, state, keep in ((carry, states[0], kept[0]), (traced, states[1], kept[1])):
+            keep.append(state.h)
+            outputs.append(step(x, state=state))
+        assert torch.equal(*outputs), f"call {i}: {outputs}"
+        for a, b in zip(*kept):
+            assert torch.equal(a, b), f"call {i}: a kept state changed"

@@ -341,7 +341,7 @@ def test_a_view_taken_before_an_update_and_read_after_it(without_host):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return row * 1.0
+        return (row * 1.0).detach()  # with its graph, the caller could backpropagate: aten level
 
     torch.manual_seed(0)
     model_a = nn.Linear(4, 3)

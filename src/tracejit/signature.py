@@ -118,9 +118,9 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = (),
     several calls gets one trace per state instead of a mismatch. The number of param groups of
     each keyword optimizer comes last: `add_param_group` (unfreezing layers) adds parameters whose
     state the next step creates. It is computed only for traces whose recorded call touched
-    gradients. Last, which parameters require grad in the `reached` modules: those the function
-    reaches without a keyword (a closure's or a global's model), so that freezing a layer of one
-    selects a trace of its own as it does for a keyword module. Only `requires_grad`: whether
+    gradients. Last, which of the `reached` parameters require grad: those the function reads
+    that no keyword module holds (a closure's or a global's model), so that freezing a layer of
+    one selects a trace of its own as it does for a keyword module. Only `requires_grad`: whether
     their `.grad` exists is checked where the function reads it.
     """
     states = [_module_state(module) for module in kwargs.values() if isinstance(module, torch.nn.Module)]
@@ -128,10 +128,13 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = (),
     for ref in watched:
         module = ref()
         states.append(-1 if module is None else _module_state(module))
-    for ref in reached:
-        module = ref()
-        states.append(-1 if module is None else _requires_grad_bits(module))
+    if reached:  # one number: bit i set if the i-th parameter requires grad (a freed one: clear)
+        states.append(int.from_bytes(bytes(map(_REQUIRES_GRAD_OR_FREED, map(operator.call, reached)))))
     return tuple(states)
+
+
+def _REQUIRES_GRAD_OR_FREED(tensor: torch.Tensor | None) -> bool:  # noqa: N802 - used as the map above
+    return tensor is not None and tensor.requires_grad
 
 
 _BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
@@ -157,10 +160,6 @@ def _parameters_of(module: torch.nn.Module) -> tuple:
         known = _parameters[key] = (weakref.ref(module, lambda _, key=key: _parameters.pop(key, None)),
                                     tuple(module.parameters()))
     return known[1]
-
-
-def _requires_grad_bits(module: torch.nn.Module) -> int:
-    return int.from_bytes(bytes(map(_REQUIRES_GRAD, _parameters_of(module))))
 
 
 def _module_state(module: torch.nn.Module) -> int:

@@ -155,9 +155,9 @@ class trace(ProfileAccess):
         # DistributedDataParallel modules the function reaches without a keyword (a closure, a
         # global, inside a keyword module): their state selects traces too (see _watch_ddp)
         self._watched_ddp: list[weakref.ref] = []
-        # the outermost other modules it reaches without a keyword: their parameters' requires_grad
-        # selects traces too (see _watch_reached)
-        self._watched_reached: list[weakref.ref] = []
+        # the parameters it reads that no keyword module holds: their requires_grad selects traces
+        # too (see _watch_reached)
+        self._watched_parameters: list[weakref.ref] = []
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
@@ -313,25 +313,27 @@ class trace(ProfileAccess):
         return result
 
     def _gradient_state(self, kwargs: dict) -> tuple[int, ...]:
-        return gradient_state(kwargs, self._watched_ddp, self._watched_reached)
+        return gradient_state(kwargs, self._watched_ddp, self._watched_parameters)
 
     def _watch_reached(self, seen: list, kwargs: dict, grad_state: tuple | None, live: dict, record: Record) -> tuple | None:
-        """Watch the outermost modules a recording call ran that no keyword argument holds (a
-        closure's model) and whose parameters the trace reads as externals (not a module the call
-        made); the call's gradient state with theirs appended (their `requires_grad` now is what it
-        was when the call began, unless the call changed it, which its replays check op by op)."""
-        externals = {id(t) for h, t in live.items() if record.tensors[h].kind is Kind.EXTERNAL}
-        held = {id(m) for value in kwargs.values() if isinstance(value, torch.nn.Module) for m in value.modules()}
-        held |= {id(m) for ref in (*self._watched_ddp, *self._watched_reached) if ref() is not None
-                 for m in ref().modules()}
-        candidates = {id(m): m for m in seen if id(m) not in held and not is_ddp(m)}
-        inner = {id(sub) for m in candidates.values() for sub in m.modules() if sub is not m}
-        new = [weakref.ref(m) for key, m in candidates.items()
-               if key not in inner and any(id(p) in externals for p in m.parameters())]
-        self._watched_reached += new
-        if grad_state is None or not new:
+        """Watch the parameters the trace reads that no keyword module holds (a closure's model):
+        the call's gradient state with their `requires_grad` appended (as it is now, which is what
+        it was when the call began unless the call changed it, which its replays check op by op).
+        Parameters rather than their modules: a module may be made anew on each call
+        (`model.net[1:]`) around the same parameters."""
+        held = {id(p) for value in kwargs.values() if isinstance(value, torch.nn.Module) for p in value.parameters()}
+        held |= {id(ref()) for ref in self._watched_parameters}
+        new = [t for h, t in live.items() if record.tensors[h].kind is Kind.EXTERNAL and id(t) not in held
+               and isinstance(t, torch.nn.Parameter)]
+        if not new:
             return grad_state
-        return (*grad_state, *gradient_state({}, (), new))
+        watched_before = bool(self._watched_parameters)
+        self._watched_parameters += [weakref.ref(t) for t in new]
+        if grad_state is None:
+            return None
+        # their number comes last: replaces the one of the parameters watched before, if any
+        kept = grad_state[:-1] if watched_before else grad_state
+        return (*kept, *gradient_state({}, (), self._watched_parameters))
 
     def _watch_ddp(self, seen: list, kwargs: dict) -> bool:
         """Watch the DDP modules a recording call ran that are not keyword arguments themselves;

@@ -5,6 +5,12 @@ keyword argument, a global, a closure cell) to a tensor: `kwargs["model"]._modul
 ._parameters["weight"]`, or `kwargs["opt"].state[<param>]["exp_avg"]`. Names make messages and
 listings clear; locators let `without_host` check, without running the function, that the
 function would still reach the same tensors.
+
+Besides modules and optimizers, the roots' plain containers are searched a few levels deep: the
+attributes of an object of the user's own class (a trainer holding the model and optimizer, a
+dataclass), list and tuple items, dict entries with string or integer keys. A tensor reached
+there has a locator too (`kwargs["trainer"].model...`, `kwargs["state"]["h"]`), so a call without
+the function notices when that place holds another tensor (another trainer, a new hidden state).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import torch
 @dataclass(frozen=True)
 class Locator:
     root: tuple[str, Any]  # ("kwarg", name) | ("global", name) | ("cell", index)
-    # ("module", child) | ("param", name) | ("buffer", name), and ("grad", None) after a param
+    # ("module", child) | ("param", name) | ("buffer", name), and ("grad", None) after a param;
+    # through plain containers: ("attr", name) | ("item", key)
     steps: tuple[tuple[str, Any], ...]
     state_of: Locator | None = None  # optimizer state: the parameter whose state dict holds it
     state_key: str | None = None
@@ -28,18 +35,24 @@ class Locator:
         kind, name = self.root
         text = {"kwarg": f"kwargs[{name!r}]", "global": f"globals()[{name!r}]", "cell": f"closure[{name}]"}[kind]
         if self.state_of is not None:
-            return f"{text}.state[{self.state_of.describe()}][{self.state_key!r}]"
-        for step, key in self.steps:
-            text += {"module": f"._modules[{key!r}]", "param": f"._parameters[{key!r}]",
-                     "buffer": f"._buffers[{key!r}]", "grad": ".grad"}[step]
-        return text
+            return f"{_describe_steps(text, self.steps)}.state[{self.state_of.describe()}][{self.state_key!r}]"
+        return _describe_steps(text, self.steps)
+
+
+def _describe_steps(text: str, steps: tuple) -> str:
+    for step, key in steps:
+        text += {"module": f"._modules[{key!r}]", "param": f"._parameters[{key!r}]", "attr": f".{key}",
+                 "item": f"[{key!r}]", "buffer": f"._buffers[{key!r}]", "grad": ".grad"}[step]
+    return text
 
 
 class ExternalNames:
     def __init__(self, function: Callable, kwargs: dict):
         self._function = function
         self._kwargs = kwargs
-        self._found: dict[int, tuple[str, Locator | None]] | None = None
+        # where each tensor is when the call begins: a call may put another tensor in that place
+        # (`self.h = h`), and a call without the function must look where this one looked
+        self._found: dict[int, tuple[str, Locator | None]] | None = self._collect()
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
         entry = self._lookup().get(id(tensor))
@@ -65,14 +78,21 @@ class ExternalNames:
                 _walk_module(value, name, Locator(root, ()), found)
             elif isinstance(value, torch.Tensor):
                 found.setdefault(id(value), (name, Locator(root, ())))
+        # plain containers after modules: a parameter keeps the name its module gives it
+        optimizers: list[tuple[str, Locator, torch.optim.Optimizer]] = []
+        visited: set[int] = set()
         for name, root, value in roots:
             if isinstance(value, torch.optim.Optimizer):
-                for param, state in value.state.items():
-                    owner_name, owner_locator = found.get(id(param), ("param", None))
-                    for key, tensor in state.items():
-                        if isinstance(tensor, torch.Tensor):
-                            locator = Locator(root, (), owner_locator, key) if owner_locator else None
-                            found.setdefault(id(tensor), (f"{name}.state[{owner_name}].{key}", locator))
+                optimizers.append((name, Locator(root, ()), value))
+            elif not isinstance(value, (torch.nn.Module, torch.Tensor)):
+                _walk_plain(value, name, Locator(root, ()), found, optimizers, visited, _PLAIN_DEPTH)
+        for name, locator, optimizer in optimizers:
+            for param, state in optimizer.state.items():
+                owner_name, owner_locator = found.get(id(param), ("param", None))
+                for key, tensor in state.items():
+                    if isinstance(tensor, torch.Tensor):
+                        located = Locator(locator.root, locator.steps, owner_locator, key) if owner_locator else None
+                        found.setdefault(id(tensor), (f"{name}.state[{owner_name}].{key}", located))
         return found
 
 
@@ -99,6 +119,48 @@ def root_expression(root: tuple[str, Any]) -> str:
     return {"kwarg": f"kw[{key!r}]", "global": f"GLOBALS[{key!r}]", "cell": f"CELLS[{key}].cell_contents"}[kind]
 
 
+_PLAIN_DEPTH = 3  # levels of plain containers searched below a root
+_PLAIN_ITEMS = 64  # items of one list, tuple or dict searched
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of the user's own class whose attributes are its state (not a function, class,
+    module of code, or a torch object with state of its own)."""
+    cls = type(value)
+    return (cls.__module__ not in ("builtins", "types") and not cls.__module__.startswith("torch")
+            and isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type))
+
+
+def _walk_plain(value: Any, prefix: str, locator: Locator, found: dict, optimizers: list, visited: set,
+                depth: int) -> None:
+    if id(value) in visited:
+        return
+    visited.add(id(value))
+    if isinstance(value, torch.Tensor):
+        found.setdefault(id(value), (prefix, locator))
+        return
+    if isinstance(value, torch.nn.Module):
+        _walk_module(value, prefix, locator, found)
+        return
+    if isinstance(value, torch.optim.Optimizer):
+        optimizers.append((prefix, locator, value))
+        return
+    if depth == 0:
+        return
+    if isinstance(value, (list, tuple)):
+        children = [(f"{prefix}[{i}]", ("item", i), v) for i, v in enumerate(value[:_PLAIN_ITEMS])]
+    elif type(value) is dict:
+        children = [(f"{prefix}[{k!r}]", ("item", k), v) for k, v in list(value.items())[:_PLAIN_ITEMS]
+                    if type(k) in (str, int)]
+    elif _plain_object(value):
+        children = [(f"{prefix}.{k}", ("attr", k), v) for k, v in list(vars(value).items())[:_PLAIN_ITEMS]
+                    if k.isidentifier()]
+    else:
+        return
+    for name, step, child in children:
+        _walk_plain(child, name, Locator(locator.root, (*locator.steps, step)), found, optimizers, visited, depth - 1)
+
+
 def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: dict) -> None:
     for name, param in module._parameters.items():
         if param is not None:
@@ -110,6 +172,9 @@ def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: 
         if buffer is not None:
             found.setdefault(id(buffer), (f"{prefix}.{name}",
                                           Locator(locator.root, (*locator.steps, ("buffer", name)))))
+    for name, value in vars(module).items():  # a plain tensor attribute (`self.h = h`)
+        if isinstance(value, torch.Tensor) and name.isidentifier():
+            found.setdefault(id(value), (f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("attr", name)))))
     for name, child in module._modules.items():
         if child is not None:
             _walk_module(child, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("module", name))), found)

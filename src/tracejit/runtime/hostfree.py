@@ -118,15 +118,16 @@ class _Source:
         if locator in self.resolved:
             return self.resolved[locator]
         expr = root_expression(locator.root)
-        if locator.state_of is not None:
-            return f"{self._shared(expr)}.state.get({self.locator(locator.state_of)}, EMPTY).get({locator.state_key!r})"
         for step, name in locator.steps:
-            if step == "module":
-                expr = self._shared(f"{expr}._modules[{name!r}]")
+            if step in ("module", "attr", "item"):  # containers: looked up once per call
+                expr = self._shared(f"{expr}._modules[{name!r}]" if step == "module" else
+                                    f"{expr}.{name}" if step == "attr" else f"{expr}[{name!r}]")
             elif step == "grad":
                 expr += ".grad"
             else:
                 expr += {"param": "._parameters", "buffer": "._buffers"}[step] + f"[{name!r}]"
+        if locator.state_of is not None:
+            return f"{self._shared(expr)}.state.get({self.locator(locator.state_of)}, EMPTY).get({locator.state_key!r})"
         return expr
 
     def _shared(self, expr: str) -> str:
