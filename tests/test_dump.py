@@ -174,6 +174,19 @@ def test_keep_names_options(tmp_path):
     assert torch.equal(parameters["model.net.0.bias"], model.net[0].bias)
 
 
+def test_keep_var_name_takes_bools_as_0_and_1(tmp_path):
+    # Found by a review: keep_var_name=True (MegEngine code passes bools) was refused as not 0, 1 or 2
+    traced = traced_inference(make_model("mlp"), batch("mlp", 0)[0])
+    for flag in (True, False):
+        traced.dump(str(tmp_path / f"{flag}.tjit"), output_names=["logits"] if flag else None, keep_var_name=flag)
+    assert tracejit.load(str(tmp_path / "True.tjit")).output_names == ["logits"]
+    assert tracejit.load(str(tmp_path / "False.tjit")).output_names is None
+    with pytest.raises(ValueError, match="keep_var_name=0 drops output names"):
+        traced.dump(str(tmp_path / "f.tjit"), output_names=["logits"], keep_var_name=False)
+    with pytest.raises(ValueError, match=r"keep_var_name must be 0, 1 or 2 \(or False, True\), got 3"):
+        traced.dump(str(tmp_path / "f.tjit"), keep_var_name=3)
+
+
 def test_user_info_metadata_and_test_cases(tmp_path):
     model = make_model("mlp")
     traced = traced_inference(model, batch("mlp", 0)[0])

@@ -41,8 +41,10 @@ class DumpOptions:
                 raise TypeError(f"dump(): {name} must be a bool, got {getattr(self, name)!r}")
         for name in ("arg_names", "output_names"):
             _check_names(name, getattr(self, name))
-        if self.keep_var_name not in (0, 1, 2) or isinstance(self.keep_var_name, bool):
-            raise ValueError(f"dump(): keep_var_name must be 0, 1 or 2, got {self.keep_var_name!r}")
+        if isinstance(self.keep_var_name, bool):  # MegEngine code passes True/False for 1/0
+            object.__setattr__(self, "keep_var_name", int(self.keep_var_name))
+        if self.keep_var_name not in (0, 1, 2):
+            raise ValueError(f"dump(): keep_var_name must be 0, 1 or 2 (or False, True), got {self.keep_var_name!r}")
         if self.keep_var_name == 0 and self.output_names is not None:
             raise ValueError("dump(): keep_var_name=0 drops output names, so output_names would be lost; "
                              "use keep_var_name=1 or leave output_names out")
