@@ -187,6 +187,19 @@ def test_keep_var_name_takes_bools_as_0_and_1(tmp_path):
         traced.dump(str(tmp_path / "f.tjit"), keep_var_name=3)
 
 
+def test_a_path_dump_cannot_write_is_named_in_the_error(tmp_path):
+    # Found by a review: dump("/some/dir") raised IsADirectoryError naming the temporary file "dir.tmp<pid>"
+    traced = traced_inference(make_model("mlp"), batch("mlp", 0)[0])
+    with pytest.raises(IsADirectoryError) as raised:
+        traced.dump(str(tmp_path))
+    assert str(raised.value).endswith(f"dump(): cannot write {str(tmp_path)!r}: Is a directory; name a file in it, "
+                                      f"like {str(tmp_path / 'model.tjit')!r}")
+    missing = tmp_path / "no such dir" / "f.tjit"
+    with pytest.raises(FileNotFoundError, match=f"dump\\(\\): cannot write '{missing}': No such file or directory$"):
+        traced.dump(str(missing))
+    assert os.listdir(tmp_path) == [] and ".tmp" not in str(raised.value)
+
+
 def test_user_info_metadata_and_test_cases(tmp_path):
     model = make_model("mlp")
     traced = traced_inference(model, batch("mlp", 0)[0])
