@@ -392,6 +392,10 @@ def test_loaded_graph_checks_its_inputs(tmp_path):
         graph(y=x)
     with pytest.raises(TypeError, match=r"input 'x' must be a tensor .*got list"):
         graph(x.tolist())
+    # Found by a review: None said "missing input 'x'", though the call gave it
+    for call in (lambda: graph(None), lambda: graph(x=None)):
+        with pytest.raises(TypeError, match=r"^infer\(\): input 'x' must be a tensor \(cpu float32\[8, 64\]\), got None$"):
+            call()
     transposed = x.t().contiguous().t()  # same values, another layout
     assert torch.equal(graph(transposed)[0], graph(x)[0])
     with pytest.raises(ValueError, match="backend must be one of"):
