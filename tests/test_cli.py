@@ -165,6 +165,19 @@ def test_demo_out_names_a_file_or_a_directory(tmp_path):
     assert f"to {tmp_path / 'mine.tjit'}: 5 ops" in done.stdout
 
 
+def test_demo_refuses_too_few_steps_and_an_unwritable_out_before_training(tmp_path, capsys):
+    # Found by a review: --steps 1 printed "nan us ... over 0 rounds" (every step was a warm-up), and a
+    # bad --out was only reported after all the training had run
+    assert main(["demo", "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "tracejit: error: --steps must be >= 6 (5 untimed warm-up steps per system, then at least one timed)\n"
+    missing = tmp_path / "no such dir" / "c.tjit"
+    assert main(["demo", "--steps", "6", "--out", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"tracejit: error: --out: cannot write the dump to {str(missing)!r}: No such file or directory\n"
+    assert out == "" and os.listdir(tmp_path) == []
+
+
 def test_an_error_of_the_graph_on_given_inputs_is_one_line(tmp_path, monkeypatch, capsys):
     # Found by an adversarial review: an embedding index out of range printed torch's traceback
     embedding = torch.nn.Embedding(5, 3)
