@@ -25,7 +25,8 @@ def files(tmp_path_factory):
     good, strict = directory / "cnn.tjit", directory / "strict.tjit"
     traced.dump(str(good), input_data="#rand(-1,1)", output_names=["logits"], keep_opr_name=True,
                 keep_param_name=True, user_info={"task": "cli test"})
-    traced.dump(str(strict), input_data="#rand(-1,1)", enable_ioc16=True, maxerr=0.0)
+    with pytest.warns(UserWarning, match="fails its own check"):
+        traced.dump(str(strict), input_data="#rand(-1,1)", enable_ioc16=True, maxerr=0.0)
     np.save(directory / "x.npy", batch("cnn", 3)[0].numpy())
     return directory
 
@@ -52,6 +53,27 @@ def test_run_with_inputs_and_a_failing_check(files):
     done = tracejit_cli("run", "strict.tjit", "--input", "x=#rand(0,1)", "--iters", "1", "--check", cwd=str(files))
     assert done.returncode == 1
     assert "FAILED" in done.stdout and "check: 0 of 1 test cases passed" in done.stdout
+
+
+@pytest.mark.parametrize("precision", ["enable_io16xc32", "enable_ioc16"])
+def test_a_fresh_float16_dump_passes_its_own_check_with_the_default_maxerr(precision, tmp_path, monkeypatch, capsys):
+    # Found by a review: the default maxerr=1e-4 is below one float16 step near 1.0 (~1e-3), so the
+    # file failed `--check` on a 0.000488 error that dump() had itself measured
+    torch.manual_seed(0)
+    traced = traced_inference(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    info = traced.dump(str(tmp_path / "half.tjit"), input_data="#rand(0,1)", **{precision: True})
+    assert 0 < info.max_errors[0]
+    case = tracejit.load(str(tmp_path / "half.tjit")).testcases[0]
+    assert info.max_errors[0] <= case.maxerr <= 8 * torch.finfo(torch.float16).eps * max(1, case.outputs[0].abs().max())
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "half.tjit", "--check", "--iters", "1"]) == 0
+    assert "check: 1 of 1 test cases passed" in capsys.readouterr().out
+    # a float32 dump keeps 1e-4; a maxerr its own case exceeds is said at dump time
+    traced = traced_inference(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    assert traced.dump(str(tmp_path / "f32.tjit"), input_data="#rand(0,1)").testcases == 1
+    assert tracejit.load(str(tmp_path / "f32.tjit")).testcases[0].maxerr == 1e-4
+    with pytest.warns(UserWarning, match=r"test case 0 of the file fails its own check: .* > maxerr 1e-05"):
+        traced.dump(str(tmp_path / "half.tjit"), input_data="#rand(0,1)", maxerr=1e-5, **{precision: True})
 
 
 def test_show_text_and_dot(files):
@@ -141,6 +163,19 @@ def test_demo_out_names_a_file_or_a_directory(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "mine.tjit").is_file() and not (tmp_path / "classifier.tjit").exists()
     assert f"to {tmp_path / 'mine.tjit'}: 5 ops" in done.stdout
+
+
+def test_demo_refuses_too_few_steps_and_an_unwritable_out_before_training(tmp_path, capsys):
+    # Found by a review: --steps 1 printed "nan us ... over 0 rounds" (every step was a warm-up), and a
+    # bad --out was only reported after all the training had run
+    assert main(["demo", "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "tracejit: error: --steps must be >= 6 (5 untimed warm-up steps per system, then at least one timed)\n"
+    missing = tmp_path / "no such dir" / "c.tjit"
+    assert main(["demo", "--steps", "6", "--out", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"tracejit: error: --out: cannot write the dump to {str(missing)!r}: No such file or directory\n"
+    assert out == "" and os.listdir(tmp_path) == []
 
 
 def test_an_error_of_the_graph_on_given_inputs_is_one_line(tmp_path, monkeypatch, capsys):

@@ -174,6 +174,32 @@ def test_keep_names_options(tmp_path):
     assert torch.equal(parameters["model.net.0.bias"], model.net[0].bias)
 
 
+def test_keep_var_name_takes_bools_as_0_and_1(tmp_path):
+    # Found by a review: keep_var_name=True (MegEngine code passes bools) was refused as not 0, 1 or 2
+    traced = traced_inference(make_model("mlp"), batch("mlp", 0)[0])
+    for flag in (True, False):
+        traced.dump(str(tmp_path / f"{flag}.tjit"), output_names=["logits"] if flag else None, keep_var_name=flag)
+    assert tracejit.load(str(tmp_path / "True.tjit")).output_names == ["logits"]
+    assert tracejit.load(str(tmp_path / "False.tjit")).output_names is None
+    with pytest.raises(ValueError, match="keep_var_name=0 drops output names"):
+        traced.dump(str(tmp_path / "f.tjit"), output_names=["logits"], keep_var_name=False)
+    with pytest.raises(ValueError, match=r"keep_var_name must be 0, 1 or 2 \(or False, True\), got 3"):
+        traced.dump(str(tmp_path / "f.tjit"), keep_var_name=3)
+
+
+def test_a_path_dump_cannot_write_is_named_in_the_error(tmp_path):
+    # Found by a review: dump("/some/dir") raised IsADirectoryError naming the temporary file "dir.tmp<pid>"
+    traced = traced_inference(make_model("mlp"), batch("mlp", 0)[0])
+    with pytest.raises(IsADirectoryError) as raised:
+        traced.dump(str(tmp_path))
+    assert str(raised.value).endswith(f"dump(): cannot write {str(tmp_path)!r}: Is a directory; name a file in it, "
+                                      f"like {str(tmp_path / 'model.tjit')!r}")
+    missing = tmp_path / "no such dir" / "f.tjit"
+    with pytest.raises(FileNotFoundError, match=f"dump\\(\\): cannot write '{missing}': No such file or directory$"):
+        traced.dump(str(missing))
+    assert os.listdir(tmp_path) == [] and ".tmp" not in str(raised.value)
+
+
 def test_user_info_metadata_and_test_cases(tmp_path):
     model = make_model("mlp")
     traced = traced_inference(model, batch("mlp", 0)[0])
@@ -366,6 +392,10 @@ def test_loaded_graph_checks_its_inputs(tmp_path):
         graph(y=x)
     with pytest.raises(TypeError, match=r"input 'x' must be a tensor .*got list"):
         graph(x.tolist())
+    # Found by a review: None said "missing input 'x'", though the call gave it
+    for call in (lambda: graph(None), lambda: graph(x=None)):
+        with pytest.raises(TypeError, match=r"^infer\(\): input 'x' must be a tensor \(cpu float32\[8, 64\]\), got None$"):
+            call()
     transposed = x.t().contiguous().t()  # same values, another layout
     assert torch.equal(graph(transposed)[0], graph(x)[0])
     with pytest.raises(ValueError, match="backend must be one of"):

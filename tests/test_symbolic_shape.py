@@ -8,6 +8,7 @@ calls replayed.
 import copy
 import functools
 import itertools
+import re
 
 import pytest
 import torch
@@ -510,6 +511,22 @@ def test_what_torch_cannot_derive_from_symbols_is_a_symbolic_trace_error(case):
         for length in (8, 6, 7, 6):
             x = torch.randn(3, length, 5)
             assert torch.equal(automatic(x), _padded(x)), length
+
+
+def test_an_error_eager_raises_too_names_the_calls_sizes_not_symbols():
+    # Found by a review: "The size of tensor a (s77) must match the size of tensor b (s17)" where eager
+    # says (4) and (5)
+    strict = tracejit.trace(lambda x, y: x + y, symbolic_shape=True, backend="aten")
+    strict(torch.randn(3), torch.randn(3))
+    with pytest.raises(RuntimeError) as eager:
+        torch.randn(4) + torch.randn(5)
+    with pytest.raises(RuntimeError) as traced:
+        strict(torch.randn(4), torch.randn(5))
+    assert str(eager.value) == "The size of tensor a (4) must match the size of tensor b (5) at non-singleton dimension 0"
+    assert str(traced.value).startswith(str(eager.value))
+    assert [re.sub(r":\d+ ", ":N ", note) for note in traced.value.__notes__] == [
+        "tracejit: raised by aten.add.Tensor at test_symbolic_shape.py:N in <lambda> while symbolic_shape=True derived "
+        "its outputs without data"]
 
 
 def test_a_failed_catch_up_does_not_hide_the_recordings_error():

@@ -46,6 +46,7 @@ def classify(x, *, model):
 
 ROUND_STEPS = 10  # one system's turn: the systems alternate in rounds this short
 WARMUP_STEPS = 5  # per system, not timed: the first call records and compiles
+MIN_STEPS = WARMUP_STEPS + 1  # fewer would time nothing
 
 
 def _batches(x, y, steps: int, batch: int = 32):
@@ -155,9 +156,22 @@ def output_path(out: str | None) -> str:
 DUMP_NAME = "classifier.tjit"
 
 
+def check_writable(path: str) -> None:
+    """Fail before minutes of training rather than after: create and remove a file where the dump's
+    temporary file will go (the dump writes `path` through one, next to it)."""
+    probe = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(f"--out: cannot write the dump to {path!r}: {error.strerror or error}") from None
+
+
 def run_demo(steps: int = 200, out: str | None = None) -> int:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     path = output_path(out)
+    check_writable(path)
     x, y = _data()
     print(f"tracejit {tracejit.__version__} demo: MLP 64-128-128-10 classifier, batch 32, Adam(fused=True), "
           f"{steps} steps per system, {torch.get_num_threads()} threads")

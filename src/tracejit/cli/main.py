@@ -12,6 +12,7 @@ import sys
 
 from ..errors import LoadError
 from ..options import BACKENDS
+from .demo import MIN_STEPS, WARMUP_STEPS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--graph", help="which graph of a file holding several (default: all)")
 
     demo = commands.add_parser("demo", help="train a small classifier traced next to eager, dump, load, run it")
-    demo.add_argument("--steps", type=int, default=200, help="training steps per system (default 200)")
+    demo.add_argument("--steps", type=int, default=200, help=f"training steps per system (default 200, at least {MIN_STEPS})")
     demo.add_argument("--out", metavar="PATH", help="where to write the dumped classifier: a file, or a directory "
                                                     "for classifier.tjit (default: classifier.tjit here)")
     return parser
@@ -57,11 +58,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, out=args.out)
 
 
+_LEAST = {"iters": 0, "warmup": 0, "steps": MIN_STEPS}
+_WHY_LEAST = {"steps": f" ({WARMUP_STEPS} untimed warm-up steps per system, then at least one timed)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    for name in ("iters", "warmup", "steps"):
-        if getattr(args, name, 1) < (1 if name == "steps" else 0):
-            print(f"tracejit: error: --{name} must be {'>= 1' if name == 'steps' else '>= 0'}", file=sys.stderr)
+    for name, least in _LEAST.items():
+        if getattr(args, name, least) < least:
+            print(f"tracejit: error: --{name} must be >= {least}{_WHY_LEAST.get(name, '')}", file=sys.stderr)
             return 2
     try:
         return _dispatch(args)

@@ -199,7 +199,7 @@ class PlaceholderExecutor:
                     return _masked_outputs(func, args, kwargs, func(*fake_args, **fake_kwargs)), real_of_fake
             except (DynamicOutputShapeException, DataDependentOutputException, UnsupportedOperatorException,
                     RuntimeError, ArithmeticError) as error:
-                explained = _explain(func, error, self._sizes is not None)
+                explained = _explain(func, error, self._sizes)
                 if explained is error:
                     raise
                 raise explained from error
@@ -237,8 +237,10 @@ def _allocate_like(fake: torch.Tensor) -> torch.Tensor:
     return empty.set_(storage, fake.storage_offset(), fake.shape, fake.stride())
 
 
-def _explain(func: Any, error: Exception, symbolic_sizes: bool = False) -> Exception:
-    """Turn the fake run's "needs data" failures into a SymbolicTraceError; leave user errors alone."""
+def _explain(func: Any, error: Exception, sizes: SymbolicSizes | None = None) -> Exception:
+    """Turn the fake run's "needs data" failures into a SymbolicTraceError; leave user errors alone
+    (but with the call's sizes where torch named symbols)."""
+    symbolic_sizes = sizes is not None
     where = f"{func} at {user_location()}"
     option, instead = (("symbolic_shape=True", "symbolic_shape=None (the default: such calls record their sizes)")
                        if symbolic_sizes else ("symbolic=True", "symbolic=False"))
@@ -262,6 +264,8 @@ def _explain(func: Any, error: Exception, symbolic_sizes: bool = False) -> Excep
                   "torch.library.register_fake")
     else:
         # An error eager execution would raise as well (shapes that do not broadcast, a bad dtype).
+        if sizes is not None and len(error.args) == 1 and isinstance(error.args[0], str):
+            error.args = (sizes.with_values(error.args[0]),)  # eager's message says sizes, not s77
         if hasattr(error, "add_note"):
             error.add_note(f"tracejit: raised by {where} while {option} derived its outputs without data")
         return error

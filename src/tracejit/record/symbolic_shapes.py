@@ -15,6 +15,7 @@ equal size get two symbols (`duck_shape=False`): equality must come from the cod
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,16 @@ class SymbolicSizes:
         self.names.append(name)
         self.fakes.append(fake)
         return fake
+
+    def with_values(self, text: str) -> str:
+        """`text` with each symbol of this recording replaced by the size it stands for in the call
+        (torch's errors on symbolic sizes name symbols: "tensor a (s77) must match ... b (s17)")."""
+        known = getattr(self.env, "backed_var_to_val", None)  # torch 2.13's name; var_to_val before it
+        values = {str(symbol): value for symbol, value in (self.env.var_to_val if known is None else known).items()}
+        if not values:
+            return text
+        names = re.compile(r"\b(" + "|".join(sorted(map(re.escape, values), key=len, reverse=True)) + r")\b")
+        return names.sub(lambda match: str(values[match.group(1)]), text)
 
     def static_fake(self, tensor: torch.Tensor) -> FakeTensor:
         """A tensor from outside the inputs (a parameter, optimizer state): its sizes are fixed."""

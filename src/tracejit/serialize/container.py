@@ -43,6 +43,9 @@ def write(target: Any, data: bytes) -> None:
             with open(temporary, "wb") as f:
                 f.write(data)
             os.replace(temporary, path)
+        except OSError as error:  # it named the temporary file, which the caller never heard of
+            hint = f"; name a file in it, like {os.path.join(path, 'model.tjit')!r}" if os.path.isdir(path) else ""
+            raise type(error)(error.errno, f"dump(): cannot write {path!r}: {error.strerror or error}{hint}") from None
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)

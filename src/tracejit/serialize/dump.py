@@ -8,6 +8,7 @@ as a loader will check it, and written with its weights and test cases. See docs
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +81,7 @@ def dump_trace(traced: Any, file: Any, **options: Any) -> DumpInfo:
     info = _info(portable, len(data), passes)
     if any(case.outputs is not None for case in portable.testcases):
         info.max_errors = _round_trip_errors(data, portable.name)
+        _warn_failing_cases(info.max_errors, portable.testcases)
     write(file, data)
     return info
 
@@ -205,7 +207,8 @@ def _testcases(reference: PortableGraph, portable: PortableGraph, opts: DumpOpti
             traced_inputs = [inputs[name].to(i.meta.dtype) for name, i in zip(metas, reference.inputs)]
             outputs = [out.to(o_meta.dtype) for out, o_meta in
                        zip(references(*traced_inputs), (portable.values[o.value].meta for o in portable.outputs))]
-        found.append(TestCase(inputs, outputs, float(opts.maxerr)))
+        maxerr = opts.maxerr if opts.maxerr is not None else opts.default_maxerr(outputs)
+        found.append(TestCase(inputs, outputs, float(maxerr)))
     return found
 
 
@@ -233,6 +236,15 @@ def _round_trip_errors(data: bytes, name: str) -> list[float]:
         outputs = list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
         errors.append(max_error(outputs, case.outputs))
     return errors
+
+
+def _warn_failing_cases(errors: list[float], cases: list[TestCase]) -> None:
+    """A file whose own test case fails `tracejit run --check` is worth a word at dump time."""
+    for index, (error, case) in enumerate(zip(errors, cases)):
+        if error > case.maxerr:
+            warnings.warn(f"dump(): test case {index} of the file fails its own check: loaded here, the graph is off "
+                          f"its reference outputs by {error:.3g} > maxerr {case.maxerr:.3g}, so `tracejit run --check` "
+                          f"will fail it; pass a larger maxerr if that error is expected", stacklevel=4)
 
 
 def _info(portable: PortableGraph, size: int, passes: list[str]) -> DumpInfo:

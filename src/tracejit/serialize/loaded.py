@@ -22,6 +22,8 @@ from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
 from .portable import PortableGraph, TestCase, to_graph
 
+_MISSING = object()  # an input the call did not give (None is a value given, and refused as not a tensor)
+
 
 class LoadedGraph(ProfileAccess):
     """A graph from a dump file. Call it with the inputs positionally or by name; it returns the
@@ -86,7 +88,7 @@ class LoadedGraph(ProfileAccess):
         if len(args) > len(self._inputs):
             raise TypeError(f"{self.name}() takes {len(self._inputs)} inputs ({', '.join(self.input_names)}), "
                             f"got {len(args)} positional arguments")
-        given: list[Any] = list(args) + [None] * (len(self._inputs) - len(args))
+        given: list[Any] = list(args) + [_MISSING] * (len(self._inputs) - len(args))
         for name, value in kwargs.items():
             position = self._positions.get(name)
             if position is None:
@@ -97,10 +99,11 @@ class LoadedGraph(ProfileAccess):
         return [self._checked(name, meta, value) for (name, meta, _), value in zip(self._inputs, given)]
 
     def _checked(self, name: str, meta: TensorMeta, value: Any) -> torch.Tensor:
-        if value is None:
+        if value is _MISSING:
             raise TypeError(f"{self.name}() is missing input {name!r} ({meta})")
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{self.name}(): input {name!r} must be a tensor ({meta}), got {type(value).__name__}")
+            got = "None" if value is None else type(value).__name__
+            raise TypeError(f"{self.name}(): input {name!r} must be a tensor ({meta}), got {got}")
         if tuple(value.shape) != meta.shape or value.dtype != meta.dtype or value.device != meta.device:
             got = f"{value.device.type} {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
             raise ValueError(f"{self.name}(): input {name!r} must be {meta} (the signature it was traced with), "
