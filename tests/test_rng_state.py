@@ -123,3 +123,55 @@ def test_checked_replay_follows_a_seed_set_before_the_random_ops():
     traced = tracejit.trace(f)
     for seed in (0, 1, 1, 2, 0):
         assert torch.equal(traced(torch.ones(8), seed=seed), f(torch.ones(8), seed=seed)), seed
+
+
+# -- ways of moving the generator that no patched torch function sees (found by review) ------------
+
+def same_mask_twice(x):
+    """The same dropout mask twice, by restoring the generator through its own methods."""
+    state = torch.default_generator.get_state()
+    a = F.dropout(x, 0.5)
+    torch.default_generator.set_state(state)
+    return a, F.dropout(x, 0.5)
+
+
+def reseeded_midway(x):
+    a = F.dropout(x, 0.5)
+    torch.default_generator.manual_seed(7)
+    return a, torch.rand(3)
+
+
+def drawn_from(x, *, gen):
+    return F.dropout(x, 0.5) + torch.rand(x.shape, generator=gen)
+
+
+def test_checked_replay_follows_a_state_restored_by_the_generators_own_methods():
+    traced = tracejit.trace(same_mask_twice)
+    x = torch.ones(32)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        expected, after = same_mask_twice(x), torch.get_rng_state()
+        torch.manual_seed(seed)
+        got = traced(x)
+        assert torch.equal(got[0], got[1]) and all(map(torch.equal, got, expected)), seed
+        assert torch.equal(torch.get_rng_state(), after), seed
+    assert traced.stats.checked_replays >= 4
+
+
+@pytest.mark.parametrize("function", [same_mask_twice, reseeded_midway], ids=["set_state", "manual_seed"])
+def test_without_host_refuses_a_generator_moved_by_its_own_methods(function):
+    traced = tracejit.trace(function, without_host=True)
+    x = torch.ones(32)
+    with pytest.raises(tracejit.HostDependencyError, match="the generator's state set before aten"):
+        for _ in range(3):
+            traced(x)
+
+
+def test_without_host_refuses_a_generator_of_the_functions_own():
+    """A new torch.Generator per call (or one reseeded inside): the program would keep drawing
+    from the recorded one."""
+    traced = tracejit.trace(drawn_from, without_host=True)
+    x = torch.ones(8)
+    with pytest.raises(tracejit.HostDependencyError, match="a torch.Generator passed to aten"):
+        for i in range(3):
+            traced(x, gen=torch.Generator().manual_seed(100 + i))

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .collectives import run_collective
 from .rng import rng_state_calls
+from .source import user_location
 
 HOST_READ_METHODS = {
     "item": "item()",
@@ -75,7 +76,50 @@ class _DispatchMode(TorchDispatchMode):
         # torch.distributed: recorded as tracejit's own collective ops (a higher-order op has no _namespace)
         if getattr(func, "_namespace", None) == "c10d":
             return run_collective(self.context.handler, func, args, kwargs or {})
+        seeded = _SEEDED.get(func)
+        if seeded is None:
+            seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        if seeded:
+            return self.context.generator.draw(func, args, kwargs or {}, self.context)
         return self.context.handler.on_op(func, args, kwargs or {})
+
+
+_SEEDED: dict[Any, bool] = {}  # op -> draws random numbers
+
+
+class GeneratorWatch:
+    """Whether anything but the call's own random ops moves the default generator during the call.
+
+    A compiled program draws all of a call's random numbers in record order from wherever the
+    generator stands when it runs. The function may move the generator by ways tracejit does
+    not patch (`torch.default_generator.set_state`, `manual_seed` imported before tracing, a
+    random op inside `exclude_from_trace()`), and may draw from a `torch.Generator` of its own:
+    comparing the generator's state before each random op with the state after the previous one
+    (and at the ends of the call) finds all of them. Each finding is a call of `rng_calls`."""
+
+    def __init__(self, found: list, position: Any):
+        self.found = found
+        self.position = position
+        self.state: torch.Tensor | None = None  # after the last random op, or when the call began
+
+    def begin(self) -> None:
+        """Take the generator's state now as the one the next random op must find."""
+        self.state = torch.default_generator.get_state()
+
+    def draw(self, func: Any, args: tuple, kwargs: dict, context: CallContext) -> Any:
+        if kwargs.get("generator") is not None:  # the program would keep drawing from the recorded one
+            self.found.append((f"a torch.Generator passed to {func} at {user_location()}", self.position() + 1))
+            return context.handler.on_op(func, args, kwargs)
+        now = torch.default_generator.get_state()
+        if self.state is not None and not torch.equal(now, self.state):
+            self.found.append((f"the generator's state set before {func} at {user_location()}", self.position()))
+        result = context.handler.on_op(func, args, kwargs)
+        self.state = torch.default_generator.get_state()
+        return result
+
+    def end(self) -> None:
+        if self.state is not None and not torch.equal(torch.default_generator.get_state(), self.state):
+            self.found.append(("the generator's state set after the call's last random op", self.position() + 1))
 
 
 def _host_read_hook(original: Any, what: str) -> Any:
@@ -167,6 +211,7 @@ class CallContext:
         self.excluded = 0
         # torch.manual_seed(), set_rng_state()... made during the call, with the ops dispatched by then
         self.rng_calls: list[tuple[str, int]] = []
+        self.generator = GeneratorWatch(self.rng_calls, lambda: _ops_so_far(self.handler))
 
     @property
     def function_name(self) -> str:
@@ -190,7 +235,9 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
     try:
         with _HOST_READ_HOOKS.installed(), shape_hooks, rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), \
                 _DispatchMode(context):
+            context.generator.begin()
             yield context
+            context.generator.end()
     finally:
         _local.context = outer
 
@@ -286,6 +333,9 @@ def exclude_from_trace() -> Iterator[None]:
             yield
     finally:
         context.excluded -= 1
+        # the block's own draws run eagerly at their place (checked calls stay at the aten level
+        # around such a block; a symbolic recording realizes the draws before it first)
+        context.generator.begin()
 
 
 def _suspended_modes():

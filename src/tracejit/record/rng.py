@@ -8,6 +8,10 @@ program cannot reproduce once the function no longer runs around them: `without_
 recording and the API level refuse such traces. (A read alone changes no draw: the state it
 returns is the one before the call's draws, not after.) The aten level runs every op in order with the
 function, and stays exact.
+
+The functions patched here name the call in the message; what they miss (the generator's own
+methods, a name imported before tracing, a random op in an `exclude_from_trace()` block) is found
+by the dispatch mode comparing the generator's state before each random op (modes.GeneratorWatch).
 """
 
 from __future__ import annotations
