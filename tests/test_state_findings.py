@@ -230,3 +230,38 @@ def test_without_the_host_state_carried_from_call_to_call_is_not_frozen(holder):
         assert torch.equal(*outputs), f"call {i}: {outputs}"
         for a, b in zip(*kept):
             assert torch.equal(a, b), f"call {i}: a kept state changed"
+
+
+class Mode(__import__("enum").Enum):
+    DOUBLE = 1
+    NEGATE = 2
+
+
+def by_mode(x, *, mode, dtype, cfg):
+    y = x * 2 if mode is Mode.DOUBLE else -x
+    return (y * cfg.scale + cfg.shift[0]).to(dtype)
+
+
+class Config:
+    def __init__(self, scale: float, shift: tuple):
+        self.scale, self.shift = scale, shift
+
+
+def test_without_the_host_keywords_that_are_not_numbers_are_guarded():
+    """An enum, a dtype, a config object's numbers: a changed one made the program's recorded
+    path and values come back. Now such a call runs the function: a new number is followed, a
+    new path raises TraceMismatchError as a checked call does."""
+    traced = tracejit.trace(by_mode, without_host=True)
+    x = torch.arange(4.0)
+    cfg = Config(1.5, (0.25,))
+    for _ in range(3):
+        assert torch.equal(traced(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg),
+                           by_mode(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg))
+    assert traced.stats.host_free_calls >= 1
+    cfg.scale, cfg.shift = 3.0, (1.0,)
+    assert torch.equal(traced(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg),
+                       by_mode(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg))
+    with pytest.raises(tracejit.TraceMismatchError, match="dtype: torch.float16 instead of torch.float64"):
+        traced(x, mode=Mode.DOUBLE, dtype=torch.float16, cfg=cfg)
+    with pytest.raises(tracejit.TraceMismatchError, match="a different op ran"):
+        traced(x, mode=Mode.NEGATE, dtype=torch.float64, cfg=cfg)

@@ -13,6 +13,8 @@ and rebinds.
 
 from __future__ import annotations
 
+import copy
+import enum
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -44,6 +46,34 @@ from .program import HostFreeProgram, scalar_layout
 from .state_holders import Holder, find_holders
 
 _PRIMITIVES = (bool, int, float, str, type(None))
+_ATOMS = (*_PRIMITIVES, enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _plain_value(value: Any, depth: int = 3) -> bool:
+    """A value compared by `!=` alone: immutable atoms (numbers, strings, enums, dtypes, devices)
+    and tuples, lists and dicts of them, a few levels deep."""
+    if isinstance(value, _ATOMS):
+        return True
+    if depth == 0:
+        return False
+    if type(value) in (tuple, list):
+        return all(_plain_value(v, depth - 1) for v in value)
+    if type(value) is dict:
+        return all(_plain_value(k, 0) and _plain_value(v, depth - 1) for k, v in value.items())
+    return False
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of the user's own class (a dataclass of settings, a config object)."""
+    cls = type(value)
+    return (isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type)
+            and cls.__module__ not in ("builtins", "types") and not cls.__module__.startswith("torch"))
+
+
+def _plain_state(value: Any) -> dict:
+    """The attributes of an object that a call without the function could have frozen (numbers,
+    strings, enums, tuples of such): what it compares between calls."""
+    return {key: copy.deepcopy(v) for key, v in vars(value).items() if _plain_value(v)}
 
 
 class GuardFailure(Exception):
@@ -257,6 +287,14 @@ class HostFreeRunner:
         for name, value in sorted(kwargs.items()) if not self.checked else ():
             if isinstance(value, _PRIMITIVES):
                 guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
+            elif _plain_value(value):  # an enum, a dtype, a tuple or dict of such: compared by value
+                guards.append(_fail(f"kw[{name!r}] != {src.constant(copy.deepcopy(value), 'p')}",
+                                    f"{name!r} is not {value!r} anymore"))
+            elif _plain_object(value):  # an object of the user's own (a config): its plain attributes
+                src.namespace["PLAIN_STATE"] = _plain_state
+                guards.append(_fail(f"type(kw[{name!r}]) is not {src.constant(type(value), 'ty')} or "
+                                    f"PLAIN_STATE(kw[{name!r}]) != {src.constant(_plain_state(value), 'p')}",
+                                    f"a setting of {name!r} changed"))
         self._located_grads: list[str] = []
         self._cleared_grads: list[str] = []  # parameters whose `.grad` the call leaves None
         self._meta: list[tuple[str, str]] = []  # (local, its layout check)
