@@ -265,3 +265,67 @@ def test_without_the_host_keywords_that_are_not_numbers_are_guarded():
         traced(x, mode=Mode.DOUBLE, dtype=torch.float16, cfg=cfg)
     with pytest.raises(tracejit.TraceMismatchError, match="a different op ran"):
         traced(x, mode=Mode.NEGATE, dtype=torch.float64, cfg=cfg)
+
+
+def input_step(x, y, *, m):
+    """An adversarial step: the gradient of the loss with respect to the input."""
+    loss = F.cross_entropy(m(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("variant", ["fresh input", "grad set to None", "grad zeroed in place"])
+def test_without_the_host_an_input_requiring_grad_gets_its_gradient(variant):
+    torch.manual_seed(0)
+    models = [nn.Linear(6, 3)]
+    models.append(copy.deepcopy(models[0]))
+    y = torch.randint(0, 3, (4,))
+    inputs = [torch.randn(4, 6, requires_grad=True)]
+    inputs.append(inputs[0].detach().clone().requires_grad_())
+    traced = tracejit.trace(input_step, without_host=True)
+    for i in range(CALLS):
+        for k, step in enumerate((input_step, traced)):
+            if variant == "fresh input":
+                inputs[k] = inputs[k].detach().clone().requires_grad_()
+            x = inputs[k]
+            step(x, y, m=models[k])
+            with torch.no_grad():
+                x += 0.1 * x.grad.sign()  # the attack's update
+            if variant == "grad set to None":
+                x.grad = None
+            elif variant == "grad zeroed in place":
+                x.grad.zero_()
+            models[k].zero_grad()
+        assert torch.equal(inputs[0], inputs[1]), f"call {i}"
+    assert traced.stats.host_free_calls >= 3
+
+
+def clipped_step(x, y, *, m, opt):
+    loss = F.mse_loss(m(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    m.weight.data = m.weight.data.clamp(-0.1, 0.1)  # WGAN-style clipping by assignment
+    return loss.detach()
+
+
+def toggling_step(x, y, *, m, opt, freeze):
+    m.bias.requires_grad_(not freeze)
+    return sgd_step(x, y, m=m, opt=opt)
+
+
+def test_without_the_host_tensors_changed_by_python_inside_the_call_are_refused():
+    """`p.data = ...` and `requires_grad_()` inside the step change Python state, not by an op: a
+    call without the function kept the weights unclipped and the flag unchanged."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    traced = tracejit.trace(clipped_step, without_host=True)
+    with pytest.raises(tracejit.HostDependencyError, match=r"m.weight has new memory \(`.data = ...`\)"):
+        for _ in range(3):
+            traced(x, y, m=m, opt=opt)
+    traced = tracejit.trace(toggling_step, without_host=True)
+    with pytest.raises(tracejit.HostDependencyError, match=r"m.bias.requires_grad_\((True|False)\)"):
+        for i in range(6):
+            traced(x, y, m=m, opt=opt, freeze=i % 2 == 1)

@@ -807,6 +807,15 @@ class trace(ProfileAccess):
             return
         error = refuse_python_state_changes(self._function, self.__name__, self._state_before, kwargs,
                                             self._changed_in_call)
+        changes = names.python_changes()
+        if error is None and changes:
+            listed = "\n".join(f"    {change}" for change in changes[:5])
+            error = HostDependencyError(
+                f"without_host=True cannot skip {self.__name__}(): the traced call changes tensors it reaches "
+                f"by Python rather than by torch ops, which the program cannot repeat without the function:\n"
+                f"{listed}\nWrite in place instead (`with torch.no_grad(): p.clamp_(-c, c)` rather than "
+                f"`p.data = p.data.clamp(-c, c)`), set requires_grad outside the traced call, or trace without "
+                f"without_host.")
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return

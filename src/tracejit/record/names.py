@@ -15,6 +15,7 @@ the function notices when that place holds another tensor (another trainer, a ne
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,29 @@ class ExternalNames:
         self._kwargs = kwargs
         # where each tensor is when the call begins: a call may put another tensor in that place
         # (`self.h = h`), and a call without the function must look where this one looked
-        self._found: dict[int, tuple[str, Locator | None]] | None = self._collect()
+        self._found = self._collect()
+        # and what it is then, to find what the call changes by Python rather than by an op
+        self._first: list[tuple[Any, int, bool, str]] = []
+        for tensor, name in self._found.tensors:
+            try:
+                self._first.append((weakref.ref(tensor), _storage_address(tensor), tensor.requires_grad, name))
+            except TypeError:  # no weak references to it: nothing to compare
+                pass
+        self._found.tensors.clear()  # held weakly from here: a freed gradient must be able to go
+
+    def python_changes(self) -> list[str]:
+        """What the call changed in the tensors found when it began by Python rather than by an op:
+        their memory (`p.data = p.data.clamp(...)`) or `requires_grad` (`p.requires_grad_(False)`)."""
+        changes = []
+        for ref, address, requires_grad, name in self._first:
+            tensor = ref()
+            if tensor is None:
+                continue
+            if address and _storage_address(tensor) != address:
+                changes.append(f"{name} has new memory (`.data = ...`)")
+            if tensor.requires_grad != requires_grad:
+                changes.append(f"{name}.requires_grad_({tensor.requires_grad})")
+        return changes
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
         entry = self._lookup().get(id(tensor))
@@ -71,13 +94,13 @@ class ExternalNames:
         return roots_of(self._function, self._kwargs)
 
     def _collect(self) -> dict[int, tuple[str, Locator | None]]:
-        found: dict[int, tuple[str, Locator | None]] = {}
+        found = _Found()
         roots = self._roots()
         for name, root, value in roots:
             if isinstance(value, torch.nn.Module):
                 _walk_module(value, name, Locator(root, ()), found)
             elif isinstance(value, torch.Tensor):
-                found.setdefault(id(value), (name, Locator(root, ())))
+                found.add(value, name, Locator(root, ()))
         # plain containers after modules: a parameter keeps the name its module gives it
         optimizers: list[tuple[str, Locator, torch.optim.Optimizer]] = []
         visited: set[int] = set()
@@ -92,8 +115,28 @@ class ExternalNames:
                 for key, tensor in state.items():
                     if isinstance(tensor, torch.Tensor):
                         located = Locator(locator.root, locator.steps, owner_locator, key) if owner_locator else None
-                        found.setdefault(id(tensor), (f"{name}.state[{owner_name}].{key}", located))
+                        found.add(tensor, f"{name}.state[{owner_name}].{key}", located)
         return found
+
+
+class _Found(dict):
+    """id(tensor) -> (name, locator) of the first place each tensor was found; and the tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[tuple[torch.Tensor, str]] = []
+
+    def add(self, tensor: torch.Tensor, name: str, locator: Locator | None) -> None:
+        if id(tensor) not in self:
+            self[id(tensor)] = (name, locator)
+            self.tensors.append((tensor, name))
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake, meta or sparse tensors
+        return 0
 
 
 def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any], Any]]:
@@ -131,13 +174,13 @@ def _plain_object(value: Any) -> bool:
             and isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type))
 
 
-def _walk_plain(value: Any, prefix: str, locator: Locator, found: dict, optimizers: list, visited: set,
+def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimizers: list, visited: set,
                 depth: int) -> None:
     if id(value) in visited:
         return
     visited.add(id(value))
     if isinstance(value, torch.Tensor):
-        found.setdefault(id(value), (prefix, locator))
+        found.add(value, prefix, locator)
         return
     if isinstance(value, torch.nn.Module):
         _walk_module(value, prefix, locator, found)
@@ -161,20 +204,19 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: dict, optimize
         _walk_plain(child, name, Locator(locator.root, (*locator.steps, step)), found, optimizers, visited, depth - 1)
 
 
-def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: dict) -> None:
+def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: _Found) -> None:
     for name, param in module._parameters.items():
         if param is not None:
             located = Locator(locator.root, (*locator.steps, ("param", name)))
-            found.setdefault(id(param), (f"{prefix}.{name}", located))
+            found.add(param, f"{prefix}.{name}", located)
             if param.grad is not None:  # a gradient accumulated over calls is read where it is now
-                found.setdefault(id(param.grad), (f"{prefix}.{name}.grad", Locator(locator.root, (*located.steps, ("grad", None)))))
+                found.add(param.grad, f"{prefix}.{name}.grad", Locator(locator.root, (*located.steps, ("grad", None))))
     for name, buffer in module._buffers.items():
         if buffer is not None:
-            found.setdefault(id(buffer), (f"{prefix}.{name}",
-                                          Locator(locator.root, (*locator.steps, ("buffer", name)))))
+            found.add(buffer, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("buffer", name))))
     for name, value in vars(module).items():  # a plain tensor attribute (`self.h = h`)
         if isinstance(value, torch.Tensor) and name.isidentifier():
-            found.setdefault(id(value), (f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("attr", name)))))
+            found.add(value, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("attr", name))))
     for name, child in module._modules.items():
         if child is not None:
             _walk_module(child, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("module", name))), found)

@@ -332,6 +332,7 @@ class HostFreeRunner:
                 guards.append(_fail(f"{expr} is not {constant}", f"{locator.describe()} is another tensor now"))
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
+        guards += self._input_gradients(objects, src)
         optimizers = reached_optimizers(self.function, kwargs)
         known = {id(optimizer) for _, optimizer in optimizers}
         # stepped through a helper the function calls: reached through the recorded object, held weakly
@@ -364,6 +365,30 @@ class HostFreeRunner:
         lines += self._program_lines(objects, kwargs, src)
         self.sources["call"], self.call = src.function("call", "args, kw, S=None, E=None", lines)
         self.sources["admit"], self.admit = src.function("admit", "args, kw", [*admit, "return True"])
+
+    def _input_gradients(self, objects: dict[int, torch.Tensor], src: _Source) -> list[str]:
+        """An input that is a leaf requiring grad and gets its `.grad` from the call's backward (an
+        adversarial step, input optimization): the epilogue gives this call's input the program's
+        gradient (`_input_grads`), and the call needs the input without one, as recorded. One that
+        accumulates into the `.grad` it had needs that same gradient tensor (the program writes into
+        the one it was bound to): another makes the call run the function."""
+        self._input_grads: dict[int, str] = {}  # id(the gradient object now) -> the input's expression
+        handle_of = {id(t): h for h, t in objects.items()}
+        inputs = [(f"a{i}", f"positional argument {i}", h) for i, h in enumerate(self.record.arg_handles)]
+        inputs += [(f"kw[{name!r}]", f"keyword argument {name!r}", h) for name, h in self.record.kwarg_handles.items()]
+        lines = []
+        for expr, what, handle in inputs:
+            tensor = objects.get(handle)
+            if tensor is None or not (tensor.is_leaf and tensor.requires_grad) or tensor.grad is None:
+                continue
+            grad = handle_of.get(id(tensor.grad))
+            if grad is not None and self.record.tensors[grad].kind is Kind.INTERNAL:
+                self._input_grads[id(tensor.grad)] = expr
+                lines.append(_fail(f"{expr}.grad is not None", f"the {what} has a .grad already"))
+            else:  # accumulated into: in place, into the gradient the program is bound to
+                ref = src.constant(weakref.ref(tensor.grad), "r")
+                lines.append(_fail(f"{expr}.grad is not {ref}()", f"the {what} has another .grad"))
+        return lines
 
     def _program_lines(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
         """The program's straight-line body inlined after the guards (they bound its inputs to the
@@ -529,6 +554,9 @@ class HostFreeRunner:
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
             if obj is None:
+                continue
+            if id(obj) in self._input_grads:  # this call's input gets its own gradient
+                body.append(f"{self._input_grads[id(obj)]}.grad = h{handle}")
                 continue
             holder = holders.get(id(obj))
             # A module attribute or buffer the function assigned (`self.last = loss.detach()`), and
