@@ -1,6 +1,8 @@
 """Fused groups at run time, with the reference backend (every group runs op by op through aten):
 grouping, placeholders in checked replay, on-demand reads, and training parity."""
 
+import copy
+
 import pytest
 import torch
 from models import assert_same_state, train_side_by_side
@@ -134,6 +136,74 @@ def test_exception_after_a_deferred_in_place_member_applies_it():
     with pytest.raises(ValueError):
         traced(torch.ones(4), w=w)
     assert torch.equal(w, torch.full((4,), 3.0))  # as after an eager call that raised there
+
+
+def manual_sgd_step(x, *, model, path):
+    loss = model(x).sum()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.99).add_(p.grad, alpha=-0.1)  # one fused group per parameter, writing it in place
+            if path == 2:  # an int, not a bool: a bool keyword would select a trace of its own
+                p.sub_(x.sum())  # another path: TraceMismatchError while the group pends
+            else:
+                p.add_(1.0)
+            p.grad = None
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_mismatch_while_a_group_writing_a_parameter_under_no_grad_pends_leaves_eager_state(backend):
+    # The pending members ran after the exception had left the user's no_grad block: in-place
+    # writes into a leaf that requires grad then raised RuntimeError over the TraceMismatchError
+    # and left the parameter without the writes eager made before the divergence.
+    model = torch.nn.Linear(4, 2)
+    eager = copy.deepcopy(model)
+    traced = tracejit.trace(manual_sgd_step, backend=backend)
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    for x in xs[:4]:
+        torch.testing.assert_close(traced(x, model=model, path=1), manual_sgd_step(x, model=eager, path=1),
+                                   rtol=1e-5, atol=1e-5)
+    assert traced.stats.checked_replays == 3 and fused_count(traced)[0] > 0
+    with pytest.raises(tracejit.TraceMismatchError):
+        traced(xs[4], model=model, path=2)
+    eager(xs[4]).sum().backward()  # an eager call that raised at the divergence: the first parameter updated
+    with torch.no_grad():
+        eager.weight.mul_(0.99).add_(eager.weight.grad, alpha=-0.1)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(getattr(model, name), getattr(eager, name), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(getattr(model, name).grad, getattr(eager, name).grad)
+    torch.testing.assert_close(traced(xs[5], model=model, path=1),
+                               manual_sgd_step(xs[5], model=eager, path=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.weight, eager.weight, rtol=1e-5, atol=1e-5)
+
+
+def test_asgd_switching_its_averaging_branch_raises_a_mismatch_with_the_state_of_the_aten_level():
+    # ASGD(t0=2) reads its step on the host and switches to averaging at step t0, inside
+    # torch.no_grad() while its fused update of a parameter pends
+    def step(x, y, *, model, opt):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def run(backend):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        opt = torch.optim.ASGD(model.parameters(), lr=1e-2, t0=2)
+        traced = tracejit.trace(step, backend=backend)
+        for _ in range(4):
+            traced(torch.randn(5, 6), torch.randint(0, 3, (5,)), model=model, opt=opt)
+        assert traced.stats.checked_replays == 2 and traced.stats.rerecords == 1
+        with pytest.raises(tracejit.TraceMismatchError):
+            traced(torch.randn(5, 6), torch.randint(0, 3, (5,)), model=model, opt=opt)
+        return model, traced
+
+    (fused_model, traced), (aten_model, _) = run("c"), run("aten")
+    assert fused_count(traced)[0] > 0
+    for fused, aten in zip(fused_model.parameters(), aten_model.parameters()):
+        torch.testing.assert_close(fused, aten, rtol=1e-5, atol=1e-6)
 
 
 def test_a_kernel_that_raises_in_checked_replay_reports_its_own_error():

@@ -134,6 +134,39 @@ def test_cse_keeps_rng_scalars_and_written_values():
     assert call_targets(after).count("aten.neg.default") == 2
 
 
+@pytest.mark.parametrize("view_use", ["read_later", "escaped"])
+def test_cse_moves_the_views_of_a_merged_value_into_the_kept_storage(view_use):
+    # the view kept the merged value as its root, a storage no node made any more: plan_memory
+    # ended the kept storage at its own last use and let `cos` overwrite what the view still shows
+    b = GraphBuilder()
+    x = b.arg(torch.randn(64, 64))
+    kept = b.call(aten.exp.default, x)
+    merged = b.call(aten.exp.default, x)
+    view = b.call(aten.view.default, merged, [4096])
+    c = b.call(aten.sin.default, kept)  # the last use of `kept` itself
+    d = b.call(aten.cos.default, c)  # may take `kept`'s place in the arena, unless the view lives there
+    if view_use == "read_later":
+        graph = b.build([b.call(aten.add.Tensor, d, b.call(aten.view.default, view, [64, 64]))])
+    else:
+        graph = b.build([d], escaped=(view,))  # kept in Python state (`m.last = a.mean(0).detach()`)
+    after = verify(plan_memory(verify(eliminate_common_subexpressions(verify(graph))), min_bytes=0))
+    assert call_targets(after).count("aten.exp.default") == 1
+    (exp,) = [n for n in after.nodes if n.op is Op.CALL and n.target is aten.exp.default]
+    assert {v.root for v in after.values if v.handle == view.handle} == {after.values[exp.outputs[0]].root}
+    x_value = torch.randn(64, 64)
+    program = HostFreeProgram(after)
+    for _ in range(2):  # the arena persists across calls
+        env = [None] * after.num_handles
+        env[x.handle] = x_value
+        program.run(env, [])
+        expected = x_value.exp().sin().cos()
+        if view_use == "read_later":
+            assert torch.equal(env[after.values[after.outputs[0]].handle], expected + x_value.exp())
+        else:
+            assert torch.equal(env[d.handle], expected)
+            assert torch.equal(env[view.handle], x_value.exp().view(4096))
+
+
 def test_fold_constants_under_capture_as_const():
     b = GraphBuilder()
     x = b.arg(torch.randn(2, 3))

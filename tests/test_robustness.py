@@ -83,6 +83,48 @@ def test_traced_call_inside_exclude_block_is_allowed(trace):
         assert torch.equal(outer(x), x * 2 + (x * 2 + 1))
 
 
+def sparse_embedding_step(tokens, *, emb, opt):
+    loss = emb(tokens).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_a_sparse_gradient_is_refused_by_name_on_every_call(trace):
+    # it crashed deep in the recorder (NotImplementedError: Cannot access storage of SparseTensorImpl)
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    weight = emb.weight.detach().clone()
+    traced = trace(sparse_embedding_step)
+    for _ in range(2):  # a call that raised while recording records again: the same refusal
+        with pytest.raises(NotImplementedError, match=r"op #\d+ aten\._sparse_coo.* at .*test_robustness.py:\d+ in "
+                                                      r"sparse_embedding_step (returns|builds) a tensor of layout "
+                                                      r"torch.sparse_coo.*sparse=False.*exclude_from_trace"):
+            traced(torch.tensor([1, 2, 3]), emb=emb, opt=opt)
+    assert torch.equal(emb.weight, weight)  # as eager when its backward raised: no step
+
+
+def test_a_sparse_gradient_trains_when_its_step_is_excluded(trace):
+    def step(tokens, *, emb, opt):
+        loss = emb(tokens).sum() * 2
+        with tracejit.exclude_from_trace():  # the workaround the refusal names
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return loss + 1
+
+    models = [nn.Embedding(10, 4, sparse=True) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    traced = trace(step)
+    for i in range(4):
+        tokens = torch.tensor([1, 2, i])
+        assert torch.equal(traced(tokens, emb=models[0], opt=opts[0]), step(tokens, emb=models[1], opt=opts[1]))
+        assert torch.equal(models[0].weight, models[1].weight)
+    assert traced.stats.checked_replays == 3
+
+
 def test_in_place_on_inputs(trace):
     @trace
     def f(x, y):

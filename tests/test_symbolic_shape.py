@@ -422,8 +422,36 @@ def test_the_automatic_mode_still_refuses_a_stand_in_kept_in_python_state():
 
     traced = tracejit.trace(keep)
     traced(torch.randn(4))
-    with pytest.raises(SymbolicTraceError, match="beyond the call"):
+    with pytest.raises(SymbolicTraceError, match="beyond the call") as raised:
         traced(torch.randn(6))
+    assert "symbolic_shape=None" not in str(raised.value)  # the mode it runs in
+
+
+def _summed_forward(x, *, model):
+    return model(x).sum(0)  # of fixed size, requires grad: its autograd graph saved stand-ins
+
+
+def test_the_automatic_mode_serves_a_forward_whose_returned_graph_saved_stand_ins():
+    # the graph of the returned tensor kept the stand-in of a ReLU's output: the automatic mode
+    # raised SymbolicTraceError at every new size, advising the symbolic_shape=None it ran in
+    model = MLP((4, 8, 2))
+    twin = copy.deepcopy(model)
+    traced = tracejit.trace(_summed_forward, backend="aten")
+    for n in (3, 5, 7, 5, 3):
+        x = torch.randn(n, 4)
+        got, want = traced(x, model=model), _summed_forward(x, model=twin)
+        assert torch.equal(got, want) and got.requires_grad, n
+        got.sum().backward()  # the graph it returned reaches the parameters, as eager's does
+        want.sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters())), n
+    assert traced.stats.records == 3 and traced.stats.checked_replays == 2 and traced._shape_traces == []
+
+
+def test_symbolic_shape_true_refuses_a_returned_graph_that_saved_stand_ins():
+    traced = tracejit.trace(_summed_forward, symbolic_shape=True, backend="aten")
+    with pytest.raises(SymbolicTraceError, match=r"beyond the call.*saved by the autograd graph") as raised:
+        traced(torch.randn(3, 4), model=MLP((4, 8, 2)))
+    assert "symbolic_shape=False" in str(raised.value) and "symbolic_shape=True" not in str(raised.value)
 
 
 def test_a_bf16_model_with_layer_norm_still_shares_one_symbolic_trace():

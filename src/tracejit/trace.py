@@ -7,6 +7,7 @@ import gc
 import inspect
 import os
 import threading
+import traceback
 import types
 import warnings
 import weakref
@@ -583,12 +584,15 @@ class trace(ProfileAccess):
             concrete = specialize(record, guards.binding([t for _, t in inputs]))
             program = self._compile(concrete, fused=False)
         except Exception as error:
-            if self.options.symbolic_shape is None and not recorder.ran_for_real and not recorder.stand_in_escaped:
+            result = None  # the attempt's result, and the stand-ins its autograd graph saved
+            if (self.options.symbolic_shape is None and not recorder.ran_for_real
+                    and not _stand_in_left_behind(recorder, error)):
                 # The automatic mode tried symbols and the function cannot run on stand-ins of
-                # symbolic size (a size torch needs as a number, a view it cannot express): nothing
-                # ran on the real tensors and no stand-in stayed in Python state, so this call records
-                # the static trace of its sizes, and the calls of its kind do from now on (its Python
-                # runs twice in this call). A stand-in the function kept raises, as it always did.
+                # symbolic size (a size torch needs as a number, a view it cannot express, a
+                # returned tensor whose autograd graph saved one): nothing ran on the real tensors
+                # and no stand-in stayed in Python state, so this call records the static trace of
+                # its sizes, and the calls of its kind do from now on (its Python runs twice in
+                # this call). A stand-in the function kept raises, as it always did.
                 self._static_families.add(family(key))
                 return _STATIC
             _abandon(recorder, error)  # run what was recorded, so side effects match an eager call
@@ -1000,6 +1004,15 @@ def _optimizer_without_state(kwargs: dict, stateful: frozenset) -> bool:
     model's optimizer than the one recorded with, one whose state was cleared) creates its state
     lazily in this call, as the recorded call did: the replay may record again from where it differs."""
     return any(not any(kwargs[name].state.values()) for name in stateful if name in kwargs)
+
+
+def _stand_in_left_behind(recorder: SymbolicRecorder, error: BaseException) -> bool:
+    """Whether a failed symbolic attempt left a stand-in in Python state. The frames of its error
+    hold the function's locals (stand-ins of the attempt only): cleared first, they would count."""
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    return recorder.keeps_stand_ins()
 
 
 def _abandon(recorder: Any, error: BaseException) -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
-from ..ir.graph import INPUT_OPS, Graph, Node, Op
+from ..ir.graph import INPUT_OPS, Graph, Node, Op, Value
 from ..record.collectives import is_collective
 
 
@@ -72,10 +73,11 @@ def single_version_handles(graph: Graph) -> set[int]:
     return {handle for handle, ids in versions_of(graph).items() if len(ids) == 1}
 
 
-def replace_uses(graph: Graph, nodes: list[Node], mapping: dict[int, int]) -> tuple[list[Node], tuple[int, ...]]:
-    """Rewrite node inputs and graph outputs through `mapping` (value id -> value id)."""
+def replace_uses(graph: Graph, nodes: list[Node], mapping: dict[int, int]) -> dict[str, Any]:
+    """Rewrite node inputs and graph outputs through `mapping` (value id -> value id); returns the
+    changes for `graph.with_nodes`."""
     if not mapping:
-        return nodes, graph.outputs
+        return {"nodes": nodes}
 
     def resolve(vid: int) -> int:
         while vid in mapping:
@@ -88,7 +90,21 @@ def replace_uses(graph: Graph, nodes: list[Node], mapping: dict[int, int]) -> tu
         if inputs != node.inputs:
             node = replace(node, inputs=inputs)
         rewritten.append(node)
-    return rewritten, tuple(resolve(v) for v in graph.outputs)
+    return {"nodes": rewritten, "outputs": tuple(resolve(v) for v in graph.outputs),
+            "values": _rehomed_views(graph, {old: resolve(old) for old in mapping})}
+
+
+def _rehomed_views(graph: Graph, replaced_by: dict[int, int]) -> tuple[Value, ...]:
+    """The values, with the views of a replaced value's storage living in the storage of the value
+    replacing it. CSE keeps one of two equal results: `last = a.mean(0).detach()` after an equal
+    `a.mean(0)` is a view of the kept mean. Left with the dropped result as its root, such a view
+    (kept in Python state) did not make the kept storage outlive the call, and plan_memory reused
+    it for other values while the caller still held it."""
+    roots = {graph.values[old].root: graph.values[new].root for old, new in replaced_by.items()}
+    roots = {old: new for old, new in roots.items() if old != new}
+    if not roots:
+        return graph.values
+    return tuple(replace(v, root=roots[v.root]) if v.root in roots else v for v in graph.values)
 
 
 def peak_live_bytes(graph: Graph) -> int:

@@ -44,5 +44,4 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
             if key is not None:
                 seen[key] = node.outputs
         nodes.append(node)
-    nodes, outputs = replace_uses(graph, nodes, mapping)
-    return graph.with_nodes(nodes, "eliminate_common_subexpressions", outputs=outputs)
+    return graph.with_nodes(provenance="eliminate_common_subexpressions", **replace_uses(graph, nodes, mapping))

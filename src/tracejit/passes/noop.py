@@ -35,5 +35,4 @@ def remove_noop_views(graph: Graph) -> Graph:
                 mapping[node.outputs[0]] = node.inputs[0]
                 continue
         nodes.append(node)
-    nodes, outputs = replace_uses(graph, nodes, mapping)
-    return graph.with_nodes(nodes, "remove_noop_views", outputs=outputs)
+    return graph.with_nodes(provenance="remove_noop_views", **replace_uses(graph, nodes, mapping))

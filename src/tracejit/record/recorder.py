@@ -220,10 +220,13 @@ class Recorder:
         index = len(self.ops)
         source = user_location()
         autograd_node = torch._C._current_autograd_node()
+        _refuse_non_strided(func, tensors, "takes", index, source)
+        _refuse_non_strided_constructor(func, kwargs, index, source)
         inputs = tuple(self._input_handle(t, func, index) for t in tensors)
         written = mutated_tensors(func, args, kwargs)
         self._check_const_writes(func, written, index, source)
         result = self.execute(func, args, kwargs)
+        _refuse_non_strided(func, _tensors_in(result), "returns", index, source)
         outputs, out_kind, out_metas = self._register_outputs(func, result, index, inputs, tensors)
         mutated = tuple(self.handles.get(t) for t in written)
         for handle in mutated:
@@ -497,3 +500,37 @@ def storage_address(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return 0
+
+
+def _tensors_in(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [value for value in result if isinstance(value, torch.Tensor)]
+    return []
+
+
+def _refuse_non_strided(func: Any, tensors: list[torch.Tensor], verb: str, index: int, source: Any) -> None:
+    """A trace holds strided tensors: handles watch storages, programs plan memory by strides and
+    kernels index them. A sparse tensor (the gradient of `nn.Embedding(sparse=True)`, made inside
+    `backward()`) has no storage to watch, so refuse it by name at the op rather than crash later."""
+    for tensor in tensors:
+        if tensor.layout is not torch.strided:
+            raise _non_strided_error(func, f"{verb} a tensor of layout {tensor.layout}", index, source)
+
+
+def _refuse_non_strided_constructor(func: Any, kwargs: dict, index: int, source: Any) -> None:
+    """An op asked to build a sparse tensor (`_sparse_coo_tensor_with_dims_and_tensors`), refused
+    before it runs: a symbolic recording's fake tensors cannot even build one."""
+    layout = kwargs.get("layout")
+    if isinstance(layout, torch.layout) and layout is not torch.strided:
+        raise _non_strided_error(func, f"builds a tensor of layout {layout}", index, source)
+
+
+def _non_strided_error(func: Any, what: str, index: int, source: Any) -> NotImplementedError:
+    return NotImplementedError(
+        f"tracejit: op #{index} {func} at {source} {what}: traced calls support strided (dense) "
+        f"tensors only. A sparse gradient comes from nn.Embedding(sparse=True) or "
+        f"F.embedding(..., sparse=True): use sparse=False (with SGD or Adam instead of SparseAdam), "
+        f"or run backward() and the optimizer step inside tracejit.exclude_from_trace()."
+    )

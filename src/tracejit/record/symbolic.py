@@ -87,7 +87,6 @@ class SymbolicRecorder(Recorder):
         self._generator_state: torch.Tensor | None = None
         self._first_draw = ""
         self.ran_for_real = False  # a catch-up ran ops of the call on its real tensors
-        self.stand_in_escaped = False  # the function kept a stand-in in Python state (finish)
 
     # -- recording --------------------------------------------------------------------------------
 
@@ -297,7 +296,6 @@ class SymbolicRecorder(Recorder):
             if (isinstance(tensor, FakeTensor) and info.kind is Kind.INTERNAL and id(tensor) not in returned
                     and not any(t is tensor for t in tree_leaves(result))):
                 producer = record.ops[info.producer]
-                self.stand_in_escaped = id(tensor) not in bases
                 how = ("as the base of a view the call returns (return a copy: `.clone()` before the view), "
                        "or in Python state" if id(tensor) in bases else
                        "in Python state, or saved by the autograd graph of a returned tensor")
@@ -305,7 +303,16 @@ class SymbolicRecorder(Recorder):
                     f"tracejit: {self.function_name}() keeps t{handle}, a tensor of symbolic size made by op "
                     f"#{producer.index} {producer.name} at {producer.source}, beyond the call ({how}) without "
                     f"returning it. With symbolic_shape such a tensor is a stand-in until the call returns, so it "
-                    f"cannot be kept. Return it, or trace with symbolic_shape=None (the default) or False.")
+                    f"cannot be kept. Return it, or trace with symbolic_shape=False.")
+
+    def keeps_stand_ins(self) -> bool:
+        """Whether a stand-in of symbolic size the call made is still alive. Asked once the caller
+        has dropped what only the recording held (its result, the frames of its error): what is
+        left is in Python state, where falling back to a static trace would leave it behind."""
+        self._allocated = []
+        gc.collect()
+        return any(isinstance(tensor, FakeTensor) and self.tensors[handle].kind is Kind.INTERNAL
+                   for handle, tensor in self.handles.live().items())
 
     def real_result(self, result: Any) -> Any:
         """The call's result with each stand-in of symbolic size replaced by its computed value."""

@@ -160,6 +160,10 @@ class _GroupRun:
 
     def materialize(self, handle: int, state: CallState, scalars: list) -> None:
         """Make `handle`'s contents real now: the host reads it before (or without) the kernel filling it."""
+        with _as_dispatched():
+            self._materialize(handle, state, scalars)
+
+    def _materialize(self, handle: int, state: CallState, scalars: list) -> None:
         if self in state.fired:  # a value the kernel did not store: recompute it from the inputs
             wanted = self.final_of[handle]
             if wanted not in self.recomputable:
@@ -196,6 +200,16 @@ class _GroupRun:
         for handle in [h for h, group in state.pending.items() if group is self]:
             del state.pending[handle]
         state.broken.add(self)
+
+
+def _as_dispatched() -> torch._C._AutoDispatchBelowADInplaceOrView:
+    """Where the members run when the host settles a group: below autograd, as the kernel runs
+    inside the dispatch of its last member. The host may be in another grad mode than the
+    members were handed out in: an exception (a TraceMismatchError) has left the user's
+    `no_grad()` block before the replay settles its pending groups, and `p.mul_()` on a
+    parameter would then refuse to write into a leaf that requires grad. Autograd and the
+    version counters saw each member when the host called it, so nothing is owed to them."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()
 
 
 def _fill_placeholder(placeholder: torch.Tensor, value: torch.Tensor) -> None:
