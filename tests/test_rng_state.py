@@ -167,11 +167,32 @@ def test_without_host_refuses_a_generator_moved_by_its_own_methods(function):
             traced(x)
 
 
-def test_without_host_refuses_a_generator_of_the_functions_own():
-    """A new torch.Generator per call (or one reseeded inside): the program would keep drawing
-    from the recorded one."""
+def test_without_host_checks_the_generator_given_by_keyword():
+    """One generator for every call is drawn on without the host; a new one per call made the
+    program keep drawing from the recorded one. Now that call runs the function, whose checked
+    replay names the other generator, as a checked call does."""
     traced = tracejit.trace(drawn_from, without_host=True)
     x = torch.ones(8)
-    with pytest.raises(tracejit.HostDependencyError, match="a torch.Generator passed to aten"):
-        for i in range(3):
-            traced(x, gen=torch.Generator().manual_seed(100 + i))
+    shared, twin = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for i in range(4):
+        torch.manual_seed(i)
+        expected = drawn_from(x, gen=twin)
+        torch.manual_seed(i)
+        assert torch.equal(traced(x, gen=shared), expected), i
+    assert traced.stats.host_free_calls >= 2
+    with pytest.raises(tracejit.TraceMismatchError, match="generator: <torch._C.Generator object"):
+        traced(x, gen=torch.Generator().manual_seed(100))
+
+
+def reseeds_its_generator(x, *, gen):
+    a = torch.rand(x.shape, generator=gen)
+    gen.manual_seed(7)
+    return a + torch.rand(x.shape, generator=gen)
+
+
+def test_without_host_refuses_a_generator_reseeded_between_its_draws():
+    traced = tracejit.trace(reseeds_its_generator, without_host=True)
+    gen = torch.Generator().manual_seed(1)
+    with pytest.raises(tracejit.HostDependencyError, match="the state of a torch.Generator set before aten"):
+        for _ in range(3):
+            traced(torch.ones(4), gen=gen)

@@ -237,34 +237,51 @@ class Mode(__import__("enum").Enum):
     NEGATE = 2
 
 
-def by_mode(x, *, mode, dtype, cfg):
+Clip = __import__("collections").namedtuple("Clip", "low high")
+
+
+def by_mode(x, *, mode, dtype, clip):
     y = x * 2 if mode is Mode.DOUBLE else -x
-    return (y * cfg.scale + cfg.shift[0]).to(dtype)
-
-
-class Config:
-    def __init__(self, scale: float, shift: tuple):
-        self.scale, self.shift = scale, shift
+    return y.clamp(clip.low, clip.high).to(dtype)
 
 
 def test_without_the_host_keywords_that_are_not_numbers_are_guarded():
-    """An enum, a dtype, a config object's numbers: a changed one made the program's recorded
-    path and values come back. Now such a call runs the function: a new number is followed, a
-    new path raises TraceMismatchError as a checked call does."""
+    """An enum, a dtype, a namedtuple of numbers: a changed one made the program's recorded path
+    and values come back. Now such a call runs the function: a new number is followed, a new
+    path raises TraceMismatchError as a checked call does. A NaN in one is the same NaN."""
     traced = tracejit.trace(by_mode, without_host=True)
     x = torch.arange(4.0)
-    cfg = Config(1.5, (0.25,))
     for _ in range(3):
-        assert torch.equal(traced(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg),
-                           by_mode(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg))
-    assert traced.stats.host_free_calls >= 1
-    cfg.scale, cfg.shift = 3.0, (1.0,)
-    assert torch.equal(traced(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg),
-                       by_mode(x, mode=Mode.DOUBLE, dtype=torch.float64, cfg=cfg))
+        clip = Clip(float("nan"), 2.5)  # a new NaN object on every call
+        got, expected = (f(x, mode=Mode.DOUBLE, dtype=torch.float64, clip=clip) for f in (traced, by_mode))
+        assert torch.allclose(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert traced.stats.host_free_calls >= 1 and traced.stats.host_free_misses == 0
+    clip = Clip(0.5, 3.0)
+    assert torch.equal(traced(x, mode=Mode.DOUBLE, dtype=torch.float64, clip=clip),
+                       by_mode(x, mode=Mode.DOUBLE, dtype=torch.float64, clip=clip))
     with pytest.raises(tracejit.TraceMismatchError, match="dtype: torch.float16 instead of torch.float64"):
-        traced(x, mode=Mode.DOUBLE, dtype=torch.float16, cfg=cfg)
+        traced(x, mode=Mode.DOUBLE, dtype=torch.float16, clip=clip)
     with pytest.raises(tracejit.TraceMismatchError, match="a different op ran"):
-        traced(x, mode=Mode.NEGATE, dtype=torch.float64, cfg=cfg)
+        traced(x, mode=Mode.NEGATE, dtype=torch.float64, clip=clip)
+
+
+class Schedule:
+    def __init__(self):
+        self.temperature = 1.0
+
+
+def annealed(x, *, schedule):
+    y = x / schedule.temperature
+    schedule.temperature *= 0.5  # the step anneals its own setting
+    return y
+
+
+def test_without_the_host_a_setting_the_call_changes_is_refused():
+    traced = tracejit.trace(annealed, without_host=True)
+    schedule = Schedule()
+    with pytest.raises(tracejit.HostDependencyError, match=r"schedule.temperature: 1.0 -> 0.5"):
+        for _ in range(3):
+            traced(torch.ones(3), schedule=schedule)
 
 
 def input_step(x, y, *, m):
@@ -329,3 +346,30 @@ def test_without_the_host_tensors_changed_by_python_inside_the_call_are_refused(
     with pytest.raises(tracejit.HostDependencyError, match=r"m.bias.requires_grad_\((True|False)\)"):
         for i in range(6):
             traced(x, y, m=m, opt=opt, freeze=i % 2 == 1)
+
+
+def saliency_step(x, y, *, model):
+    """autograd.grad with respect to an intermediate: the weight penalty's graph below the loss is
+    not run by it, and the returned penalty keeps a usable graph."""
+    h = model[0](x)
+    penalty = model[1].weight.pow(2).sum()
+    loss = F.cross_entropy(model[1](torch.tanh(h)), y) + 0.01 * penalty
+    (feature_grad,) = torch.autograd.grad(loss, h)
+    return feature_grad.detach(), penalty
+
+
+def test_a_graph_a_partial_autograd_grad_did_not_run_is_kept_in_checked_calls():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))]
+    models.append(copy.deepcopy(models[0]))
+    traced = tracejit.trace(saliency_step)
+    with pytest.warns(tracejit.ReplayLevelWarning, match="returns a tensor that requires grad"):
+        for i in range(CALLS):
+            x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+            for f, model in ((saliency_step, models[0]), (traced, models[1])):
+                feature_grad, penalty = f(x, y, model=model)
+                penalty.backward()
+            assert_same_model(models[0], models[1], f"call {i}")
+            for model in models:
+                model.zero_grad()
+    assert traced.stats.checked_replays >= CALLS - 2

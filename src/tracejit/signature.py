@@ -106,8 +106,7 @@ _GRAD = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
 
 
-def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = (),
-                   reached: Sequence[weakref.ref] = ()) -> tuple[int, ...]:
+def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[int, ...]:
     """Which parameters of keyword modules require grad and which hold a `.grad`, and the state of
     a DistributedDataParallel module (`_ddp_state`); then the same of the `watched` modules, the
     DDP modules a traced function reaches without a keyword (a closure, a global), -1 for one
@@ -118,22 +117,24 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = (),
     several calls gets one trace per state instead of a mismatch. The number of param groups of
     each keyword optimizer comes last: `add_param_group` (unfreezing layers) adds parameters whose
     state the next step creates. It is computed only for traces whose recorded call touched
-    gradients. Last, which of the `reached` parameters require grad: those the function reads
-    that no keyword module holds (a closure's or a global's model), so that freezing a layer of
-    one selects a trace of its own as it does for a keyword module. Only `requires_grad`: whether
-    their `.grad` exists is checked where the function reads it.
+    gradients. (The parameters a trace reads that no keyword module holds are checked per trace:
+    requires_grad_bits.)
     """
     states = [_module_state(module) for module in kwargs.values() if isinstance(module, torch.nn.Module)]
     states += [len(opt.param_groups) for opt in kwargs.values() if isinstance(opt, torch.optim.Optimizer)]
     for ref in watched:
         module = ref()
         states.append(-1 if module is None else _module_state(module))
-    if reached:  # one number: bit i set if the i-th parameter requires grad (a freed one: clear)
-        states.append(int.from_bytes(bytes(map(_REQUIRES_GRAD_OR_FREED, map(operator.call, reached)))))
     return tuple(states)
 
 
-def _REQUIRES_GRAD_OR_FREED(tensor: torch.Tensor | None) -> bool:  # noqa: N802 - used as the map above
+def requires_grad_bits(parameters: Sequence[weakref.ref]) -> int:
+    """Bit i set if the i-th parameter requires grad (a freed one: clear). Freezing a layer of a
+    model a trace reaches without a keyword (a closure's) selects a trace of its own with it."""
+    return int.from_bytes(bytes(map(_requires_grad_or_freed, map(operator.call, parameters))))
+
+
+def _requires_grad_or_freed(tensor: torch.Tensor | None) -> bool:
     return tensor is not None and tensor.requires_grad
 
 

@@ -58,7 +58,14 @@ from .runtime.replay import Replayer
 from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
 from .runtime.variants import ShapeVariants
-from .signature import call_context_key, describe_signature, gradient_snapshot, gradient_state, signature
+from .signature import (
+    call_context_key,
+    describe_signature,
+    gradient_snapshot,
+    gradient_state,
+    requires_grad_bits,
+    signature,
+)
 
 
 @dataclass
@@ -85,6 +92,9 @@ class TraceEntry:
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
     shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
     tensor_kwargs: tuple[str, ...] | None = None  # its tensor keyword arguments, sorted (the signature fixes them)
+    # parameters it reads that no keyword module holds (weakly), and which of them required grad
+    reached: tuple = ()
+    reached_bits: int = 0
 
     @property
     def serving_program(self) -> CheckedProgram | HostFreeProgram:
@@ -156,9 +166,6 @@ class trace(ProfileAccess):
         # DistributedDataParallel modules the function reaches without a keyword (a closure, a
         # global, inside a keyword module): their state selects traces too (see _watch_ddp)
         self._watched_ddp: list[weakref.ref] = []
-        # the parameters it reads that no keyword module holds: their requires_grad selects traces
-        # too (see _watch_reached)
-        self._watched_parameters: list[weakref.ref] = []
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
@@ -314,27 +321,17 @@ class trace(ProfileAccess):
         return result
 
     def _gradient_state(self, kwargs: dict) -> tuple[int, ...]:
-        return gradient_state(kwargs, self._watched_ddp, self._watched_parameters)
+        return gradient_state(kwargs, self._watched_ddp)
 
-    def _watch_reached(self, seen: list, kwargs: dict, grad_state: tuple | None, live: dict, record: Record) -> tuple | None:
-        """Watch the parameters the trace reads that no keyword module holds (a closure's model):
-        the call's gradient state with their `requires_grad` appended (as it is now, which is what
-        it was when the call began unless the call changed it, which its replays check op by op).
-        Parameters rather than their modules: a module may be made anew on each call
-        (`model.net[1:]`) around the same parameters."""
+    @staticmethod
+    def _reached_parameters(kwargs: dict, live: dict, record: Record) -> tuple:
+        """The parameters the trace reads that no keyword module holds (a closure's model), held
+        weakly: which of them require grad selects this trace as a keyword module's state does
+        (`TraceEntry.reached`). Parameters rather than their modules: a module may be made anew
+        on each call (`model.net[1:]`) around the same parameters."""
         held = {id(p) for value in kwargs.values() if isinstance(value, torch.nn.Module) for p in value.parameters()}
-        held |= {id(ref()) for ref in self._watched_parameters}
-        new = [t for h, t in live.items() if record.tensors[h].kind is Kind.EXTERNAL and id(t) not in held
-               and isinstance(t, torch.nn.Parameter)]
-        if not new:
-            return grad_state
-        watched_before = bool(self._watched_parameters)
-        self._watched_parameters += [weakref.ref(t) for t in new]
-        if grad_state is None:
-            return None
-        # their number comes last: replaces the one of the parameters watched before, if any
-        kept = grad_state[:-1] if watched_before else grad_state
-        return (*kept, *gradient_state({}, (), self._watched_parameters))
+        return tuple(weakref.ref(t) for h, t in live.items()
+                     if record.tensors[h].kind is Kind.EXTERNAL and id(t) not in held and isinstance(t, torch.nn.Parameter))
 
     def _watch_ddp(self, seen: list, kwargs: dict) -> bool:
         """Watch the DDP modules a recording call ran that are not keyword arguments themselves;
@@ -352,7 +349,8 @@ class trace(ProfileAccess):
         if entries[0].grad_state is None:
             return entries[0]
         state = self._gradient_state(kwargs)
-        return next((e for e in entries if e.grad_state == state), None)
+        return next((e for e in entries if e.grad_state == state
+                     and (not e.reached or requires_grad_bits(e.reached) == e.reached_bits)), None)
 
     def _entries(self) -> list[TraceEntry]:
         return [entry for entries in self._traces.values() for entry in entries]
@@ -422,9 +420,10 @@ class trace(ProfileAccess):
         if self._watch_ddp(seen.modules, kwargs):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
-        grad_state = self._watch_reached(seen.modules, kwargs, grad_state, recorder.handles.live(), record)
+        reached = self._reached_parameters(kwargs, recorder.handles.live(), record) if depends else ()
         entry = TraceEntry(key, record, program, grad_state if depends else None,
-                           stateful_optimizers=_stateful_optimizers(kwargs))
+                           stateful_optimizers=_stateful_optimizers(kwargs),
+                           reached=reached, reached_bits=requires_grad_bits(reached))
         if replacing is not None:  # record_only: the newest call's record stands for its signature
             self._traces[key].remove(replacing)
         if not depends:
@@ -608,7 +607,6 @@ class trace(ProfileAccess):
                 self._drop_shape_trace(replaced)
             self.stats.records += 1
             return result
-        grad_state = self._watch_reached(seen.modules, kwargs, grad_state, recorder.handles.live(), record)
         shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None,
                                  stateful_optimizers=_stateful_optimizers(kwargs))
         if replaced is not None:
@@ -712,7 +710,8 @@ class trace(ProfileAccess):
             if fresh_optimizer:  # like a first recording: the next call, with that state, may record again
                 new_record.rerecorded = False
             replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace,
-                                  stateful_optimizers=_stateful_optimizers(kwargs))
+                                  stateful_optimizers=_stateful_optimizers(kwargs), reached=entry.reached,
+                                  reached_bits=entry.reached_bits)
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result,
                                     live_graph=seen.live_graph)
@@ -787,7 +786,8 @@ class trace(ProfileAccess):
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry, checked=True)
             entry.host_free.bind(live, args, kwargs, replayer.names, entry.grad_state, replayer.scalars,
-                                 external_slots=external_slots, grad_owners=gradient_owners(trace, external_slots))
+                                 external_slots=external_slots, grad_owners=gradient_owners(trace, external_slots),
+                                 reached=(entry.reached, entry.reached_bits))
         except HostDependencyError as error:
             self._refuse_api(entry, f"the compiled program cannot run without the function: {error}")
             entry.host_free = None
@@ -837,7 +837,8 @@ class trace(ProfileAccess):
         try:
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry)
-            entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state, scalars)
+            entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state, scalars,
+                                 reached=(entry.reached, entry.reached_bits))
             self._install_fast_call(entry)
         except HostDependencyError as error:
             entry.host_free_error = error

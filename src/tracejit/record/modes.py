@@ -101,15 +101,24 @@ class GeneratorWatch:
         self.found = found
         self.position = position
         self.state: torch.Tensor | None = None  # after the last random op, or when the call began
+        self.others: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # generators passed to ops
 
     def begin(self) -> None:
         """Take the generator's state now as the one the next random op must find."""
         self.state = torch.default_generator.get_state()
 
     def draw(self, func: Any, args: tuple, kwargs: dict, context: CallContext) -> Any:
-        if kwargs.get("generator") is not None:  # the program would keep drawing from the recorded one
-            self.found.append((f"a torch.Generator passed to {func} at {user_location()}", self.position() + 1))
-            return context.handler.on_op(func, args, kwargs)
+        generator = kwargs.get("generator")
+        if generator is not None and generator is not torch.default_generator:
+            # the function's own generator: only moves between its draws matter (where it stands
+            # when the call begins is where the program starts drawing from it too)
+            known = self.others.get(id(generator))
+            if known is not None and not torch.equal(generator.get_state(), known[1]):
+                self.found.append((f"the state of a torch.Generator set before {func} at {user_location()}",
+                                   self.position() + 1))
+            result = context.handler.on_op(func, args, kwargs)
+            self.others[id(generator)] = (generator, generator.get_state())
+            return result
         now = torch.default_generator.get_state()
         if self.state is not None and not torch.equal(now, self.state):
             self.found.append((f"the generator's state set before {func} at {user_location()}", self.position()))
@@ -120,6 +129,10 @@ class GeneratorWatch:
     def end(self) -> None:
         if self.state is not None and not torch.equal(torch.default_generator.get_state(), self.state):
             self.found.append(("the generator's state set after the call's last random op", self.position() + 1))
+        for generator, state in self.others.values():
+            if not torch.equal(generator.get_state(), state):
+                self.found.append(("the state of a torch.Generator set after its last random op", self.position() + 1))
+        self.others.clear()
 
 
 def _host_read_hook(original: Any, what: str) -> Any:

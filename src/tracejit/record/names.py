@@ -15,6 +15,8 @@ the function notices when that place holds another tensor (another trainer, a ne
 
 from __future__ import annotations
 
+import copy
+import enum
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +64,9 @@ class ExternalNames:
             except TypeError:  # no weak references to it: nothing to compare
                 pass
         self._found.tensors.clear()  # held weakly from here: a freed gradient must be able to go
+        # and the plain settings of keyword objects of the user's own class (a config)
+        self._settings = {name: (value, state) for name, value in kwargs.items()
+                          if (state := plain_state(value)) is not None}
 
     def python_changes(self) -> list[str]:
         """What the call changed in the tensors found when it began by Python rather than by an op:
@@ -75,6 +80,10 @@ class ExternalNames:
                 changes.append(f"{name} has new memory (`.data = ...`)")
             if tensor.requires_grad != requires_grad:
                 changes.append(f"{name}.requires_grad_({tensor.requires_grad})")
+        for name, (value, before) in self._settings.items():
+            after = plain_state(value)
+            changes += [f"{name}.{key}: {before[key]!r} -> {after.get(key)!r}" for key in before
+                        if not same_value(after.get(key), before[key])]
         return changes
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
@@ -160,6 +169,56 @@ def root_expression(root: tuple[str, Any]) -> str:
     """The expression for a root in a generated call (`kw`, `GLOBALS` and `CELLS` in scope)."""
     kind, key = root
     return {"kwarg": f"kw[{key!r}]", "global": f"GLOBALS[{key!r}]", "cell": f"CELLS[{key}].cell_contents"}[kind]
+
+
+_ATOMS = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN_SIZE = 64  # the most items a value compared by value may hold
+
+
+def plain_value(value: Any) -> bool:
+    """A value compared by value alone: immutable atoms (numbers, strings, enums, dtypes, devices)
+    and tuples (namedtuples too), lists and dicts of them, up to _PLAIN_SIZE items in all (a big
+    vocabulary list is not compared on every call)."""
+    budget = [_PLAIN_SIZE]
+
+    def plain(v: Any, depth: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return False
+        if isinstance(v, _ATOMS):
+            return True
+        if depth == 0:
+            return False
+        if isinstance(v, tuple) or type(v) is list:
+            return all(plain(item, depth - 1) for item in v)
+        if type(v) is dict:
+            return all(isinstance(k, _ATOMS) and plain(item, depth - 1) for k, item in v.items())
+        return False
+
+    return plain(value, 3)
+
+
+def same_value(now: Any, then: Any) -> bool:
+    """`now == then` for plain values, a NaN equal to a NaN (`clip=float("nan")` stays the same)."""
+    if now is then:
+        return True
+    if type(now) is not type(then):
+        return False
+    if isinstance(now, float):
+        return now == then or (now != now and then != then)
+    if isinstance(now, (tuple, list)):
+        return len(now) == len(then) and all(map(same_value, now, then))
+    if isinstance(now, dict):
+        return now.keys() == then.keys() and all(same_value(now[k], then[k]) for k in now)
+    return bool(now == then)
+
+
+def plain_state(value: Any) -> dict | None:
+    """The plain attributes of an object of the user's own class (a config, a trainer): what a call
+    that changes them changes, by Python. None for other values."""
+    if not _plain_object(value):
+        return None
+    return {key: copy.deepcopy(v) for key, v in vars(value).items() if plain_value(v)}
 
 
 _PLAIN_DEPTH = 3  # levels of plain containers searched below a root

@@ -97,17 +97,22 @@ class Seen:
     def scaler_updated(self, scaler: torch.amp.GradScaler) -> None:
         self._note(self.scalers, scaler)
 
-    def backward_runs(self, roots: tuple, retain_graph: object, create_graph: object) -> None:
-        """Note the nodes of the graph behind `roots` that this backward pass frees."""
+    def backward_runs(self, roots: tuple, retain_graph: object, create_graph: object, inputs: object) -> None:
+        """Note the nodes of the graph behind `roots` that this backward pass frees: down to the
+        `inputs` it differentiates with respect to, if given (`autograd.grad(loss, h)` leaves the
+        graph below `h` untouched)."""
         if retain_graph or create_graph or threading.get_ident() != self._thread:
             return
-        pending = [getattr(root, "grad_fn", None) or getattr(root, "node", None) for root in roots]
-        consumed = self.consumed
-        while pending:
-            node = pending.pop()
-            if node is not None and id(node) not in consumed:
-                consumed[id(node)] = node  # held: a node's Python object, and its id, live as long
-                pending += [edge[0] for edge in node.next_functions]
+        stops = {id(node) for node in map(_node_of, inputs or ()) if node is not None}
+        nodes = _post_order([_node_of(root) for root in roots], stops)
+        if stops:  # only the nodes from which an input is reached run (and free what they saved)
+            runs: dict[int, bool] = {}
+            for node in nodes:
+                runs[id(node)] = any(id(child) in stops or runs.get(id(child), False)
+                                     for child, _ in node.next_functions if child is not None)
+            nodes = [node for node in nodes if runs[id(node)]]
+        for node in nodes:
+            self.consumed[id(node)] = node  # held: a node's Python object, and its id, live as long
 
     def live_graph(self, tensor: torch.Tensor) -> bool:
         """True if `tensor` has autograd history no backward pass of the call freed."""
@@ -135,6 +140,26 @@ def _install_method_notes() -> None:
                 _wrap(cls, "update", Seen.scaler_updated)
 
 
+def _post_order(roots: list, stops: set[int]) -> list:
+    """The autograd nodes below `roots`, children first, not entering the `stops`."""
+    order, visited = [], set()
+    stack = [(node, False) for node in roots if node is not None]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+        elif id(node) not in visited and id(node) not in stops:
+            visited.add(id(node))
+            stack.append((node, True))
+            stack += [(child, False) for child, _ in node.next_functions if child is not None]
+    return order
+
+
+def _node_of(value: object) -> object:
+    """The autograd node of a tensor (its grad_fn) or of a GradientEdge."""
+    return getattr(value, "grad_fn", None) or getattr(value, "node", None)
+
+
 def _install_backward_note() -> None:
     """Wrap torch.autograd's `_engine_run_backward` once, for good: it tells the watch of the
     running thread's call which graph a backward pass is about to free."""
@@ -151,7 +176,8 @@ def _install_backward_note() -> None:
             seen = getattr(_watched, "backward", None)
             if seen is not None:  # (outputs, grad_outputs, retain_graph, create_graph, ...)
                 seen.backward_runs(tuple(t_outputs), kwargs.get("retain_graph", args[1] if len(args) > 1 else None),
-                                   kwargs.get("create_graph", args[2] if len(args) > 2 else None))
+                                   kwargs.get("create_graph", args[2] if len(args) > 2 else None),
+                                   kwargs.get("inputs", args[3] if len(args) > 3 else None))
             return original(t_outputs, *args, **kwargs)
 
         engine_run_backward.__tracejit_notes__ = True

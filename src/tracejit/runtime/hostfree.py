@@ -14,7 +14,6 @@ and rebinds.
 from __future__ import annotations
 
 import copy
-import enum
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,10 +26,17 @@ from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
 from ..record.calls import data_dependent_size
 from ..record.ddp_calls import is_ddp
-from ..record.names import ExternalNames, Locator, root_expression
+from ..record.names import ExternalNames, Locator, plain_value, root_expression, same_value
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
-from ..signature import any_gradient_hooks, call_context_key, gradient_hooks, gradient_state, shared_memory
+from ..signature import (
+    any_gradient_hooks,
+    call_context_key,
+    gradient_hooks,
+    gradient_state,
+    requires_grad_bits,
+    shared_memory,
+)
 from .meta_guard import MetaGuard
 from .module_guards import guarded_modules, module_guards
 from .optimizer_settings import (
@@ -46,36 +52,6 @@ from .program import HostFreeProgram, scalar_layout
 from .state_holders import Holder, find_holders
 
 _PRIMITIVES = (bool, int, float, str, type(None))
-_ATOMS = (*_PRIMITIVES, enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-def _plain_value(value: Any, depth: int = 3) -> bool:
-    """A value compared by `!=` alone: immutable atoms (numbers, strings, enums, dtypes, devices)
-    and tuples, lists and dicts of them, a few levels deep."""
-    if isinstance(value, _ATOMS):
-        return True
-    if depth == 0:
-        return False
-    if type(value) in (tuple, list):
-        return all(_plain_value(v, depth - 1) for v in value)
-    if type(value) is dict:
-        return all(_plain_value(k, 0) and _plain_value(v, depth - 1) for k, v in value.items())
-    return False
-
-
-def _plain_object(value: Any) -> bool:
-    """An object of the user's own class (a dataclass of settings, a config object)."""
-    cls = type(value)
-    return (isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type)
-            and cls.__module__ not in ("builtins", "types") and not cls.__module__.startswith("torch"))
-
-
-def _plain_state(value: Any) -> dict:
-    """The attributes of an object that a call without the function could have frozen (numbers,
-    strings, enums, tuples of such): what it compares between calls."""
-    return {key: copy.deepcopy(v) for key, v in vars(value).items() if _plain_value(v)}
-
-
 class GuardFailure(Exception):
     """An external of the last host-run call is gone: the next call runs the function."""
 
@@ -237,12 +213,13 @@ class HostFreeRunner:
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
              grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None,
-             grad_owners: dict[int, int] | None = None) -> None:
+             grad_owners: dict[int, int] | None = None, reached: tuple | None = None) -> None:
         """Specialize the call to the inputs' signature and the objects and scalar values a host-run
         call just used (`scalars`: its dynamic scalars; None: the record's own). A checked runner
         gets the externals the API-level checker holds as `E` (`external_slots`: handle -> slot):
         the function's calls matched them, so they are not reached through modules again, and
-        `grad_owners` (gradient handle -> parameter handle) says whose `.grad` each was read as."""
+        `grad_owners` (gradient handle -> parameter handle) says whose `.grad` each was read as;
+        `reached`: (parameters no keyword module holds, which of them require grad) of the trace."""
         self.external_slots = external_slots or {}
         scalars = list(self.initial_scalars if scalars is None else scalars)
         for info in self.record.tensors:
@@ -259,6 +236,10 @@ class HostFreeRunner:
                              GRAD_STATE=self.gradient_state, SAME=same_object_key,
                              SHARED=shared_memory)
         admission = self._signature_checks(args, kwargs, grad_state, src)
+        if reached and reached[0]:  # a layer of a closure's model frozen or unfrozen: another trace
+            src.namespace["REQUIRES_GRAD_BITS"] = requires_grad_bits
+            admission.append(_fail(f"REQUIRES_GRAD_BITS({src.constant(reached[0], 'rp')}) != {reached[1]}",
+                                   "a parameter the function reaches was frozen or unfrozen"))
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
         admission.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
                                "grad mode, autocast, default dtype or determinism changed"))
@@ -287,14 +268,12 @@ class HostFreeRunner:
         for name, value in sorted(kwargs.items()) if not self.checked else ():
             if isinstance(value, _PRIMITIVES):
                 guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
-            elif _plain_value(value):  # an enum, a dtype, a tuple or dict of such: compared by value
-                guards.append(_fail(f"kw[{name!r}] != {src.constant(copy.deepcopy(value), 'p')}",
+            elif isinstance(value, torch.Generator):  # the program draws from the recorded one
+                guards.append(_fail(f"kw[{name!r}] is not {src.constant(value, 'gen')}", f"{name!r} is another generator"))
+            elif plain_value(value):  # an enum, a dtype, a tuple or dict of such: compared by value
+                src.namespace["SAME_VALUE"] = same_value
+                guards.append(_fail(f"not SAME_VALUE(kw[{name!r}], {src.constant(copy.deepcopy(value), 'p')})",
                                     f"{name!r} is not {value!r} anymore"))
-            elif _plain_object(value):  # an object of the user's own (a config): its plain attributes
-                src.namespace["PLAIN_STATE"] = _plain_state
-                guards.append(_fail(f"type(kw[{name!r}]) is not {src.constant(type(value), 'ty')} or "
-                                    f"PLAIN_STATE(kw[{name!r}]) != {src.constant(_plain_state(value), 'p')}",
-                                    f"a setting of {name!r} changed"))
         self._located_grads: list[str] = []
         self._cleared_grads: list[str] = []  # parameters whose `.grad` the call leaves None
         self._meta: list[tuple[str, str]] = []  # (local, its layout check)
