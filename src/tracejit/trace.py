@@ -815,11 +815,11 @@ class trace(ProfileAccess):
         if error is None and changes:
             listed = "\n".join(f"    {change}" for change in changes[:5])
             error = HostDependencyError(
-                f"without_host=True cannot skip {self.__name__}(): the traced call changes tensors it reaches "
-                f"by Python rather than by torch ops, which the program cannot repeat without the function:\n"
-                f"{listed}\nWrite in place instead (`with torch.no_grad(): p.clamp_(-c, c)` rather than "
-                f"`p.data = p.data.clamp(-c, c)`), set requires_grad outside the traced call, or trace without "
-                f"without_host.")
+                f"without_host=True cannot skip {self.__name__}(): the traced call changes, by Python rather "
+                f"than by torch ops, state that the program cannot change without the function:\n"
+                f"{listed}\nWrite tensors in place instead (`with torch.no_grad(): p.clamp_(-c, c)` rather than "
+                f"`p.data = p.data.clamp(-c, c)`), change requires_grad and settings outside the traced call, or "
+                f"trace without without_host.")
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return
