@@ -564,27 +564,28 @@ def ddp_unkeyworded(rank: int, world: int) -> dict:
     return facts
 
 
-def ddp_api_divergence(rank: int, world: int) -> dict:
-    """Rank 1 takes another branch at step 7, after the API level has answered the DDP steps: it
-    diverges before the program runs and falls back to the aten level, which raises its mismatch;
-    rank 0, inside the program's all-reduce, must raise too instead of waiting for gloo."""
-    from torch.nn.parallel import DistributedDataParallel
+def diverging_step(x, y, *, model, opt):
+    """The usual DDP step, which takes another branch on the rank and step DIVERGE says."""
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    if DIVERGE["now"]:
+        loss = loss * 2
+    loss.backward()
+    opt.step()
+    return loss
 
-    def step(x, y, *, model, opt):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        if DIVERGE["now"]:
-            loss = loss * 2
-        loss.backward()
-        opt.step()
-        return loss
+
+def ddp_diverging_at(rank: int, step: int, steps: int, stopped_key: str) -> dict:
+    """DDP training in which rank 1 takes another branch at `step`: the facts of the call that
+    raised on each rank (how long it took, and whether it began at the API level)."""
+    from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(mlp())
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
-    traced = tracejit.trace(step, backend="aten")
+    traced = tracejit.trace(diverging_step, backend="aten")
     facts: dict = {"failures": []}
-    for i, (x, y) in enumerate(batches(rank, steps=9)):
-        DIVERGE["now"] = rank == 1 and i == 7
+    for i, (x, y) in enumerate(batches(rank, steps=steps)):
+        DIVERGE["now"] = rank == 1 and i == step
         facts["api_before"] = traced.stats.api_replays
         facts["api_ready"] = any(e.api is not None for e in traced._entries())  # this call starts at the API level
         started = time.perf_counter()
@@ -593,10 +594,17 @@ def ddp_api_divergence(rank: int, world: int) -> dict:
         except Exception as error:
             facts.update(step=i, error_type=type(error).__name__, error=str(error),
                          raised_after=time.perf_counter() - started, **api_facts(traced))
-            stop_together(rank, "test/ddp_rank0_stopped")
+            stop_together(rank, stopped_key)
             return facts
     facts["failures"].append("every step ran")
     return facts
+
+
+def ddp_api_divergence(rank: int, world: int) -> dict:
+    """Rank 1 takes another branch at step 7, after the API level has answered the DDP steps: it
+    diverges before the program runs and falls back to the aten level, which raises its mismatch;
+    rank 0, inside the program's all-reduce, must raise too instead of waiting for gloo."""
+    return ddp_diverging_at(rank, 7, 9, "test/ddp_rank0_stopped")
 
 
 def record_disagreement(rank: int, world: int) -> dict:
@@ -710,33 +718,7 @@ def ddp_record_divergence(rank: int, world: int) -> dict:
     re-record (bucket rebuilding): rank 1 records the step again, rank 0 replays it and waits in the
     next step's all-reduce. Rank 1 sees rank 0 blocked there and raises without waiting for
     TRACEJIT_DIST_TIMEOUT (30 s); rank 0 then raises in that all-reduce."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    def step(x, y, *, model, opt):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        if DIVERGE["now"]:
-            loss = loss * 2
-        loss.backward()
-        opt.step()
-        return loss
-
-    model = DistributedDataParallel(mlp())
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
-    traced = tracejit.trace(step, backend="aten")
-    facts: dict = {"failures": []}
-    for i, (x, y) in enumerate(batches(rank, steps=6)):
-        DIVERGE["now"] = rank == 1 and i == 3
-        started = time.perf_counter()
-        try:
-            traced(x, y, model=model, opt=opt)
-        except Exception as error:
-            facts.update(step=i, error_type=type(error).__name__, error=str(error),
-                         raised_after=time.perf_counter() - started)
-            stop_together(rank, "test/ddp_record_rank0_stopped")
-            return facts
-    facts["failures"].append("every step ran")
-    return facts
+    return ddp_diverging_at(rank, 3, 6, "test/ddp_record_rank0_stopped")
 
 
 SCENARIOS = {

@@ -79,11 +79,11 @@ def test_a_rank_recording_alone_stops_both_ranks(ranks):
 def test_a_rank_diverging_while_ddp_still_records_stops_both_ranks(ranks):
     rank0, rank1 = facts_of(ranks, "ddp_record_divergence")
     assert rank1["step"] == 3 and rank1["error_type"] == "CollectiveMismatchError", rank1
-    assert ("rank 1 recorded step() (its record #4 there) and rank 0 did not: rank 0 has been waiting for"
+    assert ("rank 1 recorded diverging_step() (its record #4 there) and rank 0 did not: rank 0 has been waiting for"
             in rank1["error"]), rank1["error"]
     assert "in all_reduce on process group '0', a collective rank 1 will not join" in rank1["error"]
     assert rank0["step"] == 4 and rank0["error_type"] == "CollectiveAbortedError", rank0["error"]
-    assert "rank 1 failed in step(): CollectiveMismatchError" in rank0["error"]
+    assert "rank 1 failed in diverging_step(): CollectiveMismatchError" in rank0["error"]
     print(f"divergence while recording at step 3: rank 1 raised after {rank1['raised_after']:.2f} s, "
           f"rank 0 after {rank0['raised_after']:.2f} s into step 4")
     assert rank1["raised_after"] < 10 and rank0["raised_after"] < 10  # not TRACEJIT_DIST_TIMEOUT's 30 s
@@ -253,7 +253,7 @@ def test_a_rank_diverging_at_the_api_level_stops_both_ranks(ranks):
         assert facts["step"] == 7 and facts["api_before"] >= 2 and facts["api_ready"], facts  # at the API level
     assert rank1["error_type"] == "TraceMismatchError" and rank1["api_fallbacks"] == 1
     assert rank0["error_type"] == "CollectiveAbortedError", rank0["error"]  # in the program's all-reduce
-    assert "rank 1 failed in step(): TraceMismatchError" in rank0["error"]
+    assert "rank 1 failed in diverging_step(): TraceMismatchError" in rank0["error"]
     print(f"API-level divergence at step 7: rank 1 raised after {rank1['raised_after']:.3f} s, "
           f"rank 0 after {rank0['raised_after']:.2f} s")
     assert rank0["raised_after"] < 10
