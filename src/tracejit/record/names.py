@@ -223,6 +223,7 @@ def plain_state(value: Any) -> dict | None:
 
 _PLAIN_DEPTH = 3  # levels of plain containers searched below a root
 _PLAIN_ITEMS = 64  # items of one list, tuple or dict searched
+_PLAIN_VISITS = 2048  # values searched in all: a dataset passed as a keyword is not walked through
 
 
 def _plain_object(value: Any) -> bool:
@@ -235,7 +236,7 @@ def _plain_object(value: Any) -> bool:
 
 def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimizers: list, visited: set,
                 depth: int) -> None:
-    if id(value) in visited:
+    if id(value) in visited or len(visited) >= _PLAIN_VISITS:
         return
     visited.add(id(value))
     if isinstance(value, torch.Tensor):
