@@ -5,7 +5,7 @@ an eager twin and to the traced model alike, in checked replay and `without_host
 A program draws how the step reaches its model and optimizer (keyword, closure, a helper
 function), the mode, and a schedule: before some calls, one or two changes from a catalogue
 (settings of modules and of the optimizer, train/eval, hooks added and removed, a parameterless
-layer swapped for another). After every call the loss, parameters, gradients, buffers and
+layer swapped for another, the first layer frozen or unfrozen). After every call the loss, parameters, gradients, buffers and
 optimizer state must equal eager's, or the call raises `TraceMismatchError` /
 `HostDependencyError` having updated no parameter; after such an error the program ends.
 
@@ -70,6 +70,10 @@ def _train_mode(model, opt, handles, training):
     model.train(training)
 
 
+def _freeze_first_layer(model, opt, handles, frozen):
+    model[0].requires_grad_(not frozen)
+
+
 # name -> (change(model, opt, hook handles, value), the values it draws from)
 CHANGES = {
     "lr": (_set(lambda m, o: o.param_groups[0], "lr"), [0.1, 0.05, 0.0, 0.2]),
@@ -81,6 +85,7 @@ CHANGES = {
     "hook": (_add_hook, [1.0, 2.0]),
     "remove_hooks": (_remove_hooks, [None]),
     "swap": (_swap_activation, ["tanh", "relu", "leaky"]),
+    "freeze": (_freeze_first_layer, [True, False]),
 }
 
 
