@@ -52,6 +52,8 @@ from .program import HostFreeProgram, scalar_layout
 from .state_holders import Holder, find_holders
 
 _PRIMITIVES = (bool, int, float, str, type(None))
+
+
 class GuardFailure(Exception):
     """An external of the last host-run call is gone: the next call runs the function."""
 
