@@ -69,8 +69,9 @@ class ExternalNames:
                           if (state := plain_state(value)) is not None}
 
     def python_changes(self) -> list[str]:
-        """What the call changed in the tensors found when it began by Python rather than by an op:
-        their memory (`p.data = p.data.clamp(...)`) or `requires_grad` (`p.requires_grad_(False)`)."""
+        """What the call changed by Python rather than by an op, in the tensors found when it began
+        (their memory: `p.data = p.data.clamp(...)`; `requires_grad_(False)`) and in the plain
+        settings of keyword objects of the user's own class (`cfg.temperature *= 0.5`)."""
         changes = []
         for ref, address, requires_grad, name in self._first:
             tensor = ref()
@@ -87,17 +88,12 @@ class ExternalNames:
         return changes
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
-        entry = self._lookup().get(id(tensor))
+        entry = self._found.get(id(tensor))
         return entry[0] if entry else None
 
     def locator_of(self, tensor: torch.Tensor) -> Locator | None:
-        entry = self._lookup().get(id(tensor))
+        entry = self._found.get(id(tensor))
         return entry[1] if entry else None
-
-    def _lookup(self) -> dict[int, tuple[str, Locator | None]]:
-        if self._found is None:
-            self._found = self._collect()
-        return self._found
 
     def _roots(self) -> list[tuple[str, tuple[str, Any], Any]]:
         return roots_of(self._function, self._kwargs)
