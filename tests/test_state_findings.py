@@ -373,3 +373,26 @@ def test_a_graph_a_partial_autograd_grad_did_not_run_is_kept_in_checked_calls():
             for model in models:
                 model.zero_grad()
     assert traced.stats.checked_replays >= CALLS - 2
+
+
+@pytest.mark.parametrize(("mode", "adam"), [("checked", {"foreach": False}), ("checked", {"fused": True}),
+                                            ("without_host", {"fused": True})])  # the for-loop reads step counts
+def test_models_trained_in_turn_each_with_its_own_optimizer(mode, adam):
+    """One step function trains two models in turn (an ensemble in lockstep). The second model's
+    first call replays the first one's recorded call, which created the optimizer's state; the
+    first model's next call has that state: it records again instead of raising
+    TraceMismatchError (it raised "aten._foreach_add_.Scalar instead of aten.zeros.default")."""
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(2)]
+    twins = [copy.deepcopy(net) for net in nets]
+    opts, twin_opts = ([torch.optim.Adam(m.parameters(), lr=0.01, **adam) for m in group] for group in (nets, twins))
+    traced = tracejit.trace(sgd_step, **MODES[mode])
+    for i in range(6):
+        for k in range(2):
+            x, y = torch.randn(5, 4), torch.randn(5, 2)
+            assert torch.equal(traced(x, y, m=nets[k], opt=opts[k]), sgd_step(x, y, m=twins[k], opt=twin_opts[k]))
+            assert_same_model(twins[k], nets[k], f"call {i} of model {k}")
+            for p, q in zip(twins[k].parameters(), nets[k].parameters()):
+                for name, value in twin_opts[k].state[p].items():
+                    assert torch.equal(value, opts[k].state[q][name]), f"call {i} of model {k}: {name}"
+    assert traced.stats.records + traced.stats.rerecords < traced.stats.calls  # it replayed

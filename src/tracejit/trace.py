@@ -89,6 +89,9 @@ class TraceEntry:
     warned_ran_twice: bool = False  # a diverging call ran the function again: said once per trace
     # keyword optimizers that held state after the recorded call: one found empty later creates it again
     stateful_optimizers: frozenset = frozenset()
+    # of those, the ones that had none when it began: the recorded call created their state, which
+    # a later call with state does not (models trained in turn, each with its own optimizer)
+    fresh_optimizers: frozenset = frozenset()
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
     shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
     tensor_kwargs: tuple[str, ...] | None = None  # its tensor keyword arguments, sorted (the signature fixes them)
@@ -391,6 +394,7 @@ class trace(ProfileAccess):
         if self._trace_count() - (replacing is not None) >= self.options.max_traces:
             raise self._cache_full(key, args, kwargs, grad_state)
         grads_before = gradient_snapshot(kwargs)
+        without_state = _optimizers_without_state(kwargs)
         recorder = self._new_recorder(kwargs)
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
         context = CallContext(self, recorder, self.options.capture_as_const)
@@ -421,8 +425,9 @@ class trace(ProfileAccess):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
         reached = self._reached_parameters(kwargs, recorder.handles.live(), record) if depends else ()
+        stateful = _stateful_optimizers(kwargs)
         entry = TraceEntry(key, record, program, grad_state if depends else None,
-                           stateful_optimizers=_stateful_optimizers(kwargs),
+                           stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
                            reached=reached, reached_bits=requires_grad_bits(reached))
         if replacing is not None:  # record_only: the newest call's record stands for its signature
             self._traces[key].remove(replacing)
@@ -630,16 +635,20 @@ class trace(ProfileAccess):
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         record = entry.record
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
-        fresh_optimizer = bool(entry.stateful_optimizers) and _optimizer_without_state(kwargs, entry.stateful_optimizers)
+        without_state = _optimizers_without_state(kwargs) if entry.stateful_optimizers else frozenset()
+        fresh_optimizer = bool(entry.stateful_optimizers & without_state)
         replayer = Replayer(
             entry.program, args, kwargs,
             # the first replay of a record that created state records it again; so does, in the
             # automatic symbolic_shape mode, a size's first replay of a symbolic trace, should the
-            # function dispatch what torch elides at concrete sizes (a full slice, a size query)
+            # function dispatch what torch elides at concrete sizes (a full slice, a size query);
+            # and a call whose optimizer lacks the state the record found, or has the state the
+            # record created (two models trained in turn: the second one's first call replays the
+            # first one's, and the first one's next call finds its own state)
             may_rerecord=(entry.replays == 0 and (
                 (record.created_state and not record.rerecorded)
                 or (entry.shape_trace is not None and self.options.symbolic_shape is None))
-                or fresh_optimizer),
+                or fresh_optimizer or bool(entry.fresh_optimizers - without_state)),
             external_names=ExternalNames(self._function, kwargs),
             capture_as_const=self.options.capture_as_const,
             variants=variants, room=self.options.max_traces - self._trace_count(), max_traces=self.options.max_traces,
@@ -709,9 +718,10 @@ class trace(ProfileAccess):
                 return result
             if fresh_optimizer:  # like a first recording: the next call, with that state, may record again
                 new_record.rerecorded = False
+            stateful = _stateful_optimizers(kwargs)
             replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace,
-                                  stateful_optimizers=_stateful_optimizers(kwargs), reached=entry.reached,
-                                  reached_bits=entry.reached_bits)
+                                  stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
+                                  reached=entry.reached, reached_bits=entry.reached_bits)
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result,
                                     live_graph=seen.live_graph)
@@ -1000,11 +1010,13 @@ def _stateful_optimizers(kwargs: dict) -> frozenset:
                      if isinstance(v, torch.optim.Optimizer) and any(v.state.values()))  # a look up leaves {} behind
 
 
-def _optimizer_without_state(kwargs: dict, stateful: frozenset) -> bool:
-    """A keyword optimizer that held state after the recorded call and holds none now (another
-    model's optimizer than the one recorded with, one whose state was cleared) creates its state
-    lazily in this call, as the recorded call did: the replay may record again from where it differs."""
-    return any(not any(kwargs[name].state.values()) for name in stateful if name in kwargs)
+def _optimizers_without_state(kwargs: dict) -> frozenset:
+    """The keyword optimizers that hold no state. One that held state after the recorded call and
+    holds none now (another model's optimizer than the one recorded with, one whose state was
+    cleared) creates its state lazily in this call, as the recorded call did: the replay may
+    record again from where it differs."""
+    return frozenset(name for name, v in kwargs.items()
+                     if isinstance(v, torch.optim.Optimizer) and not any(v.state.values()))
 
 
 def _stand_in_left_behind(recorder: SymbolicRecorder, error: BaseException) -> bool:
