@@ -396,3 +396,75 @@ def test_models_trained_in_turn_each_with_its_own_optimizer(mode, adam):
                 for name, value in twin_opts[k].state[p].items():
                     assert torch.equal(value, opts[k].state[q][name]), f"call {i} of model {k}: {name}"
     assert traced.stats.records + traced.stats.rerecords < traced.stats.calls  # it replayed
+
+
+class _Deep:
+    """Plain containers nested deeper than tracejit searches (names._PLAIN_DEPTH)."""
+
+    def __init__(self, depth: int):
+        self.inner = _Deep(depth - 1) if depth > 1 else None
+        self.value = None
+
+
+_stored: dict = {}
+_stored_module = nn.Linear(2, 2)
+
+
+def _keep_view_of_input(x):
+    _stored["tail"] = x[1:]
+    return x + 1
+
+
+def _keep_view_of_output(x):
+    y = x * 2
+    _stored["view"] = y[1:]
+    return y
+
+
+def _keep_on_global_module(x):
+    _stored_module.last = (x.sum() * 2).detach()
+    return x + 1
+
+
+def _keep_deep(x, *, box):
+    box.inner.inner.inner.inner.value = x.sum() * 2
+    return x + 1
+
+
+@pytest.mark.parametrize("case", ["view of input", "view of output", "global module", "deep"])
+def test_without_the_host_tensors_left_in_python_state_are_new_on_every_call(case):
+    """A tensor the function leaves in Python state it reaches without a keyword module (a global
+    dict, a global module's attribute) is a new tensor on every eager call. Host-free calls wrote
+    the new value into the one left before: the view of an earlier input or output changed that
+    input or output, and a history of them held one value. Now the place gets the new tensor; one
+    tracejit cannot find (deeper than it searches) is written only while nothing else holds it."""
+    function = {"view of input": _keep_view_of_input, "view of output": _keep_view_of_output,
+                "global module": _keep_on_global_module, "deep": _keep_deep}[case]
+    box = _Deep(5)
+    kwargs = {"box": box} if case == "deep" else {}
+    read = {"view of input": lambda: _stored["tail"], "view of output": lambda: _stored["view"],
+            "global module": lambda: _stored_module.last, "deep": lambda: box.inner.inner.inner.inner.value}[case]
+    traced = tracejit.trace(function, without_host=True)
+    inputs = [torch.full((3,), float(i)) for i in range(6)]
+    outputs, history = [], []
+    for x in inputs:
+        outputs.append(traced(x, **kwargs))
+        history.append(read())
+        if case == "view of input":
+            assert history[-1]._base is x  # a view of this call's input, as eager's
+    for i, x in enumerate(inputs):
+        assert torch.equal(x, torch.full((3,), float(i))), f"input {i} changed"
+        assert torch.equal(outputs[i], x * 2 if case == "view of output" else x + 1), f"output {i} changed"
+    kept = {"view of input": [[float(i)] * 2 for i in range(6)], "view of output": [[2.0 * i] * 2 for i in range(6)]}
+    want = kept.get(case, [6.0 * i for i in range(6)])
+    assert [t.tolist() for t in history] == want
+    if case == "deep":  # the history holds them: the function runs
+        assert traced.stats.host_free_misses >= 3
+        history.clear()
+        before = traced.stats.host_free_calls
+        for i in range(3):
+            traced(torch.full((3,), float(i)), **kwargs)
+            assert read().item() == 6.0 * i
+        assert traced.stats.host_free_calls > before  # held there alone, it is written in place
+    else:
+        assert traced.stats.host_free_calls >= 3

@@ -64,6 +64,10 @@ class ExternalNames:
             except TypeError:  # no weak references to it: nothing to compare
                 pass
         self._found.tensors.clear()  # held weakly from here: a freed gradient must be able to go
+        # the places Python could assign a new tensor to (an attribute, an entry, a buffer): where
+        # the call may leave one of its own (`cache["last"] = y`) for the next call to replace
+        self._places = [locator for _, locator in self._found.values() if locator is not None
+                        and locator.state_of is None and locator.steps and locator.steps[-1][0] in _ASSIGNED]
         # and the plain settings of keyword objects of the user's own class (a config)
         self._settings = {name: (value, state) for name, value in kwargs.items()
                           if (state := plain_state(value)) is not None}
@@ -94,6 +98,17 @@ class ExternalNames:
     def locator_of(self, tensor: torch.Tensor) -> Locator | None:
         entry = self._found.get(id(tensor))
         return entry[1] if entry else None
+
+    def place_of(self, tensor: torch.Tensor) -> Locator | None:
+        """Where the tensor is now, among the places that held a tensor when the call began: a call
+        without the function assigns its value there anew, as the function does."""
+        for locator in self._places:
+            try:
+                if resolve(locator, self._function, self._kwargs) is tensor:
+                    return locator
+            except (KeyError, AttributeError, IndexError, TypeError, ValueError):
+                continue  # the place is gone (a popped entry, a replaced container)
+        return None
 
     def _roots(self) -> list[tuple[str, tuple[str, Any], Any]]:
         return roots_of(self._function, self._kwargs)
@@ -159,6 +174,37 @@ def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any
             except ValueError:  # empty cell
                 pass
     return roots
+
+
+_ASSIGNED = ("attr", "item", "buffer")  # steps that end at a place Python assigns to
+
+
+def resolve(locator: Locator, function: Callable, kwargs: dict) -> Any:
+    """What is at `locator` now (not optimizer state). Raises what the lookup raises if it is gone."""
+    kind, key = locator.root
+    value = (kwargs[key] if kind == "kwarg" else function.__globals__[key] if kind == "global"
+             else function.__closure__[key].cell_contents)
+    for step, name in locator.steps:
+        if step == "grad":
+            value = value.grad
+        elif step == "item":
+            value = value[name]
+        else:
+            value = (vars(value) if step == "attr" else getattr(value, _MODULE_DICTS[step]))[name]
+    return value
+
+
+_MODULE_DICTS = {"module": "_modules", "param": "_parameters", "buffer": "_buffers"}
+
+
+def container_expression(locator: Locator) -> str:
+    """The expression for what holds the place at `locator` (its last step an attribute, entry or
+    buffer), in a generated call with `kw`, `GLOBALS` and `CELLS` in scope."""
+    expr = root_expression(locator.root)
+    for step, name in locator.steps[:-1]:
+        expr = {"module": f"{expr}._modules[{name!r}]", "attr": f"{expr}.__dict__[{name!r}]",
+                "item": f"{expr}[{name!r}]"}[step]
+    return expr
 
 
 def root_expression(root: tuple[str, Any]) -> str:

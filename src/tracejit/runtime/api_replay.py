@@ -743,7 +743,7 @@ def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
             if holder is not None and holder is not env[handle]:
                 holder.copy_(env[handle])
         for handle, where in getattr(program.runner, "assigned_holders", {}).items():
-            where.assign(env[handle])
+            where.assign(env[handle], kwargs)
     return _output_value(record.output, env)
 
 

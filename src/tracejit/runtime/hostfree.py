@@ -14,6 +14,7 @@ and rebinds.
 from __future__ import annotations
 
 import copy
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -26,7 +27,7 @@ from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
 from ..record.calls import data_dependent_size
 from ..record.ddp_calls import is_ddp
-from ..record.names import ExternalNames, Locator, plain_value, root_expression, same_value
+from ..record.names import ExternalNames, Locator, container_expression, plain_value, root_expression, same_value
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
 from ..signature import (
@@ -49,7 +50,7 @@ from .optimizer_settings import (
     stepped_optimizers,
 )
 from .program import HostFreeProgram, scalar_layout
-from .state_holders import Holder, find_holders
+from .state_holders import Holder, Place, find_holders
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 
@@ -340,10 +341,14 @@ class HostFreeRunner:
         # The program only reads the scalars: without settings to bind, the recorded list serves.
         # A checked call at the API level passes the numbers the function just used (S).
         own = "list(SCALARS)" if bindings else "SCALARS"
+        self._names = names
+        self._escape_guards: list[str] = []  # filled by the epilogue: checks before the program runs
+        program = self._program_lines(objects, kwargs, src)
+        guards += self._escape_guards
         lines += [f"s = {own} if S is None else S", "try:", *(f"    {line}" for line in guards),
                   "except (KeyError, AttributeError, IndexError, TypeError):",
                   "    return MISS  # a module, optimizer or global no longer has what it had"]
-        lines += self._program_lines(objects, kwargs, src)
+        lines += program
         self.sources["call"], self.call = src.function("call", "args, kw, S=None, E=None", lines)
         self.sources["admit"], self.admit = src.function("admit", "args, kw", [*admit, "return True"])
 
@@ -540,6 +545,16 @@ class HostFreeRunner:
                 body.append(f"{self._input_grads[id(obj)]}.grad = h{handle}")
                 continue
             holder = holders.get(id(obj))
+            if holder is None:
+                place = self._names.place_of(obj)
+                if place is not None:
+                    # a place reached otherwise (`cache["last"] = y`, a global module's attribute):
+                    # its container is looked up before the program runs, where a lookup may fail
+                    container = f"pc{len(self._escape_guards)}"
+                    self._escape_guards.append(f"{container} = {container_expression(place)}")
+                    body += Place(place, self.function).store(f"h{handle}", container)
+                    self.assigned_holders[handle] = Place(place, self.function)
+                    continue
             # A module attribute or buffer the function assigned (`self.last = loss.detach()`), and
             # a gradient it made (backward after zero_grad()), is a new tensor on every eager call:
             # a reference to an earlier one kept by the user (`history.append(model.last)`,
@@ -556,6 +571,14 @@ class HostFreeRunner:
             if holder is not None:
                 body += holder.store(f"h{handle}", ref, src)
             else:
+                # Held where tracejit cannot find it: the new value is written into the object held
+                # now, which is right only while nothing else holds that object (a history of them)
+                # and it is no view of another's memory (a view of an earlier input or output).
+                # Otherwise the call runs the function, which makes a new one as eager does.
+                self._escape_guards.append(_fail(
+                    f"(o := {ref}()) is not None and (o._base is not None or REFCOUNT(o) > 3)",
+                    f"t{handle}, which the function keeps where tracejit cannot find it, is held elsewhere too"))
+                src.namespace["REFCOUNT"] = sys.getrefcount
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..record.names import Locator, resolve
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -22,7 +24,7 @@ class Holder:
     owner: weakref.ref  # the parameter, module or optimizer
     key: Any = None  # attribute or buffer name; for "state" (parameter ref, state key)
 
-    def assign(self, value: torch.Tensor) -> None:
+    def assign(self, value: torch.Tensor, kwargs: dict | None = None) -> None:
         """Put `value` where this holder keeps its tensor, as `store` with no recorded object does."""
         owner = self.owner()
         if owner is None:
@@ -56,6 +58,31 @@ class Holder:
             return [*lines, f"    {assign}"]
         return [*lines, f"    o = {read}", f"    if o is not None and o is {recorded}(): o.copy_({value})",
                 f"    elif o is not {value}: {assign}"]
+
+
+@dataclass(frozen=True)
+class Place:
+    """A place the function reaches other than through a keyword module or optimizer (a global
+    dict's entry, an attribute of a global module or of a keyword object of the user's class) where
+    it leaves a tensor it made: a new tensor on every eager call, so it is always assigned anew."""
+    locator: Locator
+    function: Any  # the traced function, whose globals and closure cells the locator starts from
+    kind: str = "place"
+
+    def assign(self, value: torch.Tensor, kwargs: dict) -> None:
+        container = resolve(Locator(self.locator.root, self.locator.steps[:-1]), self.function, kwargs)
+        step, key = self.locator.steps[-1]
+        if step == "item":
+            container[key] = value
+        else:
+            (container.__dict__ if step == "attr" else container._buffers)[key] = value
+
+    def store(self, value: str, container: str) -> list[str]:
+        """The line that leaves `value` at the place, in the container the guards bound to `container`."""
+        step, key = self.locator.steps[-1]
+        target = {"item": f"{container}[{key!r}]", "attr": f"{container}.__dict__[{key!r}]",
+                  "buffer": f"{container}._buffers[{key!r}]"}[step]
+        return [f"{target} = {value}"]
 
 
 def find_holders(kwargs: dict) -> dict[int, Holder]:
