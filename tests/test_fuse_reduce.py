@@ -4,6 +4,8 @@ elementwise ops around them."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from fused_support import assert_close_to_eager, fused_nodes
@@ -428,3 +430,28 @@ def test_row_groups_run_by_the_reference_backend_are_bitwise_eager():
         args = CASES["softmax"][1](g, torch.float32)
         assert torch.equal(traced(*args), attention_scores(*args))
     assert member_ops(row_nodes(traced)[0]) == ["div", "add", "_softmax", "mul"]
+
+
+def test_a_forward_whose_returned_graph_is_kept_stores_what_backward_saved():
+    """A training-mode BatchNorm + ReLU forward traced with its input requiring grad, backward run
+    by the caller: the returned graph saved BatchNorm's batch statistics, which the row kernel did
+    not store and cannot compute again (it updates the running statistics), so every call after
+    the first raised TraceMismatchError ("kept a reference to t8"). Its kernel stores them now."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.ReLU())
+    eager = copy.deepcopy(model)
+    traced = tracejit.trace(lambda x: model(x), backend="c", graph_opt_config=ON)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        x = torch.randn(2, 3, 4, 4, generator=g, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        got, want = traced(x), eager(x_eager)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-4, atol=1e-5)
+        for a, b in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model[0].running_mean, eager[0].running_mean)
+    assert traced.stats.checked_replays == 3
+    assert member_ops(row_nodes(traced)[0])[:2] == ["native_batch_norm", "relu"]

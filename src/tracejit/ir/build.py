@@ -90,7 +90,11 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
             info = record.tensors[handle]
             nodes.append(Node(INPUT_OP_OF_KIND[info.kind], None, (), (versions.create(handle),),
                               input_name=info.name))
-    escaped = frozenset(i.handle for i in record.tensors if i.kind is Kind.INTERNAL and i.flags & Flag.ESCAPED)
+    # A checked call hands the host every value, and a returned tensor's autograd graph that the
+    # call leaves alive holds what it saved: fused kernels must store those values too (a
+    # BatchNorm row kernel cannot compute its saved mean again: it updates the running statistics)
+    kept = Flag.ESCAPED | Flag.SAVED if host_visible else Flag.ESCAPED
+    escaped = frozenset(i.handle for i in record.tensors if i.kind is Kind.INTERNAL and i.flags & kept)
     return Graph(
         function_name=record.function_name,
         values=tuple(versions.values),

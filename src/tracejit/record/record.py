@@ -35,6 +35,9 @@ class Flag(enum.Flag):
     # Python code of the call read its shape (.shape, size(), dim(), numel(), stride(), len()) while
     # it was recorded. Shapes are part of the input signature, so such reads never change a replay.
     SHAPE_READ = enum.auto()
+    # memory the autograd graph of a returned tensor saved for backward (not state: see
+    # recorder.mark_escapes); a checked call that keeps the graph alive needs its value
+    SAVED = enum.auto()
 
 
 @dataclass(frozen=True)

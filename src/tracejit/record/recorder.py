@@ -394,7 +394,10 @@ def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int
     created_state = False
     for handle, pointer in alive.items():
         info = record.tensors[handle] if handle < len(record.tensors) else None
-        if info is None or info.kind is not Kind.INTERNAL or pointer in saved_for_backward:
+        if info is None or info.kind is not Kind.INTERNAL:
+            continue
+        if pointer in saved_for_backward:
+            info.flags |= Flag.SAVED
             continue
         info.flags |= Flag.ESCAPED
         if not info.flags & Flag.RETURNED and pointer not in returned:
