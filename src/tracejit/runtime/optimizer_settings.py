@@ -2,8 +2,8 @@
 
 A call without the function does not see `param_groups`: the numbers the optimizer passed to its
 ops are dynamic scalars of the program (the flat list `s`). A setting whose slots are known is
-read from `param_groups` on every call and written into them (a *binding*): `lr` everywhere, and
-for the fused ops and torch's SGD the settings schedulers change (`OneCycleLR` cycles momentum or
+read from `param_groups` on every call and written into them (a *binding*): `lr` of torch.optim's
+optimizers, and for the fused ops and torch's SGD the settings schedulers change (`OneCycleLR` cycles momentum or
 beta1). Every other setting, the groups and their parameters are guarded: a changed one makes the
 call a checked one, which runs the function and records the new numbers.
 """
@@ -130,6 +130,10 @@ class _Group:
     params: set[int]  # ids of its parameters
     buffers: set[int]  # ids of its momentum buffers
     sgd: bool  # torch.optim.SGD itself: its ops are known (see _sgd_bindings)
+    # a class of torch.optim: where its ops take the learning rate is known. An optimizer of the
+    # user's own (a subclass too) may compute other numbers from it (Lion's `p.mul_(1 - lr * wd)`),
+    # which would stay frozen while a bound `lr` followed the schedule: its lr is guarded instead
+    torch_own: bool
 
 
 def find_bindings(record: Record, objects: dict[int, torch.Tensor], optimizers: list[tuple[str, Any]],
@@ -168,7 +172,8 @@ def _groups(optimizers: list[tuple[str, Any]]) -> list[_Group]:
             buffers = {id(state["momentum_buffer"]) for p in group["params"]
                        if isinstance((state := optimizer.state.get(p, {})).get("momentum_buffer"), torch.Tensor)}
             kind = getattr(optimizer, "optimizer_class", type(optimizer))  # a snapshot names its class
-            groups.append(_Group(name, index, group, params, buffers, kind is torch.optim.SGD))
+            groups.append(_Group(name, index, group, params, buffers, kind is torch.optim.SGD,
+                                 kind.__module__.startswith("torch.optim.")))
     return groups
 
 
@@ -176,7 +181,7 @@ def _slot_settings(op: Any, name: str, slots: list, ids: dict, group: _Group):
     """(slot index, (key, element, sign)) for each slot of `op` that carries a setting of `group`."""
     fused = name.startswith("_fused_")
     writes_param = any(ids.get(h) in group.params for h in op.mutated)
-    lr = group.settings.get("lr")
+    lr = group.settings.get("lr") if group.torch_own else None
     for k, (slot, value) in enumerate(slots):
         if not isinstance(value, float):
             continue
