@@ -4,7 +4,8 @@ backend over several calls and compared with eager exactly:
 - `fill_` of an integer tensor with a float, which went through float32;
 - `log2`/`log10`, computed as log(x) / ln b, one ulp short of the integer at powers of the base;
 - `gelu(+inf)` in float32, which eager's CPU kernel makes NaN;
-- a dynamic scalar out of range for the tensor's type, which eager refuses and the kernel wrapped.
+- a dynamic scalar out of range for the tensor's type, which eager refuses and the kernel wrapped;
+- a write the caller sees, held back in a group past a gather that raised.
 """
 
 from __future__ import annotations
@@ -248,3 +249,36 @@ def test_triton_half_precision_scalar_beyond_float16_raises_as_eager_does(functi
         with pytest.raises(RuntimeError, match="without overflow"):
             traced(x.clone(), k=1e5)
         assert same(traced(x.clone(), k=4.0), function(x.clone(), k=4.0))
+
+
+_counter = torch.zeros(())
+
+
+def _count_around_a_gather(x, idx):
+    _counter.add_(1)  # a write the caller sees, before an op that checks its indices
+    y = torch.gather(x, 0, idx)
+    _counter.add_(1)
+    return y * _counter
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_a_write_before_an_op_that_raises_happens_as_in_eager(without_host):
+    """The two `add_`s of a global counter were one fused kernel run after the gather between
+    them: when the gather raised (an index out of range), the first write was lost and the
+    counter stayed one behind eager's on every later call. A group does not hold a write the
+    caller sees back past an op that checks values now."""
+    def run(function):
+        _counter.zero_()
+        log = []
+        for i in range(5):
+            idx = torch.tensor([0, 7 if i == 2 else 1])
+            try:
+                function(torch.arange(4.0), idx)
+                log.append(_counter.item())
+            except RuntimeError:
+                log.append(("raised", _counter.item()))
+        return log
+
+    traced = tracejit.trace(_count_around_a_gather, backend="c", without_host=without_host)
+    assert run(traced) == run(_count_around_a_gather) == [2.0, 4.0, ("raised", 5.0), 7.0, 9.0]
+    assert traced.stats.host_free_calls if without_host else traced.stats.checked_replays

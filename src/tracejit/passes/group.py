@@ -15,7 +15,8 @@ the shape, or one shape per list element for `_foreach_` ops).
 
 When a group is *legal* is decided here (`legal_group`), from one rule: a group runs when its last
 member's position is reached, so nothing outside it may need a member's value, or write a
-member's input, between its first and last member. Groups never cross a host read or an excluded
+member's input, between its first and last member; nor may an op that checks values and raises
+come after a member's write the caller sees (eager made that write before it raised). Groups never cross a host read or an excluded
 block, and in host-visible graphs nothing outside may even read a group input inside the span
 (holding it would change what autograd dispatches). A group that writes a storage it reads reads
 it only through the written tensor itself (one element, one index: no overlap hazard); inputs
@@ -26,12 +27,13 @@ runs lane by lane, eager op by op).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from ..ir.fused_group import FusedGroup
-from ..ir.graph import Graph, Node, Op
+from ..ir.graph import INPUT_OPS, Graph, Node, Op
 from ..record.calls import rebuild_call
 from .analysis import versions_of
 
@@ -165,9 +167,17 @@ def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = No
     read_roots = {graph.values[v].root for v in read}
     if not _writes_are_exclusive(graph, members, read) or not _lanes_are_exclusive(graph, members):
         return False
-    for node in nodes[start + 1:end]:
+    # eager has made a write the caller sees (an input, a parameter, state that outlives the call)
+    # when a later op raises on its values (an index out of range): the group must not hold such a
+    # write back past that op, or the caller would find it missing after the error
+    seen_write = next((i for i in range(start, end) if id(nodes[i]) in member_ids and nodes[i].writes
+                       and _writes_visible_memory(graph, nodes[i])), end)
+    for index in range(start + 1, end):
+        node = nodes[index]
         if id(node) in member_ids or not node.positions:
             continue
+        if index > seen_write and _raises_on_values(node):
+            return False
         if any(v in produced for v in node.inputs):
             return False  # needs a member's value before the group runs
         if any(graph.values[v].root in read_roots for v in node.writes):
@@ -175,6 +185,42 @@ def legal_group(graph: Graph, members: list[Node], nodes: list[Node] | None = No
         if graph.host_visible and any(v in read for v in node.inputs):
             return False  # the program would hold the input while the host uses it
     return True
+
+
+# aten ops that check their tensors' values and raise (indices in range, probabilities, targets)
+_VALUE_CHECKED = frozenset({
+    "gather", "scatter", "scatter_add", "scatter_reduce", "index", "index_put", "_index_put_impl", "index_select",
+    "index_add", "index_copy", "index_fill", "index_reduce", "take", "put", "embedding", "embedding_bag",
+    "_embedding_bag", "embedding_dense_backward", "nll_loss_forward", "nll_loss2d_forward", "nll_loss_backward",
+    "nll_loss2d_backward", "multi_margin_loss", "multilabel_margin_loss_forward", "binary_cross_entropy",
+    "multinomial", "bincount", "one_hot", "repeat_interleave", "searchsorted", "bucketize", "histc",
+    "masked_scatter", "_assert_async", "_assert_scalar", "_linalg_check_errors",
+})
+
+
+def _raises_on_values(node: Node) -> bool:
+    targets = [m.target for m in node.members] if node.op is Op.FUSED else [node.target]
+    return any(isinstance(t, torch._ops.OpOverload) and t._overloadpacket.__name__ in _VALUE_CHECKED for t in targets)
+
+
+def _writes_visible_memory(graph: Graph, node: Node) -> bool:
+    """Whether `node` writes memory that is not the call's own: an input's, an external's (a
+    parameter, a buffer, optimizer state), or a value that outlives the call."""
+    roots = {graph.values[v].root for v in node.writes}
+    return bool(roots & _visible_roots(graph))
+
+
+_visible_cache: dict[int, tuple[weakref.ref, frozenset]] = {}  # legal_group runs for every candidate group
+
+
+def _visible_roots(graph: Graph) -> frozenset:
+    cached = _visible_cache.get(id(graph))
+    if cached is None or cached[0]() is not graph:
+        handles = {graph.values[v].handle for n in graph.nodes if n.op in INPUT_OPS for v in n.outputs if v is not None}
+        cached = _visible_cache[id(graph)] = (weakref.ref(graph), frozenset(handles | set(graph.escaped)))
+        if len(_visible_cache) > 64:  # graphs of finished compilations
+            _visible_cache.pop(next(iter(_visible_cache)))
+    return cached[1]
 
 
 def _writes_are_exclusive(graph: Graph, members: list[Node], read: set[int]) -> bool:
