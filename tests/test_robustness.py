@@ -275,3 +275,29 @@ def test_data_dependent_shape_change_records_a_variant(trace):
     for x in ([1.0, -1.0, 2.0], [1.0, 1.0, 2.0], [1.0, -1.0, 2.0]):
         assert torch.equal(f(torch.tensor(x)), body(torch.tensor(x)))
     assert f.stats.shape_variants == 1 and f.stats.checked_replays == 1
+
+
+def test_a_storage_argument_is_refused_at_its_op():
+    """`torch.empty(0).set_(x.untyped_storage(), ...)` was recorded with the first call's storage
+    as a constant: without the host, later calls wrote into the first call's input and left theirs
+    untouched; checked calls failed with the storage's raw bytes in the message. It is refused at
+    the op, naming it and the line; inside exclude_from_trace() it runs as in eager."""
+    def alias_through_storage(x):
+        alias = torch.empty(0).set_(x.untyped_storage(), 0, (2,), (1,))
+        alias.fill_(7.0)
+        return x.sum()
+
+    for options in ({}, {"without_host": True}):
+        with pytest.raises(NotImplementedError, match=r"set_\.source_Storage.* takes a storage object.*as_strided"):
+            tracejit.trace(alias_through_storage, **options)(torch.zeros(4))
+
+    def excluded(x):
+        with tracejit.exclude_from_trace():
+            alias = torch.empty(0).set_(x.untyped_storage(), 0, (2,), (1,))
+            alias.fill_(7.0)
+        return x.sum()
+
+    traced = tracejit.trace(excluded)
+    for _ in range(3):
+        x = torch.zeros(4)
+        assert traced(x).item() == 14.0 and x.tolist() == [7.0, 7.0, 0.0, 0.0]

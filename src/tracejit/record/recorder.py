@@ -222,6 +222,7 @@ class Recorder:
         autograd_node = torch._C._current_autograd_node()
         _refuse_non_strided(func, tensors, "takes", index, source)
         _refuse_non_strided_constructor(func, kwargs, index, source)
+        _refuse_storage_arguments(func, args, kwargs, index, source)
         inputs = tuple(self._input_handle(t, func, index) for t in tensors)
         written = mutated_tensors(func, args, kwargs)
         self._check_const_writes(func, written, index, source)
@@ -537,3 +538,15 @@ def _non_strided_error(func: Any, what: str, index: int, source: Any) -> NotImpl
         f"F.embedding(..., sparse=True): use sparse=False (with SGD or Adam instead of SparseAdam), "
         f"or run backward() and the optimizer step inside tracejit.exclude_from_trace()."
     )
+
+
+def _refuse_storage_arguments(func: Any, args: tuple, kwargs: dict, index: int, source: Any) -> None:
+    """`t.set_(x.untyped_storage(), ...)` takes memory as a storage object, not a tensor: the
+    record would keep this call's storage as a constant, so replays would read and write the first
+    call's memory (the caller's old input). Refused by name at the op instead."""
+    if any(isinstance(a, (torch.UntypedStorage, torch.TypedStorage)) for a in (*args, *kwargs.values())):
+        raise NotImplementedError(
+            f"tracejit: op #{index} {func} at {source} takes a storage object, whose memory a trace cannot "
+            f"follow from call to call: make the tensor a view of the one it shares memory with "
+            f"(`x.view(...)`, `x[...]`, `x.as_strided(size, stride, offset)`), or run this code inside "
+            f"tracejit.exclude_from_trace().")
