@@ -8,6 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tracejit.ir import Op
+from tracejit.record.calls import is_view_op
+
 
 class MLP(nn.Module):
     def __init__(self, sizes=(64, 128, 128, 10)):
@@ -61,6 +64,46 @@ class TransformerBlock(nn.Module):
         x = x + self.proj(y)
         x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
         return self.head(x.mean(dim=1))
+
+
+class DropoutAttention(nn.Module):
+    """Attention with dropout: backward takes views (bmm's transposes) of the recomputed softmax
+    and of the hidden values it multiplies."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        att = self.drop(torch.softmax(h @ h.transpose(-1, -2), -1))
+        h2 = att @ h
+        return torch.tanh(torch.tanh(self.b(h2)) * h2)
+
+
+def attention_step(x, *, model, opt):
+    opt.zero_grad()  # first, so that the step leaves its gradients for the comparison
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def views_outside_their_storage(graph):
+    """Views whose root is no storage their node reads: plan_memory takes a view's root for the
+    storage it keeps alive, so such a view's own storage may be reused while the view is read."""
+    wrong = []
+    for node in graph.nodes:
+        if node.op is not Op.CALL or not is_view_op(node.target):
+            continue
+        read = {graph.values[v].root for v in node.inputs}
+        for vid in node.outputs:
+            value = graph.values[vid] if vid is not None else None
+            if value is not None and value.root != value.handle and value.root not in read:
+                wrong.append(f"{node.name} -> t{vid} (root {value.root}, reads {sorted(read)})")
+    return wrong
 
 
 def batch(kind: str, step: int, batch_size: int = 8):

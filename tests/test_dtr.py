@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_same_state
+from models import DropoutAttention, assert_same_state, attention_step, views_outside_their_storage
 
 import tracejit
 from tracejit.passes.recompute_budget import planned_peak
+from tracejit.passes.rematerialize import find_candidates, recompute_all_but
 
 
 def deep_mlp(depth: int = 16, width: int = 128) -> nn.Module:
@@ -106,6 +107,46 @@ def test_trains_under_half_the_planned_peak_bitwise_as_eager(kind, without_host)
         targets = {str(n.target) for n in host_free_graph(traced).nodes}
         assert "aten._native_batch_norm_legit.no_stats" in targets, targets
     assert 0 < plan.extra_flops < plan.step_flops
+
+
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+def test_backward_views_of_recomputed_values_follow_the_copy(without_host):
+    # the planner recomputes with rematerialize's rewriter: bmm's backward transposes the
+    # recomputed attention weights, a view that kept the original's root (see test_sublinear.py)
+    torch.manual_seed(0)
+    model_a = DropoutAttention()
+    model_b = copy.deepcopy(model_a)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.01)
+    config = tracejit.DTRConfig(eviction_threshold=0, evictee_minimum_size=0)  # recompute all it can
+    traced = tracejit.trace(attention_step, without_host=without_host, backend="aten", dtr_config=config)
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x = torch.randn(4, 8, 16, generator=g)
+        torch.manual_seed(100 + i)  # dropout draws the same numbers in both
+        want = attention_step(x, model=model_a, opt=opt_a)
+        torch.manual_seed(100 + i)
+        assert torch.equal(traced(x, model=model_b, opt=opt_b), want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    if without_host:
+        assert traced.stats.host_free_calls > 0, traced.stats
+    else:
+        assert traced.stats.api_replays > 0, traced.stats
+    names = [name for name, _, _ in traced.history]
+    before, planned = (traced.history[i][1] for i in (names.index("plan_recomputation") - 1,
+                                                       names.index("plan_recomputation")))
+    assert planned.recompute_plan.evicted > 0, planned.recompute_plan
+    assert views_outside_their_storage(planned) == []
+    # it evicts values backward takes views of: left with the original's root, such a view made
+    # the original look alive through backward next to its copy, so the planner saw no saving and
+    # kept them (had it evicted one, plan_memory would have reused the copy's buffer under the view)
+    views_of_copies = [n for n in planned.nodes if n.backward_of and n.inputs and n.inputs[0] >= len(before.values)
+                       and any(v is not None and planned.values[v].root != planned.values[v].handle
+                               for v in n.outputs)]
+    assert views_of_copies, planned.recompute_plan
+    candidates = find_candidates(before)  # every eviction the planner may try
+    for root in candidates.saved_roots:
+        assert views_outside_their_storage(recompute_all_but(candidates, set(candidates.saved_roots) - {root})) == []
 
 
 def test_a_threshold_above_the_peak_changes_nothing():

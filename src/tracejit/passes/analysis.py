@@ -91,20 +91,25 @@ def replace_uses(graph: Graph, nodes: list[Node], mapping: dict[int, int]) -> di
             node = replace(node, inputs=inputs)
         rewritten.append(node)
     return {"nodes": rewritten, "outputs": tuple(resolve(v) for v in graph.outputs),
-            "values": _rehomed_views(graph, {old: resolve(old) for old in mapping})}
+            "values": rehomed_views(graph, {old: resolve(old) for old in mapping})}
 
 
-def _rehomed_views(graph: Graph, replaced_by: dict[int, int]) -> tuple[Value, ...]:
+def rehomed_views(graph: Graph, replaced_by: dict[int, int], among: set[int] | None = None) -> tuple[Value, ...]:
     """The values, with the views of a replaced value's storage living in the storage of the value
-    replacing it. CSE keeps one of two equal results: `last = a.mean(0).detach()` after an equal
-    `a.mean(0)` is a view of the kept mean. Left with the dropped result as its root, such a view
-    (kept in Python state) did not make the kept storage outlive the call, and plan_memory reused
-    it for other values while the caller still held it."""
+    replacing it (`replaced_by`: value id -> value id). plan_memory keeps a storage alive while any
+    value with it as root is used, so a view left with the replaced storage as its root does not
+    keep the replacement's storage alive, which is reused while the view is still read or held.
+
+    CSE keeps one of two equal results: `last = a.mean(0).detach()` after an equal `a.mean(0)` is
+    a view of the kept mean; the dropped one is made by no node any more, so every view of its
+    storage moves. rematerialize keeps the original for forward and gives backward a recomputed
+    copy: only the views backward makes of the copy move, those are `among` (default: all)."""
     roots = {graph.values[old].root: graph.values[new].root for old, new in replaced_by.items()}
     roots = {old: new for old, new in roots.items() if old != new}
     if not roots:
         return graph.values
-    return tuple(replace(v, root=roots[v.root]) if v.root in roots else v for v in graph.values)
+    return tuple(replace(v, root=roots[v.root]) if v.root in roots and (among is None or v.id in among) else v
+                 for v in graph.values)
 
 
 def peak_live_bytes(graph: Graph) -> int:

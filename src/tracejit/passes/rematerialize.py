@@ -26,7 +26,7 @@ import torch
 
 from ..ir.graph import Graph, Node, Op, Value
 from ..record.record import TENSOR
-from .analysis import is_pure_call, observable_roots, single_version_handles
+from .analysis import is_pure_call, observable_roots, rehomed_views, single_version_handles
 
 
 def rematerialize(graph: Graph, checkpoint_every: int | None = None, min_bytes: int = 0) -> Graph:
@@ -79,8 +79,30 @@ def recompute_all_but(candidates: Candidates, kept: set[int]) -> Graph:
         rewritten.append(node)
     if not rewriter.values:
         return graph
-    return replace(graph.with_nodes(rewritten, "rematerialize"), values=graph.values + tuple(rewriter.values),
-                   num_handles=rewriter.next_handle)
+    recomputed = replace(graph.with_nodes(rewritten, "rematerialize"), values=graph.values + tuple(rewriter.values),
+                         num_handles=rewriter.next_handle)
+    return replace(recomputed, values=rehomed_views(recomputed, rewriter.copies,
+                                                    among=_views_of_copies(recomputed, rewriter.copies)))
+
+
+def _views_of_copies(graph: Graph, copies: dict[int, int]) -> set[int]:
+    """The views backward makes of recomputed copies, directly or through other such views: bmm's
+    backward transposes the (recomputed) softmax it multiplies. Recorded as views of the original,
+    they would keep the original's storage alive instead of the copy's, and plan_memory would give
+    the copy's buffer to a later op while they are still read. A view's storage is its node's
+    first input's (as for the copies themselves, `_Rewriter._root_of_copy`); views of a value
+    backward still reads from forward (one no copy replaces) stay with the original."""
+    moved = set(copies.values())
+    views = set()
+    for node in graph.nodes:
+        if not node.inputs or node.inputs[0] not in moved:
+            continue
+        for vid in node.outputs:
+            value = graph.values[vid] if vid is not None else None
+            if value is not None and vid not in moved and value.root != value.handle:
+                views.add(vid)
+                moved.add(vid)
+    return views
 
 
 def _recomputable_values(graph: Graph, nodes: list[Node], producer: dict, first_backward: int) -> set[int]:
