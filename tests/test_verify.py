@@ -190,3 +190,19 @@ def test_a_tensor_reshaped_in_place_has_its_new_shape_in_the_graph_and_no_kept_b
     add = call_nodes(record_graph, aten.add.Tensor)[0][1]
     assert record_graph.values[add.inputs[0]].meta.shape == (3, 2)
     assert call_nodes(final, aten.mul.Tensor)[0][1].buffer is None
+
+
+def test_a_view_rooted_in_a_storage_its_node_does_not_read_is_named():
+    """plan_memory keeps a view's root alive while the view is read: a pass that substitutes a
+    value but leaves the views of it rooted in the old one (rematerialize did, for backward's
+    transposes of recomputed activations) lets the view's real storage be reused under it."""
+    b = GraphBuilder()
+    x, y = b.arg(torch.randn(3, 4)), b.arg(torch.randn(3, 4))
+    t = b.call(aten.t.default, x)
+    graph = b.build([t, y])
+    verify(graph)
+    (index, node), = call_nodes(graph, aten.t.default)
+    moved = dataclasses.replace(node, inputs=(graph.values[graph.outputs[1]].id,))  # reads y, rooted in x
+    broken = dataclasses.replace(graph, nodes=graph.nodes[:index] + (moved,) + graph.nodes[index + 1:])
+    with pytest.raises(GraphVerificationError, match=r"makes view \d+ in storage t0, which it does not read \(it reads t1\)"):
+        verify(broken)

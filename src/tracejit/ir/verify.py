@@ -1,15 +1,16 @@
 """verify(graph): checks run after every pass when TRACEJIT_VERIFY=1 (the test suite sets it).
 
 Structure: value ids in range, each defined once and before use, nodes in firing order, the
-outputs defined. Metadata: a CALL node's recorded input metas are those of the values it reads,
-and its results have the shapes and dtypes the op gives for its inputs (meta_check.py, which
-says what it cannot check). Fused
-groups: members are CALL nodes whose inputs come from the group's inputs or earlier members,
-whose outputs and writes the group's are, and which walk the group's iteration space.
+outputs defined, views in the storage of a value their node reads. Metadata: a CALL node's
+recorded input metas are those of the values it reads, and its results have the shapes and dtypes
+the op gives for its inputs (meta_check.py, which says what it cannot check). Fused groups:
+members are CALL nodes whose inputs come from the group's inputs or earlier members, whose
+outputs and writes the group's are, and which walk the group's iteration space.
 """
 
 from __future__ import annotations
 
+from ..record.calls import aliases_its_input
 from .graph import INPUT_OPS, Graph, Node, Op
 from .meta_check import meta_mismatches
 
@@ -82,9 +83,9 @@ def _node_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
 
 
 def _call_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
+    problems = _view_root_problems(graph, node)
     if not metadata:
-        return []
-    problems = []
+        return problems
     if node.input_metas:  # graphs built by hand may leave them out
         reads = [graph.values[v].meta for v in node.inputs]
         if len(node.input_metas) != len(reads):
@@ -93,6 +94,19 @@ def _call_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
             if (recorded.shape, recorded.dtype) != (meta.shape, meta.dtype):
                 problems.append(f"input {i} was recorded as {recorded} but reads a {meta}")
     return problems + meta_mismatches(graph, node)
+
+
+def _view_root_problems(graph: Graph, node: Node) -> list[str]:
+    """A view lives in the storage of a value its node reads: plan_memory keeps a view's root
+    alive while the view is read, so a view rooted elsewhere lets its real storage be reused under
+    it (a pass that substitutes a value must move the views of it too)."""
+    if not aliases_its_input(node.target):
+        return []
+    read = {graph.values[v].root for v in node.inputs}
+    return [f"makes view {vid} in storage t{graph.values[vid].root}, which it does not read (it reads "
+            f"{', '.join(f't{r}' for r in sorted(read))})" for vid in node.outputs
+            if vid is not None and graph.values[vid].root != graph.values[vid].handle
+            and graph.values[vid].root not in read]
 
 
 def _group_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
