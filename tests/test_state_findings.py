@@ -431,7 +431,12 @@ def _keep_deep(x, *, box):
     return x + 1
 
 
-@pytest.mark.parametrize("case", ["view of input", "view of output", "global module", "deep"])
+def _keep_deep_view_of_input(x, *, box):
+    box.inner.inner.inner.inner.value = x[1:]
+    return x + 1
+
+
+@pytest.mark.parametrize("case", ["view of input", "view of output", "global module", "deep", "deep view of input"])
 def test_without_the_host_tensors_left_in_python_state_are_new_on_every_call(case):
     """A tensor the function leaves in Python state it reaches without a keyword module (a global
     dict, a global module's attribute) is a new tensor on every eager call. Host-free calls wrote
@@ -439,23 +444,26 @@ def test_without_the_host_tensors_left_in_python_state_are_new_on_every_call(cas
     input or output, and a history of them held one value. Now the place gets the new tensor; one
     tracejit cannot find (deeper than it searches) is written only while nothing else holds it."""
     function = {"view of input": _keep_view_of_input, "view of output": _keep_view_of_output,
-                "global module": _keep_on_global_module, "deep": _keep_deep}[case]
+                "global module": _keep_on_global_module, "deep": _keep_deep,
+                "deep view of input": _keep_deep_view_of_input}[case]
     box = _Deep(5)
-    kwargs = {"box": box} if case == "deep" else {}
+    kwargs = {"box": box} if case.startswith("deep") else {}
     read = {"view of input": lambda: _stored["tail"], "view of output": lambda: _stored["view"],
-            "global module": lambda: _stored_module.last, "deep": lambda: box.inner.inner.inner.inner.value}[case]
+            "global module": lambda: _stored_module.last, "deep": lambda: box.inner.inner.inner.inner.value,
+            "deep view of input": lambda: box.inner.inner.inner.inner.value}[case]
     traced = tracejit.trace(function, without_host=True)
     inputs = [torch.full((3,), float(i)) for i in range(6)]
     outputs, history = [], []
     for x in inputs:
         outputs.append(traced(x, **kwargs))
         history.append(read())
-        if case == "view of input":
+        if case.endswith("view of input"):
             assert history[-1]._base is x  # a view of this call's input, as eager's
     for i, x in enumerate(inputs):
         assert torch.equal(x, torch.full((3,), float(i))), f"input {i} changed"
         assert torch.equal(outputs[i], x * 2 if case == "view of output" else x + 1), f"output {i} changed"
-    kept = {"view of input": [[float(i)] * 2 for i in range(6)], "view of output": [[2.0 * i] * 2 for i in range(6)]}
+    kept = {"view of input": [[float(i)] * 2 for i in range(6)], "view of output": [[2.0 * i] * 2 for i in range(6)],
+            "deep view of input": [[float(i)] * 2 for i in range(6)]}
     want = kept.get(case, [6.0 * i for i in range(6)])
     assert [t.tolist() for t in history] == want
     if case == "deep":  # the history holds them: the function runs
@@ -466,5 +474,7 @@ def test_without_the_host_tensors_left_in_python_state_are_new_on_every_call(cas
             traced(torch.full((3,), float(i)), **kwargs)
             assert read().item() == 6.0 * i
         assert traced.stats.host_free_calls > before  # held there alone, it is written in place
+    elif case == "deep view of input":  # a new view of each call's input: the function runs
+        assert traced.stats.host_free_misses >= 3
     else:
         assert traced.stats.host_free_calls >= 3

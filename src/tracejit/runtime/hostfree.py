@@ -572,13 +572,21 @@ class HostFreeRunner:
                 body += holder.store(f"h{handle}", ref, src)
             else:
                 # Held where tracejit cannot find it: the new value is written into the object held
-                # now, which is right only while nothing else holds that object (a history of them)
-                # and it is no view of another's memory (a view of an earlier input or output).
-                # Otherwise the call runs the function, which makes a new one as eager does.
-                self._escape_guards.append(_fail(
-                    f"(o := {ref}()) is not None and (o._base is not None or REFCOUNT(o) > 3)",
-                    f"t{handle}, which the function keeps where tracejit cannot find it, is held elsewhere too"))
-                src.namespace["REFCOUNT"] = sys.getrefcount
+                # now. A view of the call's input or output would then write into an earlier call's
+                # input or output: such a call runs the function, which makes a new view as eager
+                # does. Other views (DistributedDataParallel's gradient buckets, which its reducer
+                # holds) are written; so is a tensor of its own while nothing else holds it (a
+                # history of them keeps each call's, as eager's).
+                root = handle
+                while tensors[root].base is not None:
+                    root = tensors[root].base
+                if root != handle and (tensors[root].kind in (Kind.ARG, Kind.KWARG) or tensors[root].flags & Flag.RETURNED):
+                    self._escape_guards.append(_fail("True", f"t{handle}, a view of the call's {tensors[root].name}, "
+                                                             f"is kept where tracejit cannot find it"))
+                elif root == handle:
+                    self._escape_guards.append(_fail(f"(o := {ref}()) is not None and REFCOUNT(o) > 3",
+                                                     f"t{handle}, kept where tracejit cannot find it, is held elsewhere too"))
+                    src.namespace["REFCOUNT"] = sys.getrefcount
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
