@@ -365,8 +365,8 @@ def _views_of_an_intermediate(x):
 
 
 AUTOMATIC_CASES = {
-    # a full slice on a symbolic dim is recorded, which concrete sizes elide: the first replay at
-    # a new size records that size again (found by an adversarial review: TraceMismatchError)
+    # a full slice on a symbolic dim, which concrete sizes elide (found by an adversarial review:
+    # TraceMismatchError); now elided while recording too
     "slice": (_slice_columns, lambda n: (torch.randn(n, 3),)),
     # torch needs a concrete number on stand-ins: the automatic mode keeps a trace per shape
     "diag": (_diag, lambda n: (torch.randn(n, n),)),
@@ -755,3 +755,48 @@ def test_a_dropped_attempt_that_left_a_tensor_in_a_users_list_says_so():
                                                   r"not computed yet\) in Python state.*symbolic_shape=False"):
         traced(x := torch.randn(3, 8), model=model)
     assert torch.equal(history[-1], model(x).pow(2).mean().detach())  # computed, as eager had before the raise
+
+
+def _masked_attention(x, pad):
+    return torch.softmax(x + pad[:, None, :], -1)  # `pad[:, None, :]`: full slices of symbolic dims
+
+
+def _masked_attention_step(x, pad, y, *, model, opt):
+    h = model(x) + pad[:, None, :1]  # a padding mask broadcast over the tokens
+    loss = F.cross_entropy(torch.softmax(h, -1).mean(1), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("symbolic_shape", [True, None], ids=["symbolic", "automatic"])
+def test_a_full_slice_of_a_symbolic_dim_is_elided_as_eager_elides_it(symbolic_shape):
+    # Found by a review: symbolic_shape=True recorded aten.slice(pad, 0, 0, INT64_MAX) for the `:` of
+    # a symbolic dim, which eager skips at concrete sizes: every later call, even at the recorded
+    # sizes, raised TraceMismatchError (unsqueeze instead of slice). The sizes' symbols are now known
+    # to be at most INT64_MAX, so torch skips the slice while recording, as eager does.
+    traced = tracejit.trace(_masked_attention, symbolic_shape=symbolic_shape)
+    for batch, tokens in ((2, 5), (2, 5), (3, 7), (3, 7), (4, 5), (2, 5)):
+        x, pad = torch.randn(batch, tokens, tokens), torch.randn(batch, tokens)
+        assert torch.equal(traced(x, pad), _masked_attention(x, pad)), (batch, tokens)
+    assert len(traced._shape_traces) == 1, traced.stats
+    assert torch.ops.aten.slice.Tensor not in [op.op for op in traced._shape_traces[0].record.ops]
+    assert not any("9223372036854775807" in text for text in traced._shape_traces[0].guards.texts)
+    stats = traced.stats
+    assert stats.records == 1 + (symbolic_shape is None) and stats.checked_replays >= 3 and not stats.rerecords, stats
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 6)
+    objects = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+    sizes = [(4, 3), (4, 3), (5, 3), (5, 3), (4, 9), (6, 2), (4, 3)]
+
+    def inputs(i):
+        batch, tokens = sizes[i]
+        generator = torch.Generator().manual_seed(i)
+        return (torch.randn(batch, tokens, 6, generator=generator), torch.randn(batch, 6, generator=generator),
+                torch.randint(0, 6, (batch,), generator=generator))
+
+    step = tracejit.trace(_masked_attention_step, symbolic_shape=symbolic_shape)
+    side_by_side(step, _masked_attention_step, objects, inputs, len(sizes), records=1 + (symbolic_shape is None))
+    assert len(step._shape_traces) == 1 and step.stats.shape_specializations >= 2, step.stats
