@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dis
 import functools
 import gc
 import inspect
@@ -42,7 +43,7 @@ from .record.reached import Seen
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
-from .record.source import user_location
+from .record.source import is_user_file, user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
@@ -57,6 +58,7 @@ from .runtime.realize import Realizer
 from .runtime.replay import Replayer
 from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
+from .runtime.undo import StateSnapshot
 from .runtime.variants import ShapeVariants
 from .signature import (
     call_context_key,
@@ -390,6 +392,16 @@ class trace(ProfileAccess):
             result = self._record_symbolic(key, args, kwargs, *plan)
             if result is not _STATIC:
                 return result
+            # The automatic mode tried symbols and the function cannot run on stand-ins of
+            # symbolic size: the call records the static trace of its sizes, and the calls of its
+            # kind do from now on -- unless the static run raises too (an error eager raises as well,
+            # which says nothing against symbols).
+            result = self._record_static(key, args, kwargs, replacing)
+            self._static_families.add(family(key))
+            return result
+        return self._record_static(key, args, kwargs, replacing)
+
+    def _record_static(self, key: tuple, args: tuple, kwargs: dict, replacing: TraceEntry | None) -> Any:
         grad_state = self._gradient_state(kwargs)
         if self._trace_count() - (replacing is not None) >= self.options.max_traces:
             raise self._cache_full(key, args, kwargs, grad_state)
@@ -561,6 +573,8 @@ class trace(ProfileAccess):
         recorder = SymbolicRecorder(self.__name__, capture_as_const=self.options.capture_as_const,
                                     external_names=ExternalNames(self._function, kwargs), compile=_record_itself,
                                     runner=Realizer(), sizes=sizes)
+        # the automatic mode may drop the attempt: the state it changed is then put back
+        before = StateSnapshot(self._function, kwargs) if self.options.symbolic_shape is None else None
         recorder.bind_inputs(fake_args, fake_kwargs, arg_names)
         recorder.use_real_inputs(args, kwargs)
         context = CallContext(self, recorder, self.options.capture_as_const)
@@ -590,15 +604,31 @@ class trace(ProfileAccess):
         except Exception as error:
             result = None  # the attempt's result, and the stand-ins its autograd graph saved
             if (self.options.symbolic_shape is None and not recorder.ran_for_real
-                    and not _stand_in_left_behind(recorder, error)):
+                    and not _raised_by_the_function(error)):
                 # The automatic mode tried symbols and the function cannot run on stand-ins of
                 # symbolic size (a size torch needs as a number, a view it cannot express, a
-                # returned tensor whose autograd graph saved one): nothing ran on the real tensors
-                # and no stand-in stayed in Python state, so this call records the static trace of
-                # its sizes, and the calls of its kind do from now on (its Python runs twice in
-                # this call). A stand-in the function kept raises, as it always did.
-                self._static_families.add(family(key))
-                return _STATIC
+                # returned tensor whose autograd graph saved one). Nothing ran on the real tensors;
+                # the Python state the attempt changed (.grad set to placeholders by backward,
+                # optimizer state, module attributes) is put back as it was, and the call records
+                # the static trace of its sizes (its Python runs twice in this call). A tensor of
+                # the attempt kept where nothing puts it back raises instead.
+                seen.consumed.clear()  # the nodes of the attempt's backward passes, which saved its tensors
+                kept, restored = _drop_attempt(recorder, error, before)
+                if kept is None:
+                    return _STATIC
+                if not restored:
+                    _abandon(recorder, error)  # the state of an eager call that raised there, as below
+                if isinstance(error, SymbolicTraceError):
+                    raise
+                ran = ("Nothing of this call ran, and that tensor holds unwritten memory" if restored else
+                       "The ops recorded before that point ran, as in an eager call that raised there")
+                raise SymbolicTraceError(
+                    f"tracejit: {self.__name__}() could not be recorded with symbolic sizes ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}). The automatic symbolic_shape mode records "
+                    f"such a call static instead, running it again, but the attempt left {kept} in Python state "
+                    f"that tracejit cannot put back as it was (a list or object of your own?), where the static run "
+                    f"would find it. {ran}. Keep such tensors on a module or return them, or trace with "
+                    f"symbolic_shape=False.") from error
             _abandon(recorder, error)  # run what was recorded, so side effects match an eager call
             raise
         except BaseException as error:
@@ -1019,13 +1049,51 @@ def _optimizers_without_state(kwargs: dict) -> frozenset:
                      if isinstance(v, torch.optim.Optimizer) and not any(v.state.values()))
 
 
-def _stand_in_left_behind(recorder: SymbolicRecorder, error: BaseException) -> bool:
-    """Whether a failed symbolic attempt left a stand-in in Python state. The frames of its error
-    hold the function's locals (stand-ins of the attempt only): cleared first, they would count."""
-    while error is not None:
-        traceback.clear_frames(error.__traceback__)
+def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,
+                  before: StateSnapshot) -> tuple[str | None, bool]:
+    """Drop a failed symbolic-shape attempt that ran nothing on the real tensors: put back the state
+    `before` holds, and return (None, True). If the attempt left a tensor it made where `before`
+    does not reach, return its description, and whether the state was put back: not when that is
+    seen first (the caller then runs what was recorded, so the tensor holds what an eager call that
+    raised there computed); after, when the same tensor is also held elsewhere."""
+    # The frames of the error hold the function's locals (the attempt's tensors only): cleared
+    # first, they would count as kept.
+    chained = error
+    while chained is not None:
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
+    for tensor, grad, requires_grad in recorder.first_seen:
+        before.add_leaf(tensor, grad, requires_grad)
+    kept = recorder.left_behind(before.held_now())  # held elsewhere than in the state put back
+    if kept is not None:
+        return kept, False
+    before.restore()
+    return recorder.left_behind(), True  # the same tensor held twice, once where nothing puts it back
+
+
+def _raised_by_the_function(error: BaseException) -> bool:
+    """Whether the function raised `error` itself: a raise or assert statement of the user's code
+    (not torch's, tracejit's, the standard library's or an installed package's), and not while
+    handling an exception from elsewhere (torch failing on a stand-in). Such an error says nothing
+    against recording on stand-ins: it propagates as in eager code, not as a reason to run the
+    function again static."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        if tb is None:
+            return False
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        code = tb.tb_frame.f_code
+        if not is_user_file(code.co_filename) or _instruction_at(code, tb.tb_lasti) != "RAISE_VARARGS":
+            return False
         error = error.__cause__ or error.__context__
-    return recorder.keeps_stand_ins()
+    return True
+
+
+def _instruction_at(code: types.CodeType, offset: int) -> str | None:
+    return next((i.opname for i in dis.get_instructions(code) if i.offset == offset), None)
 
 
 def _abandon(recorder: Any, error: BaseException) -> None:

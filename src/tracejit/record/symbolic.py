@@ -87,6 +87,9 @@ class SymbolicRecorder(Recorder):
         self._generator_state: torch.Tensor | None = None
         self._first_draw = ""
         self.ran_for_real = False  # a catch-up ran ops of the call on its real tensors
+        # symbolic_shape: each leaf tensor from outside the call (a parameter) as first seen, its .grad
+        # and requires_grad: a dropped attempt puts them back (runtime/undo.py)
+        self.first_seen: list[tuple[torch.Tensor, torch.Tensor | None, bool]] = []
 
     # -- recording --------------------------------------------------------------------------------
 
@@ -95,6 +98,8 @@ class SymbolicRecorder(Recorder):
         handle = super()._new_handle(tensor, kind, name, producer=producer, base=base, literal=literal)
         if kind is not Kind.INTERNAL:
             self._inputs[handle] = tensor
+        if self._sizes is not None and kind is Kind.EXTERNAL and tensor.is_leaf:
+            self.first_seen.append((tensor, tensor.grad, tensor.requires_grad))
         return handle
 
     def use_real_inputs(self, args: tuple, kwargs: dict) -> None:
@@ -305,14 +310,29 @@ class SymbolicRecorder(Recorder):
                     f"returning it. With symbolic_shape such a tensor is a stand-in until the call returns, so it "
                     f"cannot be kept. Return it, or trace with symbolic_shape=False.")
 
-    def keeps_stand_ins(self) -> bool:
-        """Whether a stand-in of symbolic size the call made is still alive. Asked once the caller
-        has dropped what only the recording held (its result, the frames of its error): what is
-        left is in Python state, where falling back to a static trace would leave it behind."""
+    def left_behind(self, held: tuple[set, set[int]] = (set(), set())) -> str | None:
+        """A tensor the call made that is still alive other than in `held` (storages, tensor ids),
+        described, or None. Asked once the caller has dropped what only the recording held (its
+        result, the frames of its error): what is left is in Python state, where a stand-in of
+        symbolic size stays one and a placeholder stays unwritten unless the record runs."""
         self._allocated = []
         gc.collect()
-        return any(isinstance(tensor, FakeTensor) and self.tensors[handle].kind is Kind.INTERNAL
-                   for handle, tensor in self.handles.live().items())
+        storages, ids = held
+        record = self.tensors
+        for handle, tensor in self.handles.live().items():
+            if isinstance(tensor, FakeTensor) and record[handle].kind is Kind.INTERNAL and id(tensor) not in ids:
+                return f"t{handle} (of symbolic size, made by {self._made_by(handle)})"
+        for handle, placeholder in self._placeholders.items():
+            if not placeholder.storage.expired() and placeholder.storage not in storages:
+                return f"t{handle} {list(placeholder.shape)} (made by {self._made_by(handle)}, not computed yet)"
+        return None
+
+    def _made_by(self, handle: int) -> str:
+        producer = self.tensors[handle].producer
+        if producer is None:
+            return "?"
+        op = self.ops[producer]
+        return f"op #{op.index} {op.name} at {op.source}"
 
     def real_result(self, result: Any) -> Any:
         """The call's result with each stand-in of symbolic size replaced by its computed value."""

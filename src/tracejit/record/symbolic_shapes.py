@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
     free_symbols,
 )
+from torch.utils._sympy.value_ranges import ValueRanges
 
 _SYMBOLIC_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -43,6 +44,25 @@ def is_symbolic_number(value: Any) -> bool:
     return isinstance(value, _SYMBOLIC_NUMBERS)
 
 
+# No size exceeds this: a tensor's sizes are int64.
+_LARGEST_SIZE = torch.iinfo(torch.int64).max
+# The guard of that bound, which every tensor meets: left out of the guards (see SymbolicSizes.guards)
+_SIZE_BOUND = re.compile(rf"(?:^| and )(\S+) <= {_LARGEST_SIZE}$")
+
+
+class _BoundedShapeEnv(ShapeEnv):
+    """A ShapeEnv whose size symbols are known to be at most INT64_MAX, as every size is.
+
+    torch's indexing skips a slice that covers its whole dim (`pad[:, None, :]`, the `:` of
+    `x[:, :2]`) when it knows `size <= stop`, and `:` stops at INT64_MAX. Eager code knows it at
+    concrete sizes; with symbols unbounded above (torch's default) the recording could not and
+    recorded an `aten.slice` that eager never dispatches: every checked call diverged from it."""
+
+    def _default_value_range(self, do_not_specialize_zero_one: bool = False) -> ValueRanges:
+        default = super()._default_value_range(do_not_specialize_zero_one)
+        return ValueRanges(default.lower, min(default.upper, _LARGEST_SIZE))
+
+
 class SymbolicSizes:
     """The ShapeEnv and fake mode of one recording, and its fake inputs.
 
@@ -51,7 +71,7 @@ class SymbolicSizes:
     """
 
     def __init__(self) -> None:
-        self.env = ShapeEnv(duck_shape=False)
+        self.env = _BoundedShapeEnv(duck_shape=False)
         # No fallback kernels: an op without a meta implementation must fail rather than run on dummy data.
         self.mode = FakeTensorMode(shape_env=self.env, allow_fallback_kernels=False)
         self.names: list[str] = []
@@ -84,7 +104,8 @@ class SymbolicSizes:
         """What the recording relied on about the inputs' sizes, strides and offsets, and where each
         symbol comes from; call once the recording is complete."""
         sources = [LocalSource(name) for name in self.names]
-        texts = self.env.produce_guards(self.fakes, sources, ignore_static=False)
+        texts = [_SIZE_BOUND.sub("", text) for text in self.env.produce_guards(self.fakes, sources, ignore_static=False)]
+        texts = [text for text in texts if text]
         bindings = []
         for i, fake in enumerate(self.fakes):
             for what, values in (("size", fake.shape), ("stride", fake.stride()),

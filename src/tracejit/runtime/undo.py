@@ -1,0 +1,125 @@
+"""Put back the Python state a dropped symbolic-shape attempt changed.
+
+In the automatic `symbolic_shape` mode (None) a call at new sizes is first recorded on stand-ins
+of its inputs. When torch cannot go on with them (a size it needs as a number), the attempt is
+dropped and the call records the static trace of its sizes instead, running the function again.
+Nothing ran on the real tensors by then, but the attempt's Python did run: `loss.backward()` set
+every `.grad` that was None to an uncomputed placeholder, an optimizer step put placeholders in
+its state, a module assigned an attribute. The static run would read them (accumulate into the
+placeholder `.grad`, use the placeholder momentum buffer): unwritten memory.
+
+`StateSnapshot`, taken before the attempt, holds what the state the traced function reaches
+held: the contents of the dicts and lists of every module (with its submodules), optimizer,
+learning-rate scheduler and gradient scaler reached from the function's keyword arguments,
+globals and closure cells (directly or in a list, tuple or dict there), and the `.grad` and
+`requires_grad` of their parameters. `restore()` puts it back in place (the same dict and list
+objects). What it does not reach (a tensor kept in a user's list) it cannot restore:
+`SymbolicRecorder.left_behind` finds such a tensor, and the attempt is then not dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..record.names import roots_of
+from ..record.placeholders import storage_key
+
+_STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+             torch.optim.lr_scheduler.ReduceLROnPlateau, torch.amp.GradScaler)
+_DEPTH = 4  # an optimizer's __dict__ -> state -> a parameter's state -> its tensors
+
+
+class StateSnapshot:
+    def __init__(self, function: Callable, kwargs: dict) -> None:
+        self._function, self._kwargs = function, kwargs
+        self._containers: list[tuple[Any, Any]] = []  # (dict or list, its contents then)
+        for container in self._walk(set()):
+            self._containers.append((container, dict(container) if isinstance(container, dict) else list(container)))
+        self._grads = {id(t): (t, t.grad, t.requires_grad) for t in self._leaves()}
+
+    def add_leaf(self, tensor: torch.Tensor, grad: torch.Tensor | None, requires_grad: bool) -> None:
+        """A tensor the attempt reached otherwise (a closure's parameter), as it was when first seen."""
+        self._grads.setdefault(id(tensor), (tensor, grad, requires_grad))
+
+    def held_now(self) -> tuple[set, set[int]]:
+        """The storages and tensor objects the state this snapshot restores holds now: what restore()
+        lets go of. (Storages as weak keys, objects by id: nothing is kept alive.)"""
+        storages, ids = set(), set()
+
+        def hold(value: Any) -> None:
+            while isinstance(value, torch.Tensor):
+                ids.add(id(value))
+                key = storage_key(value)
+                if key is not None:
+                    storages.add(key)
+                value = value._base
+        for container in self._walk(set()):
+            for value in container.values() if isinstance(container, dict) else container:
+                hold(value)
+        for tensor, _, _ in self._grads.values():
+            hold(tensor.grad)
+        return storages, ids
+
+    def restore(self) -> None:
+        for container, contents in self._containers:
+            if isinstance(container, dict):
+                container.clear()
+                container.update(contents)
+            else:
+                container[:] = contents
+        for tensor, grad, requires_grad in self._grads.values():
+            if tensor.grad is not grad:
+                tensor.grad = grad
+            if tensor.requires_grad != requires_grad:
+                tensor.requires_grad_(requires_grad)
+
+    # -- what the function reaches -----------------------------------------------------------------
+
+    def _objects(self) -> list:
+        found: dict[int, Any] = {}
+
+        def add(value: Any, depth: int) -> None:
+            if isinstance(value, torch.nn.Module):
+                for module in value.modules():
+                    found.setdefault(id(module), module)
+            elif isinstance(value, _STATEFUL):
+                found.setdefault(id(value), value)
+                optimizer = getattr(value, "optimizer", None)  # a scheduler's
+                if isinstance(optimizer, torch.optim.Optimizer):
+                    found.setdefault(id(optimizer), optimizer)
+            elif depth == 0 and isinstance(value, (list, tuple)):
+                for item in value:
+                    add(item, 1)
+            elif depth == 0 and isinstance(value, dict):
+                for item in value.values():
+                    add(item, 1)
+        for _, _, value in roots_of(self._function, self._kwargs):
+            add(value, 0)
+        return list(found.values())
+
+    def _walk(self, seen: set[int]) -> Iterator[Any]:
+        """Every dict and list of the reached objects' state, outermost first."""
+        def containers(value: Any, depth: int) -> Iterator[Any]:
+            if not isinstance(value, (dict, list)) or id(value) in seen or depth > _DEPTH:
+                return
+            seen.add(id(value))
+            yield value
+            for item in list(value.values() if isinstance(value, dict) else value):
+                yield from containers(item, depth + 1)
+        for obj in self._objects():
+            state = getattr(obj, "__dict__", None)
+            if state is not None:
+                yield from containers(state, 0)
+
+    def _leaves(self) -> Iterator[torch.Tensor]:
+        for obj in self._objects():
+            if isinstance(obj, torch.nn.Module):
+                yield from (p for p in obj._parameters.values() if p is not None)
+            elif isinstance(obj, torch.optim.Optimizer):
+                yield from (p for group in obj.param_groups for p in group["params"])
+        for _, _, value in roots_of(self._function, self._kwargs):
+            if isinstance(value, torch.Tensor) and value.is_leaf:
+                yield value
