@@ -344,8 +344,14 @@ def _copied(value: Any) -> Any:
 
 
 def _plain_values(mapping: dict, skip: frozenset = frozenset()) -> dict:
-    return {key: _copied(value) for key, value in list(mapping.items())[:_PLAIN_ITEMS]
-            if key not in skip and not isinstance(value, torch.Tensor) and plain_value(value)}
+    values = {}
+    for key, value in list(mapping.items())[:_PLAIN_ITEMS]:
+        if isinstance(value, _ATOMS):  # most settings: taken as they are
+            if key not in skip:
+                values[key] = value
+        elif (type(value) in (list, dict) or isinstance(value, tuple)) and key not in skip and plain_value(value):
+            values[key] = copy.deepcopy(value)
+    return values
 
 
 def _settings_of(found: _Found) -> list[tuple[Callable[[], dict | None], str, dict]]:
@@ -366,7 +372,11 @@ def _settings_of(found: _Found) -> list[tuple[Callable[[], dict | None], str, di
         except TypeError:
             continue
         if kind in ("module", "object"):
-            values = _plain_values(vars(holder), _MODULE_INTERNALS if kind == "module" else frozenset())
+            attributes = vars(holder)
+            if kind == "module" and type(holder).__module__.startswith("torch."):
+                # torch's own modules: their settings (`training`, `p`, `eps`), not their bookkeeping
+                attributes = {key: value for key, value in attributes.items() if key[0] != "_"}
+            values = _plain_values(attributes, _MODULE_INTERNALS if kind == "module" else frozenset())
             if values:
                 settings.append((_attributes(ref), f"{name}.", values))
             continue
