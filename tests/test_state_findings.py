@@ -478,3 +478,169 @@ def test_without_the_host_tensors_left_in_python_state_are_new_on_every_call(cas
         assert traced.stats.host_free_misses >= 3
     else:
         assert traced.stats.host_free_calls >= 3
+
+
+# Python state the step changes below what was watched (review of 2026-12): a submodule's annealed
+# float, a hand-written optimizer's int step count, an EMA helper's counter reached by closure or
+# through a global dict. Checked calls run the function and follow them; a call without the host
+# froze them silently, and is now refused as a keyword object's changed setting is.
+
+
+class Annealed(nn.Module):
+    """A Gumbel-softmax-like head that anneals its own temperature in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.tau = 1.0
+
+    def forward(self, x):
+        self.tau = max(0.1, self.tau * 0.8)
+        return self.fc(x) / self.tau
+
+
+class IntStepAdam(torch.optim.Optimizer):
+    """A hand-written Adam whose step count is a Python int in its state."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"], state["m"], state["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                t = state["step"]
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                size = group["lr"] * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t)
+                p.addcdiv_(state["m"], state["v"].sqrt().add_(group["eps"]), value=-size)
+
+
+class EMA:
+    def __init__(self, model):
+        self.shadow = [p.detach().clone() for p in model.parameters()]
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, model):
+        self.updates += 1
+        decay = min(0.999, (1 + self.updates) / (10 + self.updates))  # the usual warm-up
+        for s, p in zip(self.shadow, model.parameters()):
+            s.mul_(decay).add_(p, alpha=1 - decay)
+
+
+_EMAS = {}
+
+
+def _counting_steps(case: str, ema: EMA):
+    """The step of each case, reaching the EMA (if any) as the case says."""
+    def plain(x, y, *, model, opt):
+        return sgd_step(x, y, m=model, opt=opt)
+
+    def closure(x, y, *, model, opt):
+        loss = sgd_step(x, y, m=model, opt=opt)
+        ema.update(model)
+        return loss
+
+    def global_dict(x, y, *, model, opt):
+        loss = sgd_step(x, y, m=model, opt=opt)
+        _EMAS["ema"].update(model)
+        return loss
+
+    return {"submodule": plain, "int step": plain, "ema closure": closure, "ema global": global_dict}[case]
+
+
+_COUNTED = {
+    "submodule": r"model\.1\.tau: 1\.0 -> 0\.8 -> 0\.64",
+    "int step": r"opt\.state\[model\.0\.weight\]\.step: 1 -> 2 -> 3",
+    "ema closure": r"ema\.updates: 0 -> 1 -> 2",
+    "ema global": r"_EMAS\['ema'\]\.updates: 0 -> 1 -> 2",
+}
+
+
+def _counting_setup(case: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Annealed() if case == "submodule" else nn.Linear(4, 3))
+    opt = IntStepAdam(model.parameters()) if case == "int step" else torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt, EMA(model)
+
+
+def _counted(model, opt, ema, case):
+    """The Python numbers the case's step changes."""
+    if case == "submodule":
+        return model[1].tau
+    if case == "int step":
+        return [state["step"] for state in opt.state.values()]
+    return ema.updates
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", _COUNTED)
+def test_python_numbers_the_step_changes_below_its_keywords(case, mode):
+    """The numbers follow eager's in checked calls; without the host the trace is refused, naming
+    the number and its changes, and no call ran with them frozen before (the state is eager's)."""
+    eager, traced_state = _counting_setup(case), _counting_setup(case)
+    data = [(torch.randn(5, 4), torch.randn(5, 3)) for _ in range(CALLS)]
+    steps = [_counting_steps(case, eager[2]), tracejit.trace(_counting_steps(case, traced_state[2]), **MODES[mode])]
+    for i, (x, y) in enumerate(data):
+        losses = []
+        for k in (1, 0):  # traced first: a refused call leaves both at the same step
+            model, opt, ema = (eager, traced_state)[k]
+            _EMAS["ema"] = ema
+            # the second call that changed the number found it as the first one left it, and
+            # changed it again; the one after is refused (the optimizer's state begins in the first)
+            if mode == "without_host" and k == 1 and i == (3 if case == "int step" else 2):
+                with pytest.raises(tracejit.HostDependencyError, match=_COUNTED[case]):
+                    steps[k](x, y, model=model, opt=opt)
+                break
+            losses.append(steps[k](x, y, model=model, opt=opt))
+        assert_same_model(eager[0], traced_state[0], f"call {i}")
+        assert _counted(*eager, case) == _counted(*traced_state, case), f"call {i}"
+        for s, t in zip(eager[2].shadow, traced_state[2].shadow):
+            assert torch.equal(s, t), f"call {i}"
+        if len(losses) < 2:
+            return
+        assert torch.equal(*losses), f"call {i}"
+    assert mode == "checked", "without_host did not refuse a number the call changes"
+    assert fast_calls(steps[1], mode) >= 3
+
+
+class LazyFlag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.ready = False
+
+    def forward(self, x):
+        self.ready = True  # set once: the calls after the first leave it as they find it
+        return self.fc(x)
+
+
+def make_eval_step(model):
+    def evaluate(x):
+        model.eval()
+        with torch.no_grad():
+            return model(x)
+    return evaluate
+
+
+def test_without_the_host_a_setting_the_call_sets_once_still_runs_without_the_host():
+    """`model.eval()` on a closure model that starts in train mode, a flag set on the first call:
+    the first call changes them, the next ones do not, so calls after that run without the host."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), LazyFlag())]
+    models.append(copy.deepcopy(models[0]))
+    steps = [make_eval_step(models[0]), tracejit.trace(make_eval_step(models[1]), without_host=True)]
+    for i in range(CALLS):
+        x = torch.randn(5, 4)
+        outputs = [step(x) for step in steps]
+        assert torch.equal(*outputs), f"call {i}"
+        assert not models[1].training and models[1][2].ready
+    assert steps[1].stats.host_free_calls >= CALLS - 3

@@ -37,7 +37,7 @@ from .record.calls import data_dependent_size
 from .record.ddp_calls import is_ddp
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
-from .record.names import ExternalNames
+from .record.names import ExternalNames, same_value
 from .record.ranks import post_failure
 from .record.reached import Seen
 from .record.record import Kind, Record
@@ -189,6 +189,9 @@ class trace(ProfileAccess):
         self._fast_api: TraceEntry | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
         self._changed_in_call: list[str] = []  # without_host: what the call's function changed (record/reached.py)
+        # without_host: the plain values the last call that ran the function changed, by name: the
+        # values it found and left (see _refuse_setting_changes)
+        self._settings_changed: dict[str, list] = {}
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
@@ -570,9 +573,9 @@ class trace(ProfileAccess):
         fakes = [sizes.fake_input(name, tensor, dims) for (name, tensor), dims in zip(inputs, dynamic)]
         fake_args = tuple(fakes[:len(args)])
         fake_kwargs = {**kwargs, **{name: fake for (name, _), fake in zip(inputs[len(args):], fakes[len(args):])}}
+        names = ExternalNames(self._function, kwargs, settings=self.options.without_host)
         recorder = SymbolicRecorder(self.__name__, capture_as_const=self.options.capture_as_const,
-                                    external_names=ExternalNames(self._function, kwargs), compile=_record_itself,
-                                    runner=Realizer(), sizes=sizes)
+                                    external_names=names, compile=_record_itself, runner=Realizer(), sizes=sizes)
         # the automatic mode may drop the attempt: the state it changed is then put back
         before = StateSnapshot(self._function, kwargs) if self.options.symbolic_shape is None else None
         recorder.bind_inputs(fake_args, fake_kwargs, arg_names)
@@ -655,7 +658,7 @@ class trace(ProfileAccess):
         return result
 
     def _new_recorder(self, kwargs: dict) -> Recorder:
-        names = ExternalNames(self._function, kwargs)
+        names = ExternalNames(self._function, kwargs, settings=self.options.without_host)
         if self.options.symbolic:
             # The realizer runs the record itself, op by op: catch-ups need no compiled program.
             return SymbolicRecorder(self.__name__, capture_as_const=self.options.capture_as_const,
@@ -679,7 +682,7 @@ class trace(ProfileAccess):
                 (record.created_state and not record.rerecorded)
                 or (entry.shape_trace is not None and self.options.symbolic_shape is None))
                 or fresh_optimizer or bool(entry.fresh_optimizers - without_state)),
-            external_names=ExternalNames(self._function, kwargs),
+            external_names=ExternalNames(self._function, kwargs, settings=self.options.without_host),
             capture_as_const=self.options.capture_as_const,
             variants=variants, room=self.options.max_traces - self._trace_count(), max_traces=self.options.max_traces,
         )
@@ -847,7 +850,10 @@ class trace(ProfileAccess):
                            live_graph: Callable[[torch.Tensor], bool] | None = None) -> None:
         """After a call that ran the function: (re)bind the program that runs without it."""
         entry.handles = handles  # to_fx() finds the external objects there
-        if not self.options.without_host or entry.provisional:
+        if not self.options.without_host:
+            return
+        settings_error = self._refuse_setting_changes(names.setting_changes())  # noted for the next call too
+        if entry.provisional:
             return
         error = refuse_python_state_changes(self._function, self.__name__, self._state_before, kwargs,
                                             self._changed_in_call)
@@ -860,8 +866,14 @@ class trace(ProfileAccess):
                 f"{listed}\nWrite tensors in place instead (`with torch.no_grad(): p.clamp_(-c, c)` rather than "
                 f"`p.data = p.data.clamp(-c, c)`), change requires_grad and settings outside the traced call, or "
                 f"trace without without_host.")
+        error = error or settings_error
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
+            return
+        if self._settings_changed:  # changed once: the next call runs the function and tells
+            if entry.host_free is not None:
+                entry.host_free.call = None
+            self._fast_call = None
             return
         if entry.host_free is None and live_graph is not None and _returns_graph(result, live_graph):
             where = user_location()
@@ -885,6 +897,24 @@ class trace(ProfileAccess):
         except GuardFailure:
             entry.host_free.call = None  # some external is gone: the next call runs the function
             self._fast_call = None
+
+    def _refuse_setting_changes(self, changes: list[tuple[str, Any, Any]]) -> HostDependencyError | None:
+        """The error for a call that changed plain values it reaches by Python (a submodule's
+        annealed float, a counter, an int step count in optimizer state) as the last call that ran
+        the function did: starting from the value that call left, it changed it again, and a call
+        without the function would not. A value changed once (`model.eval()`, a flag set on the
+        first call) is noted, and the trace is bound after the next call that leaves it as it is."""
+        last, self._settings_changed = self._settings_changed, {name: [then, now] for name, then, now in changes}
+        repeated = [f"{name}: {' -> '.join(repr(v) for v in (*last[name], now))}" for name, then, now in changes
+                    if name in last and same_value(then, last[name][-1])]
+        if not repeated:
+            return None
+        listed = "\n".join(f"    {change}" for change in repeated[:5])
+        return HostDependencyError(
+            f"without_host=True cannot skip {self.__name__}(): the traced call changes, by Python rather than by "
+            f"torch ops, state that the program cannot change without the function, on every call:\n{listed}\n"
+            f"Keep such a value in a tensor updated in place (`self.tau.mul_(0.8)`, a step count in a tensor), "
+            f"change it outside the traced call and pass it as a keyword argument, or trace without without_host.")
 
     def _host_free_runner(self, entry: TraceEntry, checked: bool = False) -> HostFreeRunner:
         """Compile the trace's host-free program (raises HostDependencyError if it has none)."""

@@ -50,7 +50,7 @@ def _describe_steps(text: str, steps: tuple) -> str:
 
 
 class ExternalNames:
-    def __init__(self, function: Callable, kwargs: dict):
+    def __init__(self, function: Callable, kwargs: dict, settings: bool = False):
         self._function = function
         self._kwargs = kwargs
         # where each tensor is when the call begins: a call may put another tensor in that place
@@ -68,14 +68,16 @@ class ExternalNames:
         # the call may leave one of its own (`cache["last"] = y`) for the next call to replace
         self._places = [locator for _, locator in self._found.values() if locator is not None
                         and locator.state_of is None and locator.steps and locator.steps[-1][0] in _ASSIGNED]
-        # and the plain settings of keyword objects of the user's own class (a config)
-        self._settings = {name: (value, state) for name, value in kwargs.items()
-                          if (state := plain_state(value)) is not None}
+        # and, for without_host (`settings`), the plain values the function reaches that it could
+        # change by Python: a config's temperature, a submodule's annealed float, an EMA helper's
+        # counter, a hand-written optimizer's int step count
+        self._settings = _settings_of(self._found) if settings else []
+        self._found.holders.clear()
 
     def python_changes(self) -> list[str]:
-        """What the call changed by Python rather than by an op, in the tensors found when it began
-        (their memory: `p.data = p.data.clamp(...)`; `requires_grad_(False)`) and in the plain
-        settings of keyword objects of the user's own class (`cfg.temperature *= 0.5`)."""
+        """What the call changed by Python rather than by an op in the tensors found when it began:
+        their memory (`p.data = p.data.clamp(...)`), `requires_grad_(False)`. Plain values: see
+        `setting_changes`."""
         changes = []
         for ref, address, requires_grad, name in self._first:
             tensor = ref()
@@ -85,10 +87,20 @@ class ExternalNames:
                 changes.append(f"{name} has new memory (`.data = ...`)")
             if tensor.requires_grad != requires_grad:
                 changes.append(f"{name}.requires_grad_({tensor.requires_grad})")
-        for name, (value, before) in self._settings.items():
-            after = plain_state(value)
-            changes += [f"{name}.{key}: {before[key]!r} -> {after.get(key)!r}" for key in before
-                        if not same_value(after.get(key), before[key])]
+        return changes
+
+    def setting_changes(self) -> list[tuple[str, Any, Any]]:
+        """The plain values watched since the call began (`settings=True`) that it changed, as
+        (name, before, after); `after` is None for one deleted (`model.fc.tau: 1.0 -> 0.8`)."""
+        changes = []
+        for now, prefix, before in self._settings:
+            current = now()
+            if current is None:  # the holder is gone (a popped state entry, a freed object)
+                continue
+            for key, then in before.items():
+                value = current.get(key)
+                if not same_value(value, then):
+                    changes.append((f"{prefix}{key}", then, _copied(value)))
         return changes
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
@@ -130,6 +142,7 @@ class ExternalNames:
             elif not isinstance(value, (torch.nn.Module, torch.Tensor)):
                 _walk_plain(value, name, Locator(root, ()), found, optimizers, visited, _PLAIN_DEPTH)
         for name, locator, optimizer in optimizers:
+            found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
             for param, state in optimizer.state.items():
                 owner_name, owner_locator = found.get(id(param), ("param", None))
                 for key, tensor in state.items():
@@ -140,11 +153,14 @@ class ExternalNames:
 
 
 class _Found(dict):
-    """id(tensor) -> (name, locator) of the first place each tensor was found; and the tensors."""
+    """id(tensor) -> (name, locator) of the first place each tensor was found; and the tensors; and
+    the objects holding plain values on the way, as (object, name, kind): "module", "object" (of
+    the user's own class), "optimizer", "root optimizer" (one the function reaches directly)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tensors: list[tuple[torch.Tensor, str]] = []
+        self.holders: list[tuple[Any, str, str]] = []
 
     def add(self, tensor: torch.Tensor, name: str, locator: Locator | None) -> None:
         if id(tensor) not in self:
@@ -255,14 +271,6 @@ def same_value(now: Any, then: Any) -> bool:
     return bool(now == then)
 
 
-def plain_state(value: Any) -> dict | None:
-    """The plain attributes of an object of the user's own class (a config, a trainer): what a call
-    that changes them changes, by Python. None for other values."""
-    if not _plain_object(value):
-        return None
-    return {key: copy.deepcopy(v) for key, v in vars(value).items() if plain_value(v)}
-
-
 _PLAIN_DEPTH = 3  # levels of plain containers searched below a root
 _PLAIN_ITEMS = 64  # items of one list, tuple or dict searched
 _PLAIN_VISITS = 2048  # values searched in all: a dataset passed as a keyword is not walked through
@@ -298,6 +306,7 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimi
         children = [(f"{prefix}[{k!r}]", ("item", k), v) for k, v in list(value.items())[:_PLAIN_ITEMS]
                     if type(k) in (str, int)]
     elif _plain_object(value):
+        found.holders.append((value, prefix, "object"))
         children = [(f"{prefix}.{k}", ("attr", k), v) for k, v in list(vars(value).items())[:_PLAIN_ITEMS]
                     if k.isidentifier()]
     else:
@@ -307,6 +316,7 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimi
 
 
 def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: _Found) -> None:
+    found.holders.append((module, prefix, "module"))
     for name, param in module._parameters.items():
         if param is not None:
             located = Locator(locator.root, (*locator.steps, ("param", name)))
@@ -322,3 +332,84 @@ def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: 
     for name, child in module._modules.items():
         if child is not None:
             _walk_module(child, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("module", name))), found)
+
+
+# a module's own bookkeeping, not settings: its parameters, buffers and submodules are compared as
+# tensors and modules; an empty one would pass for a plain dict
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_is_full_backward_hook"})
+
+
+def _copied(value: Any) -> Any:
+    return value if isinstance(value, _ATOMS) else copy.deepcopy(value)
+
+
+def _plain_values(mapping: dict, skip: frozenset = frozenset()) -> dict:
+    values = {}
+    for key, value in list(mapping.items())[:_PLAIN_ITEMS]:
+        if isinstance(value, _ATOMS):  # most settings: taken as they are
+            if key not in skip:
+                values[key] = value
+        elif (type(value) in (list, dict) or isinstance(value, tuple)) and key not in skip and plain_value(value):
+            values[key] = copy.deepcopy(value)
+    return values
+
+
+def _settings_of(found: _Found) -> list[tuple[Callable[[], dict | None], str, dict]]:
+    """The plain values of the holders found as a call begins, as (now, prefix, values): `now()`
+    gives the mapping holding them at that moment (None if gone). Watched: the `__dict__` of every
+    module (submodules too) and of every object of the user's own class found (to the depth and
+    count `_walk_plain` searches), the plain entries of optimizer state (an int step count), and
+    the param group settings of optimizers reached through such objects (those the function
+    reaches directly are runtime/python_state.py's)."""
+    settings = []
+    seen: set[int] = set()
+    for holder, name, kind in found.holders:
+        if id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        try:
+            ref = weakref.ref(holder)
+        except TypeError:
+            continue
+        if kind in ("module", "object"):
+            attributes = vars(holder)
+            if kind == "module" and type(holder).__module__.startswith("torch."):
+                # torch's own modules: their settings (`training`, `p`, `eps`), not their bookkeeping
+                attributes = {key: value for key, value in attributes.items() if key[0] != "_"}
+            values = _plain_values(attributes, _MODULE_INTERNALS if kind == "module" else frozenset())
+            if values:
+                settings.append((_attributes(ref), f"{name}.", values))
+            continue
+        for param, state in list(holder.state.items())[:_PLAIN_ITEMS]:
+            values = _plain_values(state) if type(state) is dict else {}
+            if values and isinstance(param, torch.Tensor):  # named as its tensors are: `opt.state[model.fc.weight]`
+                owner = found.get(id(param), ("param",))[0]
+                settings.append((_state_of(ref, weakref.ref(param)), f"{name}.state[{owner}].", values))
+        if kind == "optimizer":
+            for index, group in enumerate(holder.param_groups):
+                values = _plain_values(group, frozenset({"params"}))
+                if values:
+                    settings.append((_group_of(ref, index), f"{name}.param_groups[{index}].", values))
+    return settings
+
+
+def _attributes(ref: weakref.ref) -> Callable[[], dict | None]:
+    def now() -> dict | None:
+        holder = ref()
+        return None if holder is None else vars(holder)
+    return now
+
+
+def _state_of(ref: weakref.ref, param_ref: weakref.ref) -> Callable[[], dict | None]:
+    def now() -> dict | None:
+        optimizer, param = ref(), param_ref()
+        return None if optimizer is None or param is None else optimizer.state.get(param)
+    return now
+
+
+def _group_of(ref: weakref.ref, index: int) -> Callable[[], dict | None]:
+    def now() -> dict | None:
+        optimizer = ref()
+        groups = [] if optimizer is None else optimizer.param_groups
+        return groups[index] if index < len(groups) else None
+    return now
