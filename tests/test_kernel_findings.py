@@ -261,17 +261,27 @@ def _count_around_a_gather(x, idx):
     return y * _counter
 
 
+def _count_around_an_integer_division(x, idx):
+    _counter.add_(1)
+    y = torch.div(x.long()[:2], idx, rounding_mode="floor")  # a zero divisor raises
+    _counter.add_(1)
+    return y * _counter
+
+
+@pytest.mark.parametrize("function", [_count_around_a_gather, _count_around_an_integer_division])
 @pytest.mark.parametrize("without_host", [False, True])
-def test_a_write_before_an_op_that_raises_happens_as_in_eager(without_host):
+def test_a_write_before_an_op_that_raises_happens_as_in_eager(without_host, function):
     """The two `add_`s of a global counter were one fused kernel run after the gather between
     them: when the gather raised (an index out of range), the first write was lost and the
     counter stayed one behind eager's on every later call. A group does not hold a write the
     caller sees back past an op that checks values now."""
+    gathers = function is _count_around_a_gather
+
     def run(function):
         _counter.zero_()
         log = []
         for i in range(5):
-            idx = torch.tensor([0, 7 if i == 2 else 1])
+            idx = torch.tensor([0, 7 if i == 2 else 1]) if gathers else torch.tensor([1, 0 if i == 2 else 2])
             try:
                 function(torch.arange(4.0), idx)
                 log.append(_counter.item())
@@ -279,6 +289,6 @@ def test_a_write_before_an_op_that_raises_happens_as_in_eager(without_host):
                 log.append(("raised", _counter.item()))
         return log
 
-    traced = tracejit.trace(_count_around_a_gather, backend="c", without_host=without_host)
-    assert run(traced) == run(_count_around_a_gather) == [2.0, 4.0, ("raised", 5.0), 7.0, 9.0]
+    traced = tracejit.trace(function, backend="c", without_host=without_host)
+    assert run(traced) == run(function) == [2.0, 4.0, ("raised", 5.0), 7.0, 9.0]
     assert traced.stats.host_free_calls if without_host else traced.stats.checked_replays

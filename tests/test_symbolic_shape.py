@@ -689,9 +689,11 @@ def _bad_batch_step(x, y, *, model, opt, runs):
 @pytest.mark.parametrize("symbolic_shape", [None, True, False], ids=["automatic", "symbolic", "static"])
 def test_the_functions_own_exception_during_a_symbolic_recording(symbolic_shape, unwritten_memory_is_nan):
     # The automatic mode took a step's own exception (raised on its Python path, not by torch on
-    # stand-ins) for "cannot run on stand-ins": it ran the function twice, left NaN in .grad (see
-    # above), and kept every later size of the kind static. Now the exception propagates as in
-    # the other modes and eager code: once, with the gradients the call computed before it.
+    # stand-ins) for "cannot run on stand-ins": it left NaN in .grad (see above) and kept every
+    # later size of the kind static. Now the attempt's state is put back and the static run raises
+    # the exception as eager does, with the gradients the call computed before it; the kind stays
+    # symbolic. (A user check that fails only on stand-ins, `assert isinstance(x.shape[0], int)`,
+    # must not raise: so the automatic mode cannot tell the two apart before the static run.)
     objects = _sgd_objects()
     twins = copy.deepcopy(objects)
     traced = tracejit.trace(_bad_batch_step, symbolic_shape=symbolic_shape)
@@ -707,7 +709,10 @@ def test_the_functions_own_exception_during_a_symbolic_recording(symbolic_shape,
                 results.append("raised")
         assert same_tree(results[1], results[0]), (i, n, results)
         _same_state(twins, objects, (i, n))
-        assert traced_runs == eager_runs, (i, n)  # the function ran once per call
+        if symbolic_shape is None:  # a bad batch at a new size: its symbolic attempt, then the static run
+            assert [r for r in traced_runs if r != 3] == [r for r in eager_runs if r != 3], (i, n)
+        else:
+            assert traced_runs == eager_runs, (i, n)  # the function ran once per call
     if symbolic_shape is None:  # one bad batch does not keep the kind static
         assert traced._shape_traces and traced.stats.shape_specializations, traced.stats
     assert traced.stats.checked_replays >= 2, traced.stats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dis
 import functools
 import gc
 import inspect
@@ -43,7 +42,7 @@ from .record.reached import Seen
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
-from .record.source import is_user_file, user_location
+from .record.source import user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
@@ -191,7 +190,7 @@ class trace(ProfileAccess):
         self._changed_in_call: list[str] = []  # without_host: what the call's function changed (record/reached.py)
         # without_host: the plain values the last call that ran the function changed, by name: the
         # values it found and left (see _refuse_setting_changes)
-        self._settings_changed: dict[str, list] = {}
+        self._settings_changed: dict[tuple, dict[str, list]] = {}  # per input signature
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
@@ -606,8 +605,7 @@ class trace(ProfileAccess):
             program = self._compile(concrete, fused=False)
         except Exception as error:
             result = None  # the attempt's result, and the stand-ins its autograd graph saved
-            if (self.options.symbolic_shape is None and not recorder.ran_for_real
-                    and not _raised_by_the_function(error)):
+            if self.options.symbolic_shape is None and not recorder.ran_for_real:
                 # The automatic mode tried symbols and the function cannot run on stand-ins of
                 # symbolic size (a size torch needs as a number, a view it cannot express, a
                 # returned tensor whose autograd graph saved one). Nothing ran on the real tensors;
@@ -762,6 +760,10 @@ class trace(ProfileAccess):
         else:
             entry.replays += 1
             self.stats.checked_replays += 1
+            if entry.fresh_optimizers - without_state:
+                # an optimizer with state replayed the call that created it without a difference
+                # (state of Python numbers only): the record serves such calls, none re-records
+                entry.fresh_optimizers = frozenset()
             if replayer.host_reads_seen and not entry.record.host_reads and self.options.without_host:
                 entry.host_free_error, entry.host_free, self._fast_call = HostDependencyError(
                     f"without_host=True cannot skip {self.__name__}() anymore: its call now reads values on the "
@@ -852,7 +854,7 @@ class trace(ProfileAccess):
         entry.handles = handles  # to_fx() finds the external objects there
         if not self.options.without_host:
             return
-        settings_error = self._refuse_setting_changes(names.setting_changes())  # noted for the next call too
+        settings_error = self._refuse_setting_changes(entry.key, names.setting_changes())  # noted for the next call too
         if entry.provisional:
             return
         error = refuse_python_state_changes(self._function, self.__name__, self._state_before, kwargs,
@@ -870,7 +872,7 @@ class trace(ProfileAccess):
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return
-        if self._settings_changed:  # changed once: the next call runs the function and tells
+        if self._settings_changed.get(entry.key):  # changed once: the next call runs the function and tells
             if entry.host_free is not None:
                 entry.host_free.call = None
             self._fast_call = None
@@ -898,13 +900,16 @@ class trace(ProfileAccess):
             entry.host_free.call = None  # some external is gone: the next call runs the function
             self._fast_call = None
 
-    def _refuse_setting_changes(self, changes: list[tuple[str, Any, Any]]) -> HostDependencyError | None:
+    def _refuse_setting_changes(self, key: tuple, changes: list[tuple[str, Any, Any]]) -> HostDependencyError | None:
         """The error for a call that changed plain values it reaches by Python (a submodule's
-        annealed float, a counter, an int step count in optimizer state) as the last call that ran
-        the function did: starting from the value that call left, it changed it again, and a call
-        without the function would not. A value changed once (`model.eval()`, a flag set on the
-        first call) is noted, and the trace is bound after the next call that leaves it as it is."""
-        last, self._settings_changed = self._settings_changed, {name: [then, now] for name, then, now in changes}
+        annealed float, a counter, an int step count in optimizer state) as the last call of its
+        input signature that ran the function did: starting from the value that call left, it
+        changed it again, and a call without the function would not. A value changed once
+        (`model.eval()`, a flag set on the first call) is noted, and the trace is bound after the
+        next call that leaves it as it is. Per signature: a value that flips with it (a bool
+        keyword `train` passed to `model.train(train)`) is no counter."""
+        last = self._settings_changed.get(key, {})
+        self._settings_changed[key] = {name: [then, now] for name, then, now in changes}
         repeated = [f"{name}: {' -> '.join(repr(v) for v in (*last[name], now))}" for name, then, now in changes
                     if name in last and same_value(then, last[name][-1])]
         if not repeated:
@@ -1099,31 +1104,6 @@ def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,
         return kept, False
     before.restore()
     return recorder.left_behind(), True  # the same tensor held twice, once where nothing puts it back
-
-
-def _raised_by_the_function(error: BaseException) -> bool:
-    """Whether the function raised `error` itself: a raise or assert statement of the user's code
-    (not torch's, tracejit's, the standard library's or an installed package's), and not while
-    handling an exception from elsewhere (torch failing on a stand-in). Such an error says nothing
-    against recording on stand-ins: it propagates as in eager code, not as a reason to run the
-    function again static."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        tb = error.__traceback__
-        if tb is None:
-            return False
-        while tb.tb_next is not None:
-            tb = tb.tb_next
-        code = tb.tb_frame.f_code
-        if not is_user_file(code.co_filename) or _instruction_at(code, tb.tb_lasti) != "RAISE_VARARGS":
-            return False
-        error = error.__cause__ or error.__context__
-    return True
-
-
-def _instruction_at(code: types.CodeType, offset: int) -> str | None:
-    return next((i.opname for i in dis.get_instructions(code) if i.offset == offset), None)
 
 
 def _abandon(recorder: Any, error: BaseException) -> None:

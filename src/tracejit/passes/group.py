@@ -194,13 +194,24 @@ _VALUE_CHECKED = frozenset({
     "_embedding_bag", "embedding_dense_backward", "nll_loss_forward", "nll_loss2d_forward", "nll_loss_backward",
     "nll_loss2d_backward", "multi_margin_loss", "multilabel_margin_loss_forward", "binary_cross_entropy",
     "multinomial", "bincount", "one_hot", "repeat_interleave", "searchsorted", "bucketize", "histc",
-    "masked_scatter", "_assert_async", "_assert_scalar", "_linalg_check_errors",
+    "masked_scatter", "_assert_async", "_assert_scalar", "_linalg_check_errors", "bernoulli", "normal",
+    "max_unpool2d", "max_unpool3d", "ctc_loss", "_ctc_loss", "poisson", "binomial", "_sample_dirichlet",
 })
+# and on integers, a zero divisor
+_INTEGER_DIVISIONS = frozenset({"div", "floor_divide", "remainder", "fmod", "div_", "floor_divide_", "remainder_", "fmod_"})
 
 
 def _raises_on_values(node: Node) -> bool:
-    targets = [m.target for m in node.members] if node.op is Op.FUSED else [node.target]
-    return any(isinstance(t, torch._ops.OpOverload) and t._overloadpacket.__name__ in _VALUE_CHECKED for t in targets)
+    for member in node.members if node.op is Op.FUSED else (node,):
+        target = member.target
+        if not isinstance(target, torch._ops.OpOverload):
+            continue
+        name = target._overloadpacket.__name__
+        if name in _VALUE_CHECKED or (name in _INTEGER_DIVISIONS and any(
+                not meta.dtype.is_floating_point and not meta.dtype.is_complex and meta.dtype is not torch.bool
+                for meta in member.input_metas)):
+            return True
+    return False
 
 
 def _writes_visible_memory(graph: Graph, node: Node) -> bool:

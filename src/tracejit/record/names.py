@@ -337,6 +337,9 @@ def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: 
 # a module's own bookkeeping, not settings: its parameters, buffers and submodules are compared as
 # tensors and modules; an empty one would pass for a plain dict
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_is_full_backward_hook"})
+# module flags a call may change that select a trace (`training`, signature.py) or that a call
+# without the function sets itself (DistributedDataParallel's, runtime/hostfree.py's epilogue)
+_FOLLOWED = frozenset({"training", "require_forward_param_sync"})
 
 
 def _copied(value: Any) -> Any:
@@ -374,9 +377,9 @@ def _settings_of(found: _Found) -> list[tuple[Callable[[], dict | None], str, di
         if kind in ("module", "object"):
             attributes = vars(holder)
             if kind == "module" and type(holder).__module__.startswith("torch."):
-                # torch's own modules: their settings (`training`, `p`, `eps`), not their bookkeeping
+                # torch's own modules: their settings (`p`, `eps`), not their bookkeeping
                 attributes = {key: value for key, value in attributes.items() if key[0] != "_"}
-            values = _plain_values(attributes, _MODULE_INTERNALS if kind == "module" else frozenset())
+            values = _plain_values(attributes, _MODULE_INTERNALS | _FOLLOWED if kind == "module" else frozenset())
             if values:
                 settings.append((_attributes(ref), f"{name}.", values))
             continue

@@ -547,6 +547,7 @@ def _refuse_storage_arguments(func: Any, args: tuple, kwargs: dict, index: int, 
     if any(isinstance(a, (torch.UntypedStorage, torch.TypedStorage)) for a in (*args, *kwargs.values())):
         raise NotImplementedError(
             f"tracejit: op #{index} {func} at {source} takes a storage object, whose memory a trace cannot "
-            f"follow from call to call: make the tensor a view of the one it shares memory with "
-            f"(`x.view(...)`, `x[...]`, `x.as_strided(size, stride, offset)`), or run this code inside "
-            f"tracejit.exclude_from_trace().")
+            f"follow from call to call. `copy.deepcopy` of a tensor or a state_dict does this: copy with "
+            f"`t.clone()` (`{{k: v.clone() for k, v in sd.items()}}`) instead. For `t.set_(x.untyped_storage(), ...)`, "
+            f"make the tensor a view of the one it shares memory with (`x.as_strided(size, stride, offset)`). "
+            f"Or run this code inside tracejit.exclude_from_trace().")

@@ -47,14 +47,6 @@ def _skipped(filename: str) -> bool:
     return hit
 
 
-def is_user_file(filename: str) -> bool:
-    """Code of the user's own: outside torch, tracejit, the standard library and installed packages."""
-    if _skipped(filename):
-        return False
-    parts = os.path.abspath(filename).split(os.sep)
-    return "site-packages" not in parts and "dist-packages" not in parts
-
-
 def user_location(depth: int = 1) -> SourceLocation:
     """Location of the innermost user frame on the current stack."""
     frame = sys._getframe(depth)

@@ -14,7 +14,6 @@ and rebinds.
 from __future__ import annotations
 
 import copy
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -571,22 +570,18 @@ class HostFreeRunner:
             if holder is not None:
                 body += holder.store(f"h{handle}", ref, src)
             else:
-                # Held where tracejit cannot find it: the new value is written into the object held
-                # now. A view of the call's input or output would then write into an earlier call's
-                # input or output: such a call runs the function, which makes a new view as eager
-                # does. Other views (DistributedDataParallel's gradient buckets, which its reducer
-                # holds) are written; so is a tensor of its own while nothing else holds it (a
-                # history of them keeps each call's, as eager's).
+                # Held where tracejit cannot find it. A view of memory the call made is written into
+                # the view held now (DistributedDataParallel's gradient buckets: its reducer holds
+                # them and reads them next call). A tensor of its own may be held by a list the
+                # function appends to (`history.append(acc)`), which a write would not repeat, and a
+                # view of the call's input or output would write into an earlier call's: such calls
+                # run the function, which does what eager does.
                 root = handle
                 while tensors[root].base is not None:
                     root = tensors[root].base
-                if root != handle and (tensors[root].kind in (Kind.ARG, Kind.KWARG) or tensors[root].flags & Flag.RETURNED):
-                    self._escape_guards.append(_fail("True", f"t{handle}, a view of the call's {tensors[root].name}, "
-                                                             f"is kept where tracejit cannot find it"))
-                elif root == handle:
-                    self._escape_guards.append(_fail(f"(o := {ref}()) is not None and REFCOUNT(o) > 3",
-                                                     f"t{handle}, kept where tracejit cannot find it, is held elsewhere too"))
-                    src.namespace["REFCOUNT"] = sys.getrefcount
+                if root == handle or tensors[root].kind in (Kind.ARG, Kind.KWARG) or tensors[root].flags & Flag.RETURNED:
+                    what = "a tensor it made" if root == handle else f"a view of the call's {tensors[root].name}"
+                    self._escape_guards.append(_fail("True", f"t{handle}, {what}, is kept where tracejit cannot find it"))
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
