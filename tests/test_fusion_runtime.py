@@ -281,3 +281,35 @@ def test_a_gradient_computed_by_a_fused_group_is_stolen_by_autograd_as_in_eager(
     side_by_side(traced, step, {"model": model, "opt": opt}, seeded(*shape), steps=4, fused=True)
     assert traced.stats.checked_replays >= 2 and traced.stats.records == 1
     assert fused_count(traced)[0] >= 1
+
+
+def _scaled_in_place_step(x, y, *, model, opt):
+    h = model[0](x) + 0
+    h.mul_(3)  # in place into memory the group made; `h` stays alive while the call runs
+    loss = torch.nn.functional.mse_loss(model[1](torch.tanh(h)), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_a_live_value_written_in_place_inside_a_group_is_recomputed_for_a_rerecord(without_host):
+    """The second call re-records (the optimizer creates its momentum buffers) while `h`, written
+    in place inside the fused group [add, mul_, tanh], is alive in the function: the group did not
+    store it and refused to recompute it because a member writes, so the call raised a spurious
+    TraceMismatchError ("kept a reference to t6"). A write into memory the group made itself
+    is recomputed from the group's inputs now."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    twin, twin_opt = copy.deepcopy((model, opt))
+    traced = tracejit.trace(_scaled_in_place_step, backend="c", without_host=without_host)
+    for i in range(6):
+        x, y = torch.randn(8, 6), torch.randn(8, 3)
+        torch.testing.assert_close(traced(x, y, model=model, opt=opt), _scaled_in_place_step(x, y, model=twin, opt=twin_opt),
+                                   rtol=1e-5, atol=1e-6)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert traced.stats.rerecords == 1
+    assert traced.stats.host_free_calls if without_host else traced.stats.checked_replays

@@ -657,3 +657,32 @@ def test_without_the_host_a_tensor_appended_to_a_list_is_appended_on_every_call(
         traced(x)
     assert [a.item() for a in _accuracies] == [(x > 0).float().mean().item() for x in inputs]
     assert traced.stats.host_free_misses >= 5
+
+
+def _scaled_step(x, y, *, m, opt, cfg):
+    loss = F.mse_loss(m(x) * cfg["s"], y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    cfg["s"] *= 1.1  # the call changes its keyword dict
+    return loss.detach()
+
+
+def test_without_the_host_a_keyword_dict_the_call_changes_is_compared_as_the_call_found_it():
+    """The guard of a keyword dict took its copy after the binding call had changed it, while the
+    program kept the number that call used: the next call passed the guard and computed with a
+    stale `s` (and left `cfg` unchanged). Compared with what the binding call found, every call
+    now runs the function, as the value changes every call."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2)]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    configs = [{"s": 1.0}, {"s": 1.0}]
+    traced = tracejit.trace(_scaled_step, without_host=True)
+    for i in range(6):
+        x, y = torch.randn(5, 4), torch.randn(5, 2)
+        losses = [function(x, y, m=m, opt=opt, cfg=cfg)
+                  for function, m, opt, cfg in zip((_scaled_step, traced), models, opts, configs)]
+        assert torch.equal(*losses) and configs[0] == configs[1], f"call {i}"
+        assert_same_model(models[0], models[1], f"call {i}")
+    assert traced.stats.host_free_misses >= 3

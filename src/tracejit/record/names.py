@@ -53,6 +53,10 @@ class ExternalNames:
     def __init__(self, function: Callable, kwargs: dict, settings: bool = False):
         self._function = function
         self._kwargs = kwargs
+        # the keyword values compared by value, as the call found them: a call that changes one
+        # (`cfg["s"] *= 1.1`) computed with the value it found, which the next call must have
+        self.plain_kwargs = {name: copy.deepcopy(value) for name, value in kwargs.items()
+                             if not isinstance(value, _ATOMS) and plain_value(value)}
         # where each tensor is when the call begins: a call may put another tensor in that place
         # (`self.h = h`), and a call without the function must look where this one looked
         self._found = self._collect()

@@ -274,8 +274,9 @@ class HostFreeRunner:
                 guards.append(_fail(f"kw[{name!r}] is not {src.constant(value, 'gen')}", f"{name!r} is another generator"))
             elif plain_value(value):  # an enum, a dtype, a tuple or dict of such: compared by value
                 src.namespace["SAME_VALUE"] = same_value
-                guards.append(_fail(f"not SAME_VALUE(kw[{name!r}], {src.constant(copy.deepcopy(value), 'p')})",
-                                    f"{name!r} is not {value!r} anymore"))
+                found = names.plain_kwargs.get(name, value)  # as the binding call found it
+                guards.append(_fail(f"not SAME_VALUE(kw[{name!r}], {src.constant(copy.deepcopy(found), 'p')})",
+                                    f"{name!r} is not {found!r} anymore"))
         self._located_grads: list[str] = []
         self._cleared_grads: list[str] = []  # parameters whose `.grad` the call leaves None
         self._meta: list[tuple[str, str]] = []  # (local, its layout check)

@@ -223,15 +223,18 @@ def _fill_placeholder(placeholder: torch.Tensor, value: torch.Tensor) -> None:
 
 def _recomputable(graph: Graph, node: Node) -> set[int]:
     """Member values that can still be recomputed from the node's inputs at the end of the call:
-    computed out of place from storage that neither the group nor any later node writes."""
+    computed from storage that neither the group nor any later node writes, out of place or in
+    place into memory a member made (`h = lin(x) + 0; h.mul_(3)`: a recompute makes its own `h`)."""
     fire = node.fire_at
     written = {graph.values[w].root for n in graph.nodes if n is node or n.fire_at > fire for w in n.writes}
+    written_later = {graph.values[w].root for n in graph.nodes if n.fire_at > fire for w in n.writes}
+    input_roots = {graph.values[v].root for v in node.inputs}
+    made = {graph.values[v].root for m in node.members for v in m.outputs if v is not None} - input_roots - written_later
     ok: set[int] = set()
     for member in node.members:
-        pure = not member.writes and all(v in ok or (v in node.inputs and graph.values[v].root not in written)
-                                         for v in member.inputs)
-        if pure:
-            ok.update(v for v in member.outputs if v is not None)
+        reads = all(v in ok or (v in node.inputs and graph.values[v].root not in written) for v in member.inputs)
+        if reads and all(graph.values[w].root in made for w in member.writes):
+            ok.update(v for v in (*member.outputs, *member.writes) if v is not None)
     return ok
 
 
