@@ -289,3 +289,58 @@ def test_a_scaler_reached_through_a_helper_object_is_guarded_without_the_host():
         assert _scaler_state(b.scaler) == _scaler_state(a.scaler), i
         assert_same_state(model_a, a.opt, model_b, b.opt)
     assert traced.stats.host_free_calls >= 6, traced.stats
+
+
+_AMP = {"dtype": torch.bfloat16, "enabled": True, "grad": False}
+_LINEAR = nn.Linear(8, 4)
+
+
+def _autocast_inside(x):
+    with torch.autocast("cpu", dtype=_AMP["dtype"], enabled=_AMP["enabled"]):
+        return _LINEAR(x) * 2
+
+
+def _grad_mode_inside(x):
+    with torch.set_grad_enabled(_AMP["grad"]):
+        return _LINEAR(x) * 2
+
+
+@pytest.mark.parametrize("change", [{"dtype": torch.float16}, {"enabled": False}])
+def test_autocast_the_function_enters_itself_is_checked_at_every_call(change):
+    """`torch.autocast` entered inside the function never reaches the torch-function mode: calls
+    at the API level answered from a program recorded under bfloat16 after the function switched
+    to float16 or off (the result was the recorded dtype's, counted as a good replay). Each call
+    is checked against the autocast state it was recorded under now; a different one runs at the
+    aten level, which raises TraceMismatchError for the other casts."""
+    _AMP.update(dtype=torch.bfloat16, enabled=True)
+    traced = tracejit.trace(_autocast_inside)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(traced(x), _autocast_inside(x))
+        assert traced.stats.api_replays >= 1
+        _AMP.update(change)
+        try:
+            with pytest.raises(tracejit.TraceMismatchError, match="_to_copy|dtype"):
+                traced(x)
+        finally:
+            _AMP.update(dtype=torch.bfloat16, enabled=True)
+
+
+def test_grad_mode_the_function_sets_itself_is_compared_at_the_api_level():
+    """`torch.set_grad_enabled(flag)` inside the function with another flag than recorded was
+    accepted at the API level by the function alone: the result came back without the autograd
+    graph eager gives it."""
+    _AMP["grad"] = False
+    traced = tracejit.trace(_grad_mode_inside)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for _ in range(4):
+            assert not traced(x).requires_grad
+        assert traced.stats.api_replays >= 1
+        _AMP["grad"] = True
+        try:
+            got, want = traced(x), _grad_mode_inside(x)
+        finally:
+            _AMP["grad"] = False
+    assert got.requires_grad and want.requires_grad and torch.equal(got, want)

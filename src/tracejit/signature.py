@@ -63,6 +63,15 @@ def shared_memory(tensors: list[torch.Tensor]) -> tuple[tuple[int, int, int], ..
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
+def autocast_state() -> tuple | None:
+    """None outside autocast (one C call); else each device's enabled flag and dtype: a torch call
+    made under another state dispatches other ops (bf16 matmuls, casts)."""
+    if not _any_autocast():
+        return None
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"))
+
+
 def call_context_key() -> tuple:
     """The global state that decides which ops a torch call dispatches (grad and inference mode,
     autocast state and dtype, default dtype, deterministic algorithms): a call made under another

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..signature import autocast_state
 from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
 from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
@@ -83,6 +84,9 @@ class ApiCall:
     source: SourceLocation
     read: tuple[int, int] | None = None  # HOST_READ: (ops before the read, handle read)
     requires_grad: bool | None = None  # a requires_grad_ that changed nothing: the flag it kept
+    # the autocast state it was made under (signature.autocast_state): the function may enter or
+    # leave autocast itself, which changes what a call dispatches without reaching the mode
+    autocast: tuple | None = None
 
 
 @dataclass
@@ -337,8 +341,10 @@ class ApiTracer(TorchFunctionMode):
                 kind, template_args, template_kwargs, template_result = CallKind.REAL, None, None, None
         else:
             template_args = template_kwargs = template_result = None
+            if short == "_set_grad_enabled" and len(args) == 1 and type(args[0]) is bool and not kwargs:
+                template_args = (args[0],)  # the mode decides what the calls after it record
         self.trace.calls.append(ApiCall(index, func, name, kind, (start, end), template_args, template_kwargs,
-                                        template_result, source))
+                                        template_result, source, autocast=autocast_state()))
 
 
 # hook -> the torch.Tensor method it wraps, as the checker sees it called (no hooks installed then)

@@ -47,7 +47,7 @@ from ..record.api import (
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
 from ..record.record import Kind, Record
-from ..signature import call_context_key
+from ..signature import autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
 from .ddp_stand_in import DeferredWrites, distributed_refusal, seal_ddp_spans
@@ -139,7 +139,10 @@ class ApiProgram:
         name = f"call{call.index}"
         params = "args, kwargs, A, E, P, S"
         if call.kind is CallKind.REAL:
-            return self._function(name, params, [f"return {self.constant(call.func, 'f')}(*args, **kwargs)"])
+            run = f"return {self.constant(call.func, 'f')}(*args, **kwargs)"
+            if call.args is not None:  # `_set_grad_enabled(mode)`: the recorded mode
+                return self._function(name, params, [f"if kwargs or args != {call.args!r}: return FAIL", run])
+            return self._function(name, params, [run])
         if call.index in self.located.values():
             # a gradient read where it is: whichever tensor `p.grad` holds now stands for the recorded
             # one in the rest of the call (the host-free program binds gradients by place too)
@@ -164,7 +167,7 @@ class ApiProgram:
             for i, template in enumerate(call.args):
                 body += match_lines(f"args[{i}]", template, self)
             return self._function(name, params, [*body, f"return {reader}(args, kwargs, S)"])
-        body = [f"if len(args) != {len(call.args)}: return FAIL"]
+        body = [f"if len(args) != {len(call.args)}: return FAIL", self.autocast_check(call.autocast)]
         if call.kwargs:
             body.append(f"if kwargs.keys() != {self.constant(set(call.kwargs), 'k')}: return FAIL")
         else:
@@ -178,6 +181,16 @@ class ApiProgram:
             body += match_lines(f"kwargs[{key!r}]", template, self, numbers)
         body.append(f"return {answer_expr(call.result, self)}")
         return self._function(name, params, body)
+
+    def autocast_check(self, recorded: tuple | None) -> str:
+        """The line that fails a call made under another autocast state than recorded: entering
+        `torch.autocast` (or another dtype) inside the function changes what a call dispatches,
+        and the mode never sees the switch."""
+        if recorded is None:
+            self.namespace["ANY_AUTOCAST"] = torch._C._is_any_autocast_enabled
+            return "if ANY_AUTOCAST(): return FAIL"
+        self.namespace["AUTOCAST"] = autocast_state
+        return f"if AUTOCAST() != {self.constant(recorded, 'ac')}: return FAIL"
 
     def _direct_slots(self, call: ApiCall) -> dict:
         """Where the Python numbers of `call` go when it binds one aten op directly
@@ -480,6 +493,8 @@ class ApiChecker(TorchFunctionMode):
         self.steps = program.steps
         self.funcs = program.funcs
         self.count = len(program.steps)
+        # the flag each recorded `torch._C._set_grad_enabled(flag)` passed (None for other calls)
+        self.grad_modes = [call.args[0] if call.kind is CallKind.REAL and call.args else None for call in program.calls]
         self.program = program
         self.placeholders = program.placeholders
         self.start([], [])
@@ -581,7 +596,8 @@ def _set_grad_enabled_at_api_level(mode: bool) -> None:
             position = checker.position
             POP_MODE()
             try:
-                if checker.diverged is None and position < checker.count and checker.funcs[position] is _REAL_SET_GRAD:
+                if (checker.diverged is None and position < checker.count and checker.funcs[position] is _REAL_SET_GRAD
+                        and checker.grad_modes[position] is mode):
                     _REAL_SET_GRAD(mode)
                     checker.position = position + 1
                     return

@@ -570,6 +570,9 @@ class _ForwardSource:
         if "GLOBAL_HOOKS" not in namespace:  # torch.nn's global hook dicts, which it only ever mutates
             namespace["GLOBAL_HOOKS"] = global_hook_dicts()
         self.fail_if("any(GLOBAL_HOOKS)")
+        inner = self.program.calls[call.start:call.end]
+        if inner:  # its calls dispatch what the autocast state they were made under decides
+            self.lines.append(self.program.autocast_check(inner[0].autocast))
         self.fail_if(f"len(args) != {len(call.args)} or kwargs.keys() != {self.program.constant(set(call.kwargs), 'k')}")
         for i, template in enumerate(call.args):
             self.lines += match_lines(f"args[{i}]", template, self.program)
