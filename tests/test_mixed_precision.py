@@ -344,3 +344,41 @@ def test_grad_mode_the_function_sets_itself_is_compared_at_the_api_level():
         finally:
             _AMP["grad"] = False
     assert got.requires_grad and want.requires_grad and torch.equal(got, want)
+
+
+def _scaled_step(x, y, *, model, opt, scaler):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).float(), y)
+    scaled = scaler.scale(loss)
+    scaled.backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return scaled.detach()
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_a_scaler_resumed_from_a_checkpoint_replaces_the_old_one(without_host):
+    """A new GradScaler loaded from a checkpoint, passed from the fifth call on. Without the host,
+    the program kept scaling with and updating the old scaler's tensors (the new one stayed at
+    1024 while eager's grew); in checked replay its lazily made scale raised TraceMismatchError.
+    Its scale is located through the keyword now, and a scaler without one records again."""
+    torch.manual_seed(0)
+    models = [nn.Linear(8, 4)]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01, fused=True) for m in models]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2) for _ in models]
+    traced = tracejit.trace(_scaled_step, without_host=without_host)
+    for i in range(9):
+        x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+        if i == 4:
+            state = {**scalers[0].state_dict(), "scale": 1024.0, "_growth_tracker": 0}
+            scalers = [torch.amp.GradScaler("cpu") for _ in models]
+            for scaler in scalers:
+                scaler.load_state_dict(dict(state))
+        losses = [step(x, y, model=m, opt=o, scaler=s)
+                  for step, m, o, s in zip((_scaled_step, traced), models, opts, scalers)]
+        assert torch.equal(*losses), i
+        assert scalers[0].get_scale() == scalers[1].get_scale(), i
+        assert_same_state(models[0], opts[0], models[1], opts[1])
+    assert traced.stats.host_free_calls >= 2 if without_host else traced.stats.checked_replays >= 2

@@ -667,7 +667,10 @@ class trace(ProfileAccess):
         record = entry.record
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
         without_state = _optimizers_without_state(kwargs) if entry.stateful_optimizers else frozenset()
-        fresh_optimizer = bool(entry.stateful_optimizers & without_state)
+        # a keyword optimizer without the state it had, or a GradScaler that has not made its scale
+        # yet (a new one, loaded from a checkpoint): this call creates that state, as the first did
+        fresh_optimizer = bool(entry.stateful_optimizers & without_state) or any(
+            isinstance(v, torch.amp.GradScaler) and v.is_enabled() and v._scale is None for v in kwargs.values())
         replayer = Replayer(
             entry.program, args, kwargs,
             # the first replay of a record that created state records it again; so does, in the

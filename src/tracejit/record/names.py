@@ -302,6 +302,12 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimi
     if isinstance(value, torch.optim.Optimizer):
         optimizers.append((prefix, locator, value))
         return
+    if isinstance(value, torch.amp.GradScaler):  # its scale and growth tracker, which its ops read and write
+        for name in ("_scale", "_growth_tracker"):
+            tensor = vars(value).get(name)
+            if isinstance(tensor, torch.Tensor):
+                found.add(tensor, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("attr", name))))
+        return
     if depth == 0:
         return
     if isinstance(value, (list, tuple)):
