@@ -382,3 +382,37 @@ def test_a_scaler_resumed_from_a_checkpoint_replaces_the_old_one(without_host):
         assert scalers[0].get_scale() == scalers[1].get_scale(), i
         assert_same_state(models[0], opts[0], models[1], opts[1])
     assert traced.stats.host_free_calls >= 2 if without_host else traced.stats.checked_replays >= 2
+
+
+def _overflowing_step(x, y, mult, *, model, opt, scaler):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).float(), y) * mult
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("overflows", [(0,), (0, 1)])
+@pytest.mark.parametrize("foreach", [True, False])
+def test_an_overflow_on_the_first_calls_before_the_optimizer_has_state(overflows, foreach):
+    """fp16 training often overflows on its first steps, so the recorded step skipped Adam's step
+    and Adam made no state. The first clean call records again (or records the other branch of
+    the inf check) with the state's creation; the next call, which has the state, raised
+    TraceMismatchError ("_foreach_add_ instead of zeros_like"). Both now record once more."""
+    torch.manual_seed(0)
+    models = [nn.Linear(8, 4)]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01, foreach=foreach) for m in models]
+    scalers = [torch.amp.GradScaler("cpu") for _ in models]
+    traced = tracejit.trace(_overflowing_step)
+    for i in range(7):
+        x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+        mult = torch.tensor(float("inf") if i in overflows else 1.0)
+        losses = [step(x, y, mult.clone(), model=m, opt=o, scaler=s)
+                  for step, m, o, s in zip((_overflowing_step, traced), models, opts, scalers)]
+        assert torch.equal(losses[0], losses[1]) or (losses[0].isnan() and losses[1].isnan()), i
+        assert scalers[0].get_scale() == scalers[1].get_scale(), i
+        assert_same_state(models[0], opts[0], models[1], opts[1])
+    assert traced.stats.checked_replays >= 3

@@ -666,7 +666,7 @@ class trace(ProfileAccess):
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         record = entry.record
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
-        without_state = _optimizers_without_state(kwargs) if entry.stateful_optimizers else frozenset()
+        without_state = _optimizers_without_state(kwargs)
         # a keyword optimizer without the state it had, or a GradScaler that has not made its scale
         # yet (a new one, loaded from a checkpoint): this call creates that state, as the first did
         fresh_optimizer = bool(entry.stateful_optimizers & without_state) or any(
@@ -724,6 +724,10 @@ class trace(ProfileAccess):
         if replayer.program is not entry.program:  # a data-dependent size moved the call to another variant
             entry.program, entry.record = replayer.program, replayer.record
         if new_record is not None and replayer.new_variant:
+            if new_record.created_state:
+                # like a first recording: the variant made state the next call has (Adam's, made
+                # lazily by the first step a GradScaler did not skip), so its first replay may record again
+                new_record.rerecorded = False
             entry.program, entry.record = self._compile(new_record), new_record
             variants.add(entry.program)
             entry.variants = variants
