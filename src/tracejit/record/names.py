@@ -280,11 +280,19 @@ _PLAIN_ITEMS = 64  # items of one list, tuple or dict searched
 _PLAIN_VISITS = 2048  # values searched in all: a dataset passed as a keyword is not walked through
 
 
+# the standard library's objects whose attributes other threads and the runtime change (a
+# barrier's count, a lock, a logger's handlers, a queue): not the state of a computation
+_RUNTIME_MODULES = frozenset({"threading", "multiprocessing", "queue", "asyncio", "concurrent", "logging",
+                              "socket", "io", "_io", "selectors", "subprocess", "weakref", "random"})
+
+
 def _plain_object(value: Any) -> bool:
     """An instance of the user's own class whose attributes are its state (not a function, class,
-    module of code, or a torch object with state of its own)."""
+    module of code, a torch object with state of its own, or a runtime object of the standard
+    library such as a `threading.Barrier`)."""
     cls = type(value)
     return (cls.__module__ not in ("builtins", "types") and not cls.__module__.startswith("torch")
+            and cls.__module__.split(".")[0] not in _RUNTIME_MODULES
             and isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type))
 
 
