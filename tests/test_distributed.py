@@ -361,3 +361,68 @@ def test_unsupported_collectives_raise_a_clear_error(single_rank):
     for _ in range(3):
         assert torch.equal(traced(torch.ones(2)), torch.full((2,), 2.0))
     assert traced.stats.checked_replays == 2
+
+
+class _Work:
+    """A c10d Work stand-in that completes after `looks` calls of is_completed()."""
+
+    def __init__(self, looks: int):
+        self.looks, self.seen, self.waits = looks, 0, 0
+
+    def is_completed(self) -> bool:
+        self.seen += 1
+        return self.seen > self.looks
+
+    def wait(self, timeout=None) -> bool:
+        self.waits += 1
+        return True
+
+
+def test_a_host_collective_is_polled_before_its_wait_blocks(monkeypatch):
+    from tracejit.record import ranks as ranks_module
+
+    monkeypatch.setattr(ranks_module, "_posted", [False])  # no group here: nothing posted to retract
+    done_while_polled = _Work(looks=3)
+    ranks_module.wait(done_while_polled, "all_reduce", "0", on_host=True)
+    # polled until done; the wait that follows returns at once (and raises a failed work's error)
+    assert (done_while_polled.seen, done_while_polled.waits) == (4, 1)
+
+    device_work = _Work(looks=3)  # a device collective's wait orders streams: never polled
+    ranks_module.wait(device_work, "all_reduce", "0", on_host=False)
+    assert (device_work.seen, device_work.waits) == (0, 1)
+
+    monkeypatch.setenv("TRACEJIT_DIST_SPIN_MS", "2")
+    slow = _Work(looks=10**9)  # still running when the polling ends: the wait blocks
+    ranks_module.wait(slow, "all_reduce", "0", on_host=True)
+    assert slow.seen > 1 and slow.waits == 1
+
+    monkeypatch.setenv("TRACEJIT_DIST_SPIN_MS", "0")
+    unpolled = _Work(looks=3)
+    ranks_module.wait(unpolled, "all_reduce", "0", on_host=True)
+    assert (unpolled.seen, unpolled.waits) == (0, 1)
+
+    for bad in ("fast", "-1", "nan"):
+        monkeypatch.setenv("TRACEJIT_DIST_SPIN_MS", bad)
+        with pytest.raises(ValueError, match=rf"TRACEJIT_DIST_SPIN_MS must be a number of milliseconds >= 0 "
+                                             rf"\(0: no polling\), got '{bad}'"):
+            ranks_module.wait(_Work(looks=0), "all_reduce", "0", on_host=True)
+
+
+def test_collectives_over_host_tensors_are_polled(single_rank, monkeypatch):
+    from tracejit.record import collectives
+
+    seen = []
+    real_wait = collectives.wait
+    monkeypatch.setattr(collectives, "wait", lambda work, name, group, on_host=False: (
+        seen.append((name, on_host)), real_wait(work, name, group, on_host))[-1])
+
+    def step(x):
+        dist.all_reduce(x)
+        dist.broadcast(x, 0)
+        return x * 2
+
+    traced = tracejit.trace(step, without_host=True)
+    for _ in range(3):
+        assert torch.equal(traced(torch.ones(3)), torch.full((3,), 2.0))
+    assert traced.stats.host_free_calls == 2
+    assert seen == [("all_reduce", True), ("broadcast", True)] * 3

@@ -41,6 +41,22 @@ def bucket_bytes() -> int:
     return int(megabytes * 2**20)
 
 
+def collective_spin_seconds() -> float:
+    """TRACEJIT_DIST_SPIN_MS: how long a wait for a collective over host tensors polls before it
+    blocks (record/ranks.py), in milliseconds; 0 turns polling off. Default 5."""
+    value = os.environ.get("TRACEJIT_DIST_SPIN_MS")
+    if value is None or value == "":
+        return 0.005
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if not milliseconds >= 0:
+        raise ValueError(f"TRACEJIT_DIST_SPIN_MS must be a number of milliseconds >= 0 (0: no polling), "
+                         f"got {value!r}")
+    return milliseconds / 1000
+
+
 def verify_passes() -> bool:
     value = os.environ.get("TRACEJIT_VERIFY", "")
     if value not in ("", "0", "1"):

@@ -55,16 +55,20 @@ def _reduce_op(number: int) -> Any:
     return _c10d.ReduceOp.RedOpType(number)
 
 
+def _on_host(tensors: list[torch.Tensor]) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def _all_reduce(tensors: list[torch.Tensor], group: str, reduce_op: int) -> None:
     options = _c10d.AllreduceOptions()
     options.reduceOp = _reduce_op(reduce_op)
-    wait(_group(group).allreduce(tensors, options), "all_reduce", group)
+    wait(_group(group).allreduce(tensors, options), "all_reduce", group, _on_host(tensors))
 
 
 def _all_reduce_coalesced(tensors: list[torch.Tensor], group: str, reduce_op: int) -> None:
     options = _c10d.AllreduceCoalescedOptions()
     options.reduceOp = _reduce_op(reduce_op)
-    wait(_group(group).allreduce_coalesced(tensors, options), "all_reduce_coalesced", group)
+    wait(_group(group).allreduce_coalesced(tensors, options), "all_reduce_coalesced", group, _on_host(tensors))
 
 
 def _all_reduce_bucket(tensors: list[torch.Tensor], group: str, reduce_op: int) -> None:
@@ -78,28 +82,30 @@ def _all_reduce_bucket(tensors: list[torch.Tensor], group: str, reduce_op: int) 
 def _broadcast(tensors: list[torch.Tensor], group: str, root_rank: int, root_tensor: int) -> None:
     options = _c10d.BroadcastOptions()
     options.rootRank, options.rootTensor = root_rank, root_tensor
-    wait(_group(group).broadcast(tensors, options), "broadcast", group)
+    wait(_group(group).broadcast(tensors, options), "broadcast", group, _on_host(tensors))
 
 
 def _all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: str) -> None:
     wait(_group(group)._allgather_base(output, input, _c10d.AllgatherOptions()),
-         "all_gather_into_tensor", group)
+         "all_gather_into_tensor", group, _on_host([output]))
 
 
 def _all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: str) -> None:
-    wait(_group(group).allgather([outputs], [input], _c10d.AllgatherOptions()), "all_gather", group)
+    wait(_group(group).allgather([outputs], [input], _c10d.AllgatherOptions()), "all_gather", group,
+         _on_host(outputs))
 
 
 def _reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: str, reduce_op: int) -> None:
     options = _c10d.ReduceScatterOptions()
     options.reduceOp = _reduce_op(reduce_op)
-    wait(_group(group)._reduce_scatter_base(output, input, options), "reduce_scatter_tensor", group)
+    wait(_group(group)._reduce_scatter_base(output, input, options), "reduce_scatter_tensor", group,
+         _on_host([output]))
 
 
 def _reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], group: str, reduce_op: int) -> None:
     options = _c10d.ReduceScatterOptions()
     options.reduceOp = _reduce_op(reduce_op)
-    wait(_group(group).reduce_scatter([output], [inputs], options), "reduce_scatter", group)
+    wait(_group(group).reduce_scatter([output], [inputs], options), "reduce_scatter", group, _on_host([output]))
 
 
 _KERNELS = {

@@ -23,6 +23,8 @@ be exactly the one that will not join the next collective.
 - A collective still waiting after a slice posts `tracejit/blocked/<rank>` (which collective,
   on which ranks, how many slices so far), cleared when it returns: what a rank waiting for that
   peer's list of collectives looks at. A collective that returns within a slice posts nothing.
+- Before the first slice, a collective over host tensors is polled for a few milliseconds
+  (`_spin`): on a small machine waking a parked thread costs more than a small all-reduce.
 
 See docs/distributed.md.
 """
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..debug import collective_spin_seconds
 from ..errors import CollectiveAbortedError, CollectiveMismatchError
 
 POLL_SECONDS = 0.25
@@ -188,12 +191,28 @@ def peer_failure(store: Any, rank: int) -> str | None:
     return None
 
 
-def wait(work: Any, collective: str, group: str) -> None:
+def _spin(work: Any, seconds: float) -> None:
+    """Poll `work` for up to `seconds` (TRACEJIT_DIST_SPIN_MS), yielding the CPU between looks. A blocked wait parks the
+    thread, and waking it again costs a scheduler round trip that on a small (virtual) machine
+    often waits for the next tick: several times a small model's whole all-reduce. Polling is what
+    MPI libraries do on the host for the same reason; the yield lets gloo's own threads run."""
+    if seconds <= 0:
+        return
+    deadline = time.perf_counter() + seconds
+    while not work.is_completed() and time.perf_counter() < deadline:
+        os.sched_yield()
+
+
+def wait(work: Any, collective: str, group: str, on_host: bool = False) -> None:
     """Wait for a collective's `work`, raising CollectiveAbortedError once a peer's failure has
     stood for FAILURE_GRACE_SECONDS (a peer that handles the error and comes back retracts it).
-    Past the first slice, the wait is posted as blocked for a recording peer to see."""
+    Past the first slice, the wait is posted as blocked for a recording peer to see. A collective
+    over host tensors (`on_host`) is polled first (see `_spin`); a device
+    collective's wait only orders streams, and polling it would synchronize the host."""
     if _posted[0]:
         _retract_failure()
+    if on_host:
+        _spin(work, collective_spin_seconds())
     slice_ = datetime.timedelta(seconds=POLL_SECONDS)
     standing_since = None
     slices = 0  # that ran out
