@@ -206,3 +206,58 @@ def test_a_param_group_added_between_calls_selects_a_trace(optimizer, without_ho
         assert_same_state(twin, twin_opt, model, opt)
     served = traced.stats.host_free_calls if without_host else traced.stats.api_replays
     assert served >= 2, traced.stats
+
+
+def _set_positives(x, *, s):
+    y = x.clone()
+    y[y.gt(0)] = s
+    return y
+
+
+def _add_tensor_of(x, *, s):
+    return x.add(torch.tensor(s))
+
+
+@pytest.mark.parametrize("function", [_set_positives, _add_tensor_of])
+@pytest.mark.parametrize("without_host", [False, True])
+def test_a_number_made_into_a_tensor_follows_its_new_value(function, without_host):
+    """`y[mask] = s` and `torch.tensor(s)` make a tensor of `s` on each call (a literal), which the
+    compiled program has built in. A call with another `s` ran right at the aten level (or with the
+    function), but the faster path was then bound to that call's `s` and the next calls ran the
+    program with the recorded one: [0.5, -1, 0.5] where eager gave [7, -1, 7], in every mode."""
+    traced = tracejit.trace(function, backend="aten", without_host=without_host)
+    x = torch.tensor([1.0, -1.0, 2.0])
+    for s in [0.5, 0.5, 0.5, 0.5, 7.0, 7.0, 7.0, 0.5, 0.5, 0.5]:
+        assert torch.equal(traced(x, s=s), function(x, s=s)), s
+    fast = traced.stats.host_free_calls if without_host else traced.stats.api_replays
+    assert fast >= 4  # fast again once the recorded value is back
+
+
+def test_a_tensor_argument_that_becomes_a_number_is_a_mismatch_not_a_crash():
+    """LBFGS keeps `t` in its state as a tensor on one step and a float on the next; the generated
+    check of a first-seen external read `.shape` of the float (AttributeError)."""
+    state = {"t": torch.tensor(0.5)}
+
+    def scale(x):
+        return x.mul(state["t"])
+
+    traced = tracejit.trace(scale, backend="aten")
+    x = torch.tensor([1.0, 2.0])
+    for _ in range(2):
+        assert torch.equal(traced(x), x * 0.5)
+    state["t"] = 0.25
+    with pytest.raises(TraceMismatchError, match=r"argument 1: a scalar of another type, <float> instead of <tensor>"):
+        traced(x)
+
+
+def test_a_nan_literal_is_replayed_at_the_api_level():
+    """Literals were compared by value, and NaN is not equal to itself: every call left the API level."""
+
+    def fill_masked(x):
+        return torch.where(x > 0, x, torch.tensor(float("nan")))
+
+    traced = tracejit.trace(fill_masked, backend="aten")
+    x = torch.tensor([1.0, -1.0, 2.0])
+    for _ in range(6):
+        assert torch.equal(traced(x).isnan(), fill_masked(x).isnan())
+    assert traced.stats.api_replays >= 3 and traced.stats.api_fallbacks == 0

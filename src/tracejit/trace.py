@@ -771,7 +771,14 @@ class trace(ProfileAccess):
                 # an optimizer with state replayed the call that created it without a difference
                 # (state of Python numbers only): the record serves such calls, none re-records
                 entry.fresh_optimizers = frozenset()
-            if replayer.host_reads_seen and not entry.record.host_reads and self.options.without_host:
+            if replayer.other_literals:
+                # made from Python data with other values than recorded (`y[mask] = s` with a new s):
+                # right at the aten level, wrong in the program that has the recorded values built in
+                entry.handles = replayer.handles
+                if entry.host_free is not None:
+                    entry.host_free.call = None
+                self._fast_call = None
+            elif replayer.host_reads_seen and not entry.record.host_reads and self.options.without_host:
                 entry.host_free_error, entry.host_free, self._fast_call = HostDependencyError(
                     f"without_host=True cannot skip {self.__name__}() anymore: its call now reads values on the "
                     f"host that its recorded call did not ({replayer.host_reads_seen[0]}; BatchNorm with "
@@ -781,7 +788,7 @@ class trace(ProfileAccess):
             else:
                 self._prepare_host_free(entry, replayer.handles, replayer.names, args, kwargs, replayer.scalars,
                                         result=result, live_graph=seen.live_graph)
-            if tracer is not None:
+            if tracer is not None and not replayer.other_literals:
                 api_trace = tracer.finish(result)
                 api_trace.live_graph = seen.live_graph
                 self._prepare_api(entry, api_trace, replayer, args, kwargs, context)

@@ -195,13 +195,15 @@ class ApiTracer(TorchFunctionMode):
         start = self._position()
         backward = _short(name) in BACKWARD or name == "Tensor.backward"
         kept = _kept_requires_grad(name, args, kwargs)
+        reads = self.replayer.host_reads
         if backward:
             self.trace.ran_backward = True
             result = self._watch_backward(func, args, kwargs)
         else:
             result = func(*args, **kwargs)
         try:
-            self._note(func, name, args, kwargs, result, start, self._position(), kept)
+            self._note(func, name, args, kwargs, result, start, self._position(), kept,
+                       read_inside=self.replayer.host_reads != reads)
         except _Unfollowable as reason:
             self.trace.refuse(f"{name} at {user_location()}: {reason}")
         if _short(name) == "_record_function_enter_new":
@@ -299,7 +301,7 @@ class ApiTracer(TorchFunctionMode):
     # -- classification -------------------------------------------------------------------------
 
     def _note(self, func: Any, name: str, args: tuple, kwargs: dict, result: Any, start: int, end: int,
-              kept_requires_grad: bool | None = None) -> None:
+              kept_requires_grad: bool | None = None, read_inside: bool = False) -> None:
         short = _short(name)
         if kept_requires_grad is not None:  # `opt.zero_grad(set_to_none=False)` on a gradient
             self.trace.calls.append(ApiCall(len(self.trace.calls), func, name, CallKind.VIRTUAL, (start, end),
@@ -327,6 +329,11 @@ class ApiTracer(TorchFunctionMode):
             kind = CallKind.REAL
         elif end > start:
             kind = CallKind.COMPUTE
+            if read_inside:
+                # torch read a tensor's value to pass it on as a number (`p.add_(g, alpha=lr)` with a
+                # tensor lr): the program would pass the number the record read, whatever it holds now
+                raise _Unfollowable("it reads a tensor's value on the host inside the call (a tensor passed "
+                                    "where torch takes a number)")
         else:
             kind = CallKind.VIRTUAL
         if kind is CallKind.COMPUTE or kind is CallKind.VIRTUAL:

@@ -36,7 +36,12 @@ def same_literal(tensor: Any, recorded: torch.Tensor) -> bool:
     """A tensor made from Python data in this call holds what the recorded one held (the program
     has the recorded value built in)."""
     return (isinstance(tensor, torch.Tensor) and tensor.dtype == recorded.dtype and tensor.shape == recorded.shape
-            and tensor.device == recorded.device and bool(torch.equal(tensor, recorded)))
+            and tensor.device == recorded.device and bool(torch.equal(_bits(tensor), _bits(recorded))))
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a literal: equal values bit for bit (a NaN is a NaN; -0.0 is not 0.0)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 def source_of(value: Any, constant: Any) -> str:

@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..record.record import TENSOR, Kind, KwargStatic, OpRecord, Record, ScalarSlot, TensorMeta
 from .profile import CLOCK
 
@@ -24,7 +26,7 @@ _INLINE = (int, bool, str, type(None))
 class _Writer:
     def __init__(self) -> None:
         self.lines: list[str] = []
-        self.namespace: dict[str, Any] = {"MISS": MISS, "REF": weakref.ref}
+        self.namespace: dict[str, Any] = {"MISS": MISS, "REF": weakref.ref, "TENSOR": torch.Tensor}
         self.counter = 0
 
     def name(self, prefix: str) -> str:
@@ -53,7 +55,8 @@ def _tensor_check(w: _Writer, expr: str, handle: int, external: TensorMeta | Non
         r = w.name("r")
         meta_differs = (f"{t}.shape != {w.constant(external.shape)} or {t}.stride() != {w.constant(external.stride)}"
                         f" or {t}.dtype is not {w.constant(external.dtype)} or {_other_device(w, t, external.device)}")
-        unknown = [f"if {handle} in B or {meta_differs}: return MISS",
+        # a Python number where the record had a tensor (LBFGS's state["t"]): the generic path says so
+        unknown = [f"if {handle} in B or not isinstance({t}, TENSOR) or {meta_differs}: return MISS",
                    f"{r} = REF({t})", f"E[id({t})] = ({handle}, {r})", f"B[{handle}] = {r}"]
     else:
         unknown = [f"if not BIND({t}, {handle}): return MISS" if bindable else "return MISS"]

@@ -29,6 +29,7 @@ from ..record.recorder import Recorder, storage_address
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
+from .api_match import same_literal
 from .fastpath import MISS
 from .program import CheckedProgram
 from .variants import ShapeVariants, cache_full
@@ -52,6 +53,7 @@ class Replayer:
         # whose call now makes them (BatchNorm's momentum set to None reads its batch count) must
         # not be re-bound to run without the host, where the value read would be frozen
         self.host_reads_seen: list[str] = []
+        self.host_reads = 0  # of any tensor, traced or not (record/api.py: reads inside a torch call)
         self.branched = False  # this call records a variant for the other side of the inf check
         self.moved_at = -1  # where this call last moved to another variant at an inf check
         self.record: Record = program.record
@@ -71,12 +73,18 @@ class Replayer:
         # Externals bound so far in this call, held weakly: an extra strong reference changes
         # what autograd dispatches (AccumulateGrad steals a gradient only if nobody else holds it).
         self.bound_externals: dict[int, weakref.ref] = {}
+        # Literals (torch.tensor(s), the value of `y[mask] = s`) this call made with other values
+        # than the record's: this call computes with them, but the compiled program has the recorded
+        # ones built in, so no faster path may be bound from this call (trace.py).
+        self.other_literals: list[int] = []
         for handle, tensor in zip(self.record.arg_handles, args):
             self.handles.set(tensor, handle)
         for name, handle in self.record.kwarg_handles.items():
             self.handles.set(kwargs[name], handle)
 
     def _bind_external(self, tensor: torch.Tensor, handle: int) -> None:
+        if self.record.tensors[handle].literal and not same_literal(tensor, self.record.constants[handle]):
+            self.other_literals.append(handle)
         self.handles.set(tensor, handle)
         self.bound_externals[handle] = weakref.ref(tensor)
 
@@ -168,6 +176,7 @@ class Replayer:
     def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
         if self.recorder is not None:
             return self.recorder.on_host_read(tensor, what)
+        self.host_reads += 1
         handle = self.handles.get(tensor)
         if handle is not None:
             self.host_reads_seen.append(f"{what} of t{handle} at {user_location()}")

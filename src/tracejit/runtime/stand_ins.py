@@ -289,6 +289,12 @@ class _CheckSource:
             self.fail_if(" or ".join(f"ps[{i}] is not {self.tensor(p)}" for i, p in enumerate(params)) or "False")
             if call.kind != STEP:
                 continue  # zero_grad() reads nothing else of a group
+            on_device = group.get("fused") or group.get("capturable")
+            tensor_setting = next((k for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)), None)
+            if tensor_setting is not None and not on_device:
+                # read with .item() or through tensor ops into Python numbers, by step(): a stand-in
+                # would pass the recorded numbers while a scheduler fills the tensor in place
+                raise _Unsupported(f"its {tensor_setting} is a tensor, which step() reads on the host")
             unbound = {k: v for k, v in group.items() if k != "params" and (index, k) not in bindings
                        and not (computed is not None and k in computed)}
             rest = {**self.plain("g", unbound), **{k: v for k, v in group.items() if k not in unbound}}
