@@ -785,6 +785,7 @@ def test_the_fast_signature_check_agrees_with_the_signature():
         "missing_keyword": lambda: ((x, w), dict(model=model)),
         "extra_keyword": lambda: ((x, w), dict(model=model, double=True, scale=2.0)),
         "not_a_tensor": lambda: ((x, 1.0), dict(model=model, double=True)),
+        "inference_tensor": lambda: ((_inference_randn(3, 4), w), dict(model=model, double=True)),
     }
     with torch.no_grad():
         for name, make in variants.items():
@@ -799,6 +800,13 @@ def test_the_fast_signature_check_agrees_with_the_signature():
         model[1].train()
     args, kwargs = variants["same"]()
     assert entry.host_free.admit(args, kwargs) is not True and signature(args, kwargs) != entry.key  # grad mode
+    with torch.no_grad(), torch.autograd.set_detect_anomaly(True):
+        assert entry.host_free.admit(args, kwargs) is not True and signature(args, kwargs) != entry.key
+
+
+def _inference_randn(*shape):
+    with torch.inference_mode():
+        return torch.randn(*shape)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])

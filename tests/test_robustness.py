@@ -301,3 +301,93 @@ def test_a_storage_argument_is_refused_at_its_op():
     for _ in range(3):
         x = torch.zeros(4)
         assert traced(x).item() == 14.0 and x.tolist() == [7.0, 7.0, 0.0, 0.0]
+
+
+def _cross_entropy_step(x, y, *, model, opt):
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _twins():
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    twin = copy.deepcopy(model)
+    return [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (model, twin)]
+
+
+def test_anomaly_detection_the_caller_turns_on_selects_a_trace_of_its_own():
+    """Anomaly mode makes backward check every gradient for NaN (host reads) and raise on one. It
+    was not part of the call's context: a NaN batch under it trained NaN into the weights where eager
+    raises, and a trace recorded under it raised TraceMismatchError on every call without it."""
+    (model, opt), (twin, twin_opt) = _twins()
+    traced = tracejit.trace(_cross_entropy_step, backend="aten")
+    for i, anomaly in enumerate([False, False, True, False, False, True, True, False]):
+        x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+        with torch.autograd.set_detect_anomaly(anomaly):
+            assert torch.equal(traced(x, y, model=model, opt=opt), _cross_entropy_step(x, y, model=twin, opt=twin_opt))
+            if anomaly and i == 5:
+                x[0, 0] = float("nan")
+                for function, m, o in ((traced, model, opt), (_cross_entropy_step, twin, twin_opt)):
+                    with pytest.raises(RuntimeError, match="returned nan values"):
+                        function(x, y, model=m, opt=o)
+                    o.zero_grad()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b) and not a.isnan().any()
+    assert traced.stats.records == 2 and traced.stats.api_replays >= 2
+
+
+def test_an_inference_tensor_given_to_a_training_step_raises_as_in_eager():
+    """An inference tensor cannot be saved for backward: eager raises. It had the signature of the
+    recorded input, so checked and host-free calls trained on it."""
+    for without_host in (False, True):
+        (model, opt), _ = _twins()
+        traced = tracejit.trace(_cross_entropy_step, backend="aten", without_host=without_host)
+        y = torch.tensor([0, 1, 2, 0, 1])
+        for _ in range(4):
+            traced(torch.randn(5, 4), y, model=model, opt=opt)
+        with torch.inference_mode():
+            x = torch.randn(5, 4)
+        before = [p.clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+            traced(x, y, model=model, opt=opt)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_a_tensor_made_from_python_data_under_inference_mode(without_host):
+    """Reading the version counter of the literal, an inference tensor, raised inside the recorder."""
+
+    def double(x):
+        return x * torch.tensor(2.0)
+
+    traced = tracejit.trace(double, backend="aten", without_host=without_host)
+    for _ in range(4):
+        with torch.inference_mode():
+            out = traced(torch.ones(3))
+            assert torch.equal(out, torch.full((3,), 2.0)) and out.is_inference()
+    assert traced.stats.records == 1 and (traced.stats.host_free_calls if without_host else traced.stats.checked_replays) >= 2
+
+
+def test_callables_without_a_name_are_traced():
+    """A functools.partial, a callable object or a module has no __name__: every call raised AttributeError."""
+    import functools
+
+    class Scale:
+        def __call__(self, x):
+            return x * 3
+
+    def scale(x, *, by):
+        return x * by
+
+    for function in (functools.partial(scale, by=3.0), Scale()):
+        traced = tracejit.trace(function, backend="aten")
+        for _ in range(3):
+            assert torch.equal(traced(torch.ones(2)), torch.full((2,), 3.0))
+        assert traced.stats.checked_replays == 2
+    assert tracejit.trace(functools.partial(scale, by=3.0)).__name__ == "scale"
+    assert tracejit.trace(Scale()).__name__ == "Scale"

@@ -11,7 +11,9 @@ import torch
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad)
+    # an inference tensor (made under torch.inference_mode()) cannot be saved for backward: a
+    # training step given one raises in eager, so it is another trace, whose recording raises too
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.is_inference())
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -72,17 +74,22 @@ def autocast_state() -> tuple | None:
             torch.get_autocast_dtype("cuda"))
 
 
+_anomaly = torch.is_anomaly_enabled
+_anomaly_nan = torch.is_anomaly_check_nan_enabled
+
+
 def call_context_key() -> tuple:
     """The global state that decides which ops a torch call dispatches (grad and inference mode,
-    autocast state and dtype, default dtype, deterministic algorithms): a call made under another
-    one may dispatch other ops than the trace holds."""
+    autocast state and dtype, default dtype, deterministic algorithms, anomaly detection and its
+    NaN check, whose backward reads every gradient on the host and raises on a NaN): a call made
+    under another one may dispatch other ops than the trace holds."""
     if not _any_autocast():  # the usual case, in one call (the cpu dtype matters only under autocast)
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, None, False,
-                torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled())
+                torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan())
     cpu = torch.is_autocast_enabled("cpu")
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cpu,
             torch.get_autocast_dtype("cpu") if cpu else None, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
-            torch.are_deterministic_algorithms_enabled())
+            torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan())
 
 
 def _repeated_inputs(tensors: list[torch.Tensor]) -> tuple[int, ...]:
@@ -209,9 +216,10 @@ def gradient_snapshot(kwargs: dict) -> list[tuple]:
 
 def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | None = None) -> str:
     def one(k: tuple) -> str:
-        shape, _, dtype, device, requires_grad = k
+        shape, _, dtype, device, requires_grad, inference = k
         grad = ", requires_grad" if requires_grad else ""
-        return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}"
+        made = ", an inference tensor" if inference else ""
+        return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}"
 
     positional, keyword, training, repeated, shared, flags, context = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]
@@ -228,13 +236,14 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
 
 def describe_context(context: tuple) -> list[str]:
     """The parts of a call context that differ from torch's defaults, readably."""
-    grad, inference, cpu_autocast, cpu_dtype, cuda_autocast, default_dtype, deterministic = context
+    grad, inference, cpu_autocast, cpu_dtype, cuda_autocast, default_dtype, deterministic, anomaly = context
     parts = [] if grad else ["no_grad"]
     parts += ["inference_mode"] if inference else []
     parts += [f"autocast cpu {str(cpu_dtype).removeprefix('torch.')}"] if cpu_autocast else []
     parts += ["autocast cuda"] if cuda_autocast else []
     parts += [f"default dtype {str(default_dtype).removeprefix('torch.')}"] if default_dtype != torch.float32 else []
     parts += ["deterministic algorithms"] if deterministic else []
+    parts += ["anomaly detection"] if anomaly else []
     return parts
 
 

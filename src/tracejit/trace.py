@@ -173,6 +173,8 @@ class trace(ProfileAccess):
         self._kwarg_is_tensor: dict[str, bool] = {}
         self._arg_names = _positional_names(function)
         functools.update_wrapper(self, function)
+        if "__name__" not in self.__dict__:  # a functools.partial, a callable object, a module
+            self.__name__ = getattr(getattr(function, "func", None), "__name__", None) or type(function).__name__
         self._profiler = Profiler(self.__name__) if profiling else None
         self._fusion = resolve_backend(backend)
         self._compile_options = CompileOptions(opt_level, self._fusion, sublinear_memory_config, dtr_config,

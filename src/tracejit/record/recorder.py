@@ -132,7 +132,7 @@ class Recorder:
         for handle in recorder.constants:
             if record.tensors[handle].literal and handle in bound:
                 recorder.constants[handle] = bound[handle]
-                recorder.constant_versions[handle] = bound[handle]._version
+                recorder.constant_versions[handle] = version_of(bound[handle])
                 recorder.constant_storage.pop(handle, None)
         recorder.arg_handles = record.arg_handles
         recorder.kwarg_handles = dict(record.kwarg_handles)
@@ -158,7 +158,7 @@ class Recorder:
         if literal or self.capture_as_const:
             handle = self._new_handle(tensor, Kind.CONST, name, literal=literal)
             self.constants[handle] = tensor
-            self.constant_versions[handle] = tensor._version
+            self.constant_versions[handle] = version_of(tensor)
             if not literal:
                 self.constant_storage[handle] = storage_address(tensor)
             return handle
@@ -494,6 +494,12 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int] | None:
 def _copy_info(info: TensorInfo) -> TensorInfo:
     return TensorInfo(info.handle, info.kind, info.meta, info.name, info.producer, info.base,
                       info.flags & ~(Flag.ESCAPED | Flag.RETURNED), info.literal, info.cut)
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """A tensor's version counter; -1 for an inference tensor, which has none (made under
+    torch.inference_mode(), where it may be written in place unseen)."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def storage_address(tensor: torch.Tensor) -> int:

@@ -47,6 +47,7 @@ from ..record.api import (
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
 from ..record.record import Kind, Record
+from ..record.recorder import version_of
 from ..signature import autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
@@ -259,7 +260,7 @@ class ApiProgram:
     def constants_changed(self) -> bool:
         for ref, version, storage in self.constants:
             tensor = ref()
-            if tensor is None or tensor._version != version or (storage and tensor.untyped_storage().data_ptr() != storage):
+            if tensor is None or version_of(tensor) != version or (storage and tensor.untyped_storage().data_ptr() != storage):
                 return True
         return False
 

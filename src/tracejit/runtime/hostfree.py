@@ -301,9 +301,12 @@ class HostFreeRunner:
         for handle, storage in self.record.constant_storage.items():
             # captured constants are folded into the program: one written or given other memory
             # since (`param.data = other`) makes the call a checked one, which names it
-            constant = src.constant(self.record.constants[handle], "const")
-            guards.append(_fail(f"{constant}._version != {self.record.constant_versions[handle]} or "
-                                f"{constant}.untyped_storage().data_ptr() != {storage}",
+            captured = self.record.constants[handle]
+            constant = src.constant(captured, "const")
+            # an inference tensor has no version counter: only its memory is checked
+            version = "" if captured.is_inference() else (
+                f"{constant}._version != {self.record.constant_versions[handle]} or ")
+            guards.append(_fail(f"{version}{constant}.untyped_storage().data_ptr() != {storage}",
                                 f"captured constant t{handle} changed"))
             # ...and so does one the function no longer reaches (`lin.weight = nn.Parameter(new)`)
             locator = names.locator_of(self.record.constants[handle])
@@ -402,13 +405,14 @@ class HostFreeRunner:
                     if isinstance(v, torch.Tensor)]
         for expr, tensor, handle in tensors:
             grad = "not " if tensor.requires_grad else ""
+            inference = "not " if tensor.is_inference() else ""
             # the metadata the recorded call received: the call itself may have changed it (`x.t_()`)
             meta = self.record.tensors[handle].meta
             lines.append(_fail(
                 f"not isinstance({expr}, TENSOR) or {expr}.shape != {src.constant(torch.Size(meta.shape), 's')} or "
                 f"{expr}.stride() != {src.constant(meta.stride, 'st')} or {expr}.dtype is not "
                 f"{src.constant(meta.dtype, 'd')} or {_other_device(expr, meta.device, src)} or "
-                f"{grad}{expr}.requires_grad", "another tensor signature"))
+                f"{grad}{expr}.requires_grad or {inference}{expr}.is_inference()", "another tensor signature"))
         lines += _same_object_checks([expr for expr, _, _ in tensors], [t for _, t, _ in tensors])
         if len(tensors) > 1:  # inputs in one another's memory: see signature.shared_memory
             shared = shared_memory([t for _, t, _ in tensors])

@@ -25,7 +25,7 @@ from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, s
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
-from ..record.recorder import Recorder, storage_address
+from ..record.recorder import Recorder, storage_address, version_of
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
@@ -247,9 +247,9 @@ class Replayer:
         captured = record.constants[handle]
         if tensor is not captured:
             detail = f"is a different tensor object now ({_describe(tensor)})"
-        elif tensor._version != record.constant_versions[handle]:
+        elif version_of(tensor) != record.constant_versions[handle]:
             detail = (f"was modified in place since it was captured (version "
-                      f"{record.constant_versions[handle]} -> {tensor._version})")
+                      f"{record.constant_versions[handle]} -> {version_of(tensor)})")
         elif record.constant_storage.get(handle, 0) not in (0, storage_address(tensor)):
             detail = "has other memory than when it was captured (`.data = ...` or `set_()`)"
         else:

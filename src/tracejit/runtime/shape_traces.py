@@ -33,8 +33,8 @@ def family(key: tuple) -> tuple:
 
 
 def _shape_free(tensor_key: tuple) -> tuple:
-    shape, _, dtype, device, requires_grad = tensor_key
-    return (len(shape), dtype, device, requires_grad)
+    shape, _, dtype, device, requires_grad, inference = tensor_key
+    return (len(shape), dtype, device, requires_grad, inference)
 
 
 def input_shapes(key: tuple) -> list[tuple[int, ...]]:
