@@ -261,3 +261,64 @@ def test_a_nan_literal_is_replayed_at_the_api_level():
     for _ in range(6):
         assert torch.equal(traced(x).isnan(), fill_masked(x).isnan())
     assert traced.stats.api_replays >= 3 and traced.stats.api_fallbacks == 0
+
+
+def _batches(count: int, keep: bool):
+    """Batches of a data iterator: kept in a list (the old ones stay alive) or made as they come."""
+    torch.manual_seed(1)
+    made = [(torch.randn(5, 6), torch.randn(5, 3)) for _ in range(count)]
+    return iter(made) if keep else (tuple(t.clone() for t in batch) for batch in made)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_batch_the_step_takes_from_an_iterator_is_the_next_one(keep):
+    """`x, y = next(batches)` inside the step reaches a new tensor on every call, where the trace
+    holds the first. Matched by identity, the API level diverged and ran the function a second
+    time, `next()` included: batches were skipped and StopIteration came early. Such plain tensors
+    are bound anew at their first use; the step stays at the API level."""
+    losses = {}
+    for label in ("eager", "traced"):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = _batches(8, keep)
+
+        def step(*, model, opt):
+            x, y = next(batches)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        function = step if label == "eager" else tracejit.trace(step, backend="aten")
+        losses[label] = [function(model=model, opt=opt).item() for _ in range(8)]
+        if label == "traced":
+            assert function.stats.api_replays >= 5 and function.stats.api_fallbacks == 0
+        with pytest.raises(StopIteration):
+            function(model=model, opt=opt)
+        losses[label + " weights"] = [p.detach().clone() for p in model.parameters()]
+    assert losses["traced"] == losses["eager"]
+    assert all(map(torch.equal, losses["traced weights"], losses["eager weights"]))
+
+
+def test_a_tensor_the_function_reaches_where_tracejit_cannot_find_it_refuses_without_host():
+    """Found only through its weak reference (an iterator hands it out), it was read again by every
+    host-free call: the iterator never advanced and the model trained on the first batch."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = _batches(6, keep=True)
+
+    def step(*, model, opt):
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    traced = tracejit.trace(step, without_host=True)
+    with pytest.raises(tracejit.HostDependencyError, match=r"a tensor tracejit cannot find again from the call's "
+                                                          r"arguments or the function's globals and closures"):
+        for _ in range(4):
+            traced(model=model, opt=opt)
+    assert traced.stats.host_free_calls == 0

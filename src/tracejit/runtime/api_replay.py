@@ -102,6 +102,10 @@ class ApiProgram:
         self.scalers: ScalerStages | None = None  # the GradScalers the function reaches (set by the trace)
         self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
+        # plain tensors the function reaches anew on every call (the next batch of an iterator)
+        self.rebind_meta, self.rebind_at = _rebindable(trace, record, runner, set(self.located))
+        self._rebinding: frozenset = frozenset()  # the slots the step being generated binds
+        self.namespace["REBIND"] = self.rebind
         self.steps = [self._step(call) for call in trace.calls]
         # optimizer.step()/zero_grad() answered as a whole where the optimizer's state allows
         self.stand_ins, self.stand_ins_refused = build_stand_ins(self, trace.calls, trace.optimizer_calls, externals)
@@ -114,7 +118,8 @@ class ApiProgram:
         if refusal is not None:
             raise _NotReplayable(refusal)
         # external objects a call may find gone: gradients read where they are, DDP's temporaries
-        self.may_be_gone = set(self.located) | seal_ddp_spans(self, trace, set(runner.external_slots.values()))
+        self.may_be_gone = (set(self.located) | set(self.rebind_meta)
+                            | seal_ddp_spans(self, trace, set(runner.external_slots.values())))
         self.checker = ApiChecker(self)
         self.check_output = self._function("check_output", "value, A, E, P", match_lines("value", output, self) +
                                            ["return True"])
@@ -174,14 +179,28 @@ class ApiProgram:
         else:
             body.append("if kwargs: return FAIL")
         numbers = Numbers(self._direct_slots(call), self.backward_links)
+        self._rebinding = self.rebind_at.get(call.index, frozenset())
         for i, template in enumerate(call.args):
             numbers.key = ("arg", i)
             body += match_lines(f"args[{i}]", template, self, numbers)
         for key, template in call.kwargs.items():
             numbers.key = ("kw", key)
             body += match_lines(f"kwargs[{key!r}]", template, self, numbers)
+        self._rebinding = frozenset()
         body.append(f"return {answer_expr(call.result, self)}")
         return self._function(name, params, body)
+
+    def rebind(self, tensor: Any, externals: list, slot: int) -> bool:
+        """At its first use in a call, a plain external (see _rebindable) may be another tensor of
+        the recorded layout: the program reads it from `externals` (the host-free runner's E)."""
+        handle, meta = self.rebind_meta[slot]
+        if (type(tensor) is not torch.Tensor or tensor.requires_grad or tensor._base is not None
+                or tensor.shape != meta.shape or tensor.stride() != meta.stride or tensor.dtype != meta.dtype
+                or tensor.device != meta.device):
+            return False
+        externals[slot] = tensor
+        self.external_objects[handle] = weakref.ref(tensor)  # for run_op_by_op and host reads
+        return True
 
     def autocast_check(self, recorded: tuple | None) -> str:
         """The line that fails a call made under another autocast state than recorded: entering
@@ -291,6 +310,38 @@ class ApiProgram:
             tensor.set_(torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device))
         self.placeholder_values = list(placeholders.values())
         return kept
+
+
+def _rebindable(trace: ApiTrace, record: Record, runner: HostFreeRunner,
+                located: set[int]) -> tuple[dict[int, tuple[int, Any]], dict[int, frozenset]]:
+    """The external slots a call may bind to other tensors than recorded, with the handle and
+    layout of each, and the call (its first use) that binds them. The function may reach a new
+    tensor on every call where the trace holds the first one (`x, y = next(batches)`), which the
+    aten level binds as it comes; matched by identity, each such call left the API level and ran
+    the function a second time, its `next()` included. Only tensors the program reads and nothing
+    else knows: no parameter or tensor requiring grad, no view, not written by the program, no
+    gradient read where it is, never handed out as a call's result."""
+    handle_of = {slot: handle for handle, slot in runner.external_slots.items()}
+    written = {h for op in record.ops for h in op.outputs if h is not None}
+    kept_views = runner.program.hoisted_roots
+    answered = set()
+    for call in trace.calls:
+        template_refs(call.result, RefKind.EXTERNAL, answered)
+    meta, first_use, seen = {}, {}, set()
+    for call in trace.calls:
+        used = template_refs((call.args, call.kwargs), RefKind.EXTERNAL, set()) - seen
+        seen |= used
+        for slot in used:
+            handle = handle_of.get(slot)
+            obj = trace.externals[slot]()
+            if (call.kind is not CallKind.COMPUTE or handle is None or obj is None or type(obj) is not torch.Tensor
+                    or obj.requires_grad or obj._base is not None or slot in located or slot in answered
+                    or handle in written or handle in kept_views or record.tensors[handle].base is not None
+                    or record.tensors[handle].kind is not Kind.EXTERNAL):
+                continue
+            meta[slot] = (handle, record.tensors[handle].meta)
+            first_use.setdefault(call.index, set()).add(slot)
+    return meta, {index: frozenset(slots) for index, slots in first_use.items()}
 
 
 def _located_externals(calls: list[ApiCall]) -> dict[int, int]:

@@ -289,6 +289,9 @@ class HostFreeRunner:
             if (objects.get(grad) is not None and objects.get(param) is not None and objects[param].grad is None
                     and param in self.external_slots):
                 self._cleared_grads.append(f"E[{self.external_slots[param]}]")  # the program reuses h<param>
+        # the inputs' gradients: found through their inputs (see _input_gradients)
+        self._found_through_inputs = {id(t.grad) for t in (*args, *kwargs.values())
+                                      if isinstance(t, torch.Tensor) and t.grad is not None}
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
@@ -472,6 +475,18 @@ class HostFreeRunner:
                 if param is not None and param.grad is None and expr.endswith(".grad"):
                     self._cleared_grads.append(expr[:-len(".grad")])
         else:
+            if (not self.checked and info.base is None and id(obj) not in self._found_through_inputs
+                    and not self._first_read_in_backward(info.handle)):
+                # Only its weak reference says where it is: the function may reach another tensor on
+                # the next call (the next batch of a data iterator, `data[i]` for a counter i) and a
+                # call without it would read this one again
+                name = getattr(self.function, "__name__", "the function")
+                raise HostDependencyError(
+                    f"without_host=True cannot skip {name}(): it reads t{info.handle} ({info.name}, "
+                    f"{info.meta}), a tensor tracejit cannot find again from the call's arguments or the "
+                    f"function's globals and closures (a data iterator's batch, a list item picked at run "
+                    f"time), so a call without the function could not know which tensor it would read. "
+                    f"Pass it as an argument, or trace without without_host.")
             lines = [f"{local} = {ref}()"]
             same = f"{local} is None"
             what = f"{info.name} was freed"
@@ -487,6 +502,12 @@ class HostFreeRunner:
                                         f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)}",
                                         f"{info.name} is not {meta} anymore")))
         return lines
+
+    def _first_read_in_backward(self, handle: int) -> bool:
+        """Whether autograd's engine reached the tensor first (state C++ holds across calls, such as
+        DistributedDataParallel's buckets), not the function's Python code."""
+        first = next((op for op in self.record.ops if handle in op.inputs), None)
+        return first is not None and first.backward_of is not None
 
     def _gradient_hook_guards(self, objects: dict[int, torch.Tensor], src: _Source, new_hooks: list[str]) -> list[str]:
         """The gradient hooks of the parameters the recorded backward reaches are the recorded ones
