@@ -197,6 +197,36 @@ def test_without_the_host_a_plain_object_keyword_is_followed_to_its_tensors():
     assert traced.stats.host_free_calls >= 2 and traced.stats.host_free_misses >= 1
 
 
+@tracejit.trace(without_host=True)
+def step(x, *, trainer):
+    """trainer_step named as users name it: `step` is an attribute name in its code
+    (`trainer.opt.step()`) and the global that holds the trace."""
+    loss = trainer.model(x).square().mean()
+    loss.backward()
+    trainer.opt.step()
+    trainer.opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("case", ["named step", "held by its trainer"])
+def test_without_the_host_the_trace_itself_is_not_state_of_the_function(case):
+    """The trace's statistics change on every call. A step named `step` that calls `opt.step()`
+    took the global `step`, the trace, for one the function reaches (`co_names` holds attribute
+    names too); a trainer holding its compiled step had the trace searched as an object of the
+    user's. Both were refused on the fourth call: `step.stats.checked_replays: 0 -> 1 -> 2`."""
+    eager, trainer = Trainer(0), Trainer(0)
+    if case == "named step":
+        traced = step
+    else:
+        traced = trainer.compiled = tracejit.trace(trainer_step, without_host=True)
+    before = traced.stats.host_free_calls
+    for i in range(CALLS):
+        x = torch.randn(4, 3)
+        assert torch.equal(traced(x, trainer=trainer), trainer_step(x, trainer=eager)), f"call {i}"
+        assert_same_model(eager.model, trainer.model, f"call {i}")
+    assert traced.stats.host_free_calls - before >= CALLS - 3
+
+
 class Carrier:
     pass
 

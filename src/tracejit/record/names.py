@@ -16,7 +16,9 @@ the function notices when that place holds another tensor (another trainer, a ne
 from __future__ import annotations
 
 import copy
+import dis
 import enum
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,12 +183,12 @@ def _storage_address(tensor: torch.Tensor) -> int:
 
 def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any], Any]]:
     """What the function reaches directly, as (name, root, value): its keyword arguments, the
-    globals its code names and its closure cells."""
+    globals its code loads (`global_names`) and its closure cells."""
     roots = [(name, ("kwarg", name), value) for name, value in kwargs.items()]
     code = getattr(function, "__code__", None)
     if code is not None:
         globals_ = getattr(function, "__globals__", {})
-        roots += [(n, ("global", n), globals_[n]) for n in code.co_names if n in globals_]
+        roots += [(n, ("global", n), globals_[n]) for n in global_names(code) if n in globals_]
         closure = getattr(function, "__closure__", None) or ()
         for index, (name, cell) in enumerate(zip(code.co_freevars, closure)):
             try:
@@ -194,6 +196,37 @@ def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any
             except ValueError:  # empty cell
                 pass
     return roots
+
+
+# the instructions that read a name from the globals (`LOAD_NAME` in a class body defined inside
+# the function falls back to them; Python 3.12 has `LOAD_FROM_DICT_OR_GLOBALS` there too)
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+_GLOBAL_NAMES: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}  # id(code) -> (code, its global_names)
+
+
+def global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The globals `code` loads, and the code it defines loads (a comprehension, a lambda, an inner
+    function: they share its globals), in order of first use. Not `co_names`, which holds the
+    attribute names too: `opt.step()` in a function named `step` made the global `step`, the
+    trace itself, one the function reaches. Found once per code object: every call without the
+    host asks (runtime/python_state.py)."""
+    entry = _GLOBAL_NAMES.get(id(code))
+    if entry is not None and entry[0]() is code:
+        return entry[1]
+    names: dict[str, None] = {}
+    pending = [code]
+    while pending:
+        current = pending.pop(0)
+        names.update((i.argval, None) for i in dis.get_instructions(current) if i.opname in _GLOBAL_LOADS)
+        pending += [const for const in current.co_consts if isinstance(const, types.CodeType)]
+    key = id(code)
+
+    def forget(ref: weakref.ref) -> None:
+        if _GLOBAL_NAMES.get(key, (None,))[0] is ref:
+            del _GLOBAL_NAMES[key]
+
+    _GLOBAL_NAMES[key] = (weakref.ref(code, forget), tuple(names))
+    return _GLOBAL_NAMES[key][1]
 
 
 _ASSIGNED = ("attr", "item", "buffer")  # steps that end at a place Python assigns to
@@ -288,10 +321,12 @@ _RUNTIME_MODULES = frozenset({"threading", "multiprocessing", "queue", "asyncio"
 
 def _plain_object(value: Any) -> bool:
     """An instance of the user's own class whose attributes are its state (not a function, class,
-    module of code, a torch object with state of its own, or a runtime object of the standard
-    library such as a `threading.Barrier`)."""
+    module of code, a torch object with state of its own, a runtime object of the standard
+    library such as a `threading.Barrier`, or tracejit's own: a trace, whose statistics change on
+    every call, held by a trainer object the function is given)."""
     cls = type(value)
     return (cls.__module__ not in ("builtins", "types") and not cls.__module__.startswith("torch")
+            and cls.__module__.split(".")[0] != "tracejit"
             and cls.__module__.split(".")[0] not in _RUNTIME_MODULES
             and isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type))
 
