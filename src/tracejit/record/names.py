@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,12 @@ class ExternalNames:
                              if not isinstance(value, _ATOMS) and plain_value(value)}
         # where each tensor is when the call begins: a call may put another tensor in that place
         # (`self.h = h`), and a call without the function must look where this one looked
-        self._found = self._collect()
+        self._found = _collect(roots_of(function, kwargs))
         # and what it is then, to find what the call changes by Python rather than by an op
         self._first: list[tuple[Any, int, bool, str]] = []
         for tensor, name in self._found.tensors:
+            if is_lazy(tensor):  # a lazy module's, not materialized: no memory yet (see lazy_modules)
+                continue
             try:
                 self._first.append((weakref.ref(tensor), _storage_address(tensor), tensor.requires_grad, name))
             except TypeError:  # no weak references to it: nothing to compare
@@ -128,34 +131,50 @@ class ExternalNames:
                 continue  # the place is gone (a popped entry, a replaced container)
         return None
 
-    def _roots(self) -> list[tuple[str, tuple[str, Any], Any]]:
-        return roots_of(self._function, self._kwargs)
 
-    def _collect(self) -> dict[int, tuple[str, Locator | None]]:
-        found = _Found()
-        roots = self._roots()
-        for name, root, value in roots:
-            if isinstance(value, torch.nn.Module):
-                _walk_module(value, name, Locator(root, ()), found)
-            elif isinstance(value, torch.Tensor):
-                found.add(value, name, Locator(root, ()))
-        # plain containers after modules: a parameter keeps the name its module gives it
-        optimizers: list[tuple[str, Locator, torch.optim.Optimizer]] = []
-        visited: set[int] = set()
-        for name, root, value in roots:
-            if isinstance(value, torch.optim.Optimizer):
-                optimizers.append((name, Locator(root, ()), value))
-            elif not isinstance(value, (torch.nn.Module, torch.Tensor)):
-                _walk_plain(value, name, Locator(root, ()), found, optimizers, visited, _PLAIN_DEPTH)
-        for name, locator, optimizer in optimizers:
-            found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
-            for param, state in optimizer.state.items():
-                owner_name, owner_locator = found.get(id(param), ("param", None))
-                for key, tensor in state.items():
-                    if isinstance(tensor, torch.Tensor):
-                        located = Locator(locator.root, locator.steps, owner_locator, key) if owner_locator else None
-                        found.add(tensor, f"{name}.state[{owner_name}].{key}", located)
-        return found
+def lazy_modules(function: Callable, kwargs: dict) -> list[torch.nn.Module]:
+    """The modules the function reaches (where ExternalNames looks: keyword arguments, globals,
+    closure cells and their plain containers) holding a parameter or buffer that a lazy module has
+    not materialized yet (`nn.LazyLinear` before its first forward)."""
+    return [holder for holder, _, kind in _collect(roots_of(function, kwargs)).holders
+            if kind == "module" and has_lazy_tensors(holder)]
+
+
+def has_lazy_tensors(module: torch.nn.Module) -> bool:
+    """Whether the module itself (not its submodules) holds an uninitialized parameter or buffer."""
+    return any(map(is_lazy, (*module._parameters.values(), *module._buffers.values())))
+
+
+def is_lazy(tensor: Any) -> bool:
+    """An `UninitializedParameter` or `UninitializedBuffer`: no shape, no memory, no ops yet."""
+    return isinstance(tensor, UninitializedTensorMixin)
+
+
+def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
+    """The tensors the roots hold, each with its name and locator, and the objects holding them."""
+    found = _Found()
+    for name, root, value in roots:
+        if isinstance(value, torch.nn.Module):
+            _walk_module(value, name, Locator(root, ()), found)
+        elif isinstance(value, torch.Tensor):
+            found.add(value, name, Locator(root, ()))
+    # plain containers after modules: a parameter keeps the name its module gives it
+    optimizers: list[tuple[str, Locator, torch.optim.Optimizer]] = []
+    visited: set[int] = set()
+    for name, root, value in roots:
+        if isinstance(value, torch.optim.Optimizer):
+            optimizers.append((name, Locator(root, ()), value))
+        elif not isinstance(value, (torch.nn.Module, torch.Tensor)):
+            _walk_plain(value, name, Locator(root, ()), found, optimizers, visited, _PLAIN_DEPTH)
+    for name, locator, optimizer in optimizers:
+        found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
+        for param, state in optimizer.state.items():
+            owner_name, owner_locator = found.get(id(param), ("param", None))
+            for key, tensor in state.items():
+                if isinstance(tensor, torch.Tensor):
+                    located = Locator(locator.root, locator.steps, owner_locator, key) if owner_locator else None
+                    found.add(tensor, f"{name}.state[{owner_name}].{key}", located)
+    return found
 
 
 class _Found(dict):
