@@ -197,6 +197,36 @@ def test_without_the_host_a_plain_object_keyword_is_followed_to_its_tensors():
     assert traced.stats.host_free_calls >= 2 and traced.stats.host_free_misses >= 1
 
 
+@tracejit.trace(without_host=True)
+def step(x, *, trainer):
+    """trainer_step named as users name it: `step` is an attribute name in its code
+    (`trainer.opt.step()`) and the global that holds the trace."""
+    loss = trainer.model(x).square().mean()
+    loss.backward()
+    trainer.opt.step()
+    trainer.opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("case", ["named step", "held by its trainer"])
+def test_without_the_host_the_trace_itself_is_not_state_of_the_function(case):
+    """The trace's statistics change on every call. A step named `step` that calls `opt.step()`
+    took the global `step`, the trace, for one the function reaches (`co_names` holds attribute
+    names too); a trainer holding its compiled step had the trace searched as an object of the
+    user's. Both were refused on the fourth call: `step.stats.checked_replays: 0 -> 1 -> 2`."""
+    eager, trainer = Trainer(0), Trainer(0)
+    if case == "named step":
+        traced = step
+    else:
+        traced = trainer.compiled = tracejit.trace(trainer_step, without_host=True)
+    before = traced.stats.host_free_calls
+    for i in range(CALLS):
+        x = torch.randn(4, 3)
+        assert torch.equal(traced(x, trainer=trainer), trainer_step(x, trainer=eager)), f"call {i}"
+        assert_same_model(eager.model, trainer.model, f"call {i}")
+    assert traced.stats.host_free_calls - before >= CALLS - 3
+
+
 class Carrier:
     pass
 
@@ -686,3 +716,96 @@ def test_without_the_host_a_keyword_dict_the_call_changes_is_compared_as_the_cal
         assert torch.equal(*losses) and configs[0] == configs[1], f"call {i}"
         assert_same_model(models[0], models[1], f"call {i}")
     assert traced.stats.host_free_misses >= 3
+
+
+def _lazy_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+
+
+def _evaluate(x, y, *, m, opt=None):
+    with torch.no_grad():
+        return m(x)
+
+
+def _lazy_calls(functions, twins, calls: int) -> None:
+    """Eager and traced side by side on twin (model, optimizer) pairs, from the same generator
+    state: a lazy module draws its initial weights in its first forward."""
+    for i in range(calls):
+        x, y = torch.randn(5, 4), torch.randn(5, 2)
+        results = []
+        for function, (model, opt) in zip(functions, twins):
+            torch.manual_seed(100 + i)
+            results.append(function(x, y, m=model, opt=opt))
+        assert torch.equal(*results), f"call {i}"
+        assert_same_model(twins[0][0], twins[1][0], f"call {i}")
+        assert [type(m) for m in twins[1][0]] == [nn.Linear, nn.ReLU, nn.Linear], f"call {i}: not materialized"
+
+
+def _momentum(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("flow", ["inference", "optimizer before the first forward",
+                                  "dry run by a traced evaluation", "another lazy model"])
+def test_a_lazy_module_materializes_in_the_first_call_as_in_eager(flow, mode):
+    """nn.LazyLinear gets its shape, memory and initial weights in its first forward. A traced
+    first call crashed on the uninitialized parameter (`untyped_storage`, record/names.py). Now
+    a call that finds one runs eagerly, unrecorded (stats.eager_calls), and the calls after it
+    record and replay with eager's numbers: the weights it drew, the optimizer's steps after."""
+    twins = [(_lazy_net(0), None), (_lazy_net(0), None)]
+    evaluations = [_evaluate, tracejit.trace(_evaluate, **MODES[mode])]
+    steps = [sgd_step, tracejit.trace(sgd_step, **MODES[mode])]
+    if flow == "inference":
+        _lazy_calls(evaluations, twins, CALLS)
+        traced, eager_calls = evaluations[1], 1
+    elif flow == "optimizer before the first forward":  # torch allows it: materializing keeps the objects
+        twins = [(model, _momentum(model)) for model, _ in twins]
+        _lazy_calls(steps, twins, CALLS)
+        traced, eager_calls = steps[1], 1
+    elif flow == "dry run by a traced evaluation":  # then the optimizer, as torch's docs advise
+        _lazy_calls(evaluations, twins, 1)
+        assert evaluations[1].stats.eager_calls == 1 and evaluations[1].stats.records == 0
+        twins = [(model, _momentum(model)) for model, _ in twins]
+        _lazy_calls(steps, twins, CALLS)
+        traced, eager_calls = steps[1], 0
+    else:  # a trace recorded on one model, then another one still lazy: its first call replayed
+        _lazy_calls(evaluations, twins, 3)
+        _lazy_calls(evaluations, [(_lazy_net(1), None), (_lazy_net(1), None)], CALLS)
+        traced, eager_calls = evaluations[1], 2
+    assert traced.stats.eager_calls == eager_calls and traced.stats.records == 1, traced.stats
+    assert fast_calls(traced, mode) >= CALLS - 3, traced.stats
+
+
+class _LazyHolder:
+    """Deeper than tracejit searches a keyword's plain containers (names._PLAIN_DEPTH)."""
+
+    def __init__(self, model):
+        self.inner = {"a": [{"b": model}]}
+
+
+def _deep_evaluate(x, *, holder):
+    with torch.no_grad():
+        return holder.inner["a"][0]["b"](x)
+
+
+def test_a_lazy_module_tracejit_cannot_find_is_refused_by_name():
+    """A lazy module reached where tracejit does not look before the call: its first forward in a
+    recording is refused by a tracejit error saying what to do (it crashed on its missing shape),
+    the module left lazy; after one eager forward the traced calls run as eager's."""
+    model, twin = _lazy_net(0), _lazy_net(0)
+    traced = tracejit.trace(_deep_evaluate)
+    with pytest.raises(RuntimeError, match=r"tracejit: _deep_evaluate\(\): .* of a lazy module .* not materialized "
+                                           r"yet.* Run one forward of the model before the traced call"):
+        traced(torch.randn(5, 4), holder=_LazyHolder(model))
+    assert type(model[0]) is nn.LazyLinear and model[0].has_uninitialized_params()
+    x = torch.randn(5, 4)
+    torch.manual_seed(1)
+    model(x)
+    torch.manual_seed(1)
+    twin(x)
+    for i in range(6):
+        x = torch.randn(5, 4)
+        assert torch.equal(traced(x, holder=_LazyHolder(model)), twin(x).detach()), f"call {i}"
+    assert traced.stats.records == 1 and traced.stats.api_replays >= 3, traced.stats

@@ -36,7 +36,7 @@ from .record.calls import data_dependent_size
 from .record.ddp_calls import is_ddp
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
-from .record.names import ExternalNames, same_value
+from .record.names import ExternalNames, has_lazy_tensors, lazy_modules, same_value
 from .record.ranks import post_failure
 from .record.reached import Seen
 from .record.record import Kind, Record
@@ -193,6 +193,9 @@ class trace(ProfileAccess):
         # without_host: the plain values the last call that ran the function changed, by name: the
         # values it found and left (see _refuse_setting_changes)
         self._settings_changed: dict[tuple, dict[str, list]] = {}  # per input signature
+        # per input signature, the lazy modules a call found not materialized and left so (the
+        # function did not run them): they do not keep the next calls from recording (see _run_materializing)
+        self._lazy_left: dict[tuple, weakref.WeakSet] = {}
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
@@ -391,6 +394,9 @@ class trace(ProfileAccess):
                 )
 
     def _record(self, key: tuple, args: tuple, kwargs: dict, replacing: TraceEntry | None = None) -> Any:
+        lazy = self._lazy_modules(key, kwargs)
+        if lazy:
+            return self._run_materializing(key, lazy, args, kwargs)
         plan = self._symbolic_plan(key) if replacing is None else None
         if plan is not None:
             result = self._record_symbolic(key, args, kwargs, *plan)
@@ -404,6 +410,28 @@ class trace(ProfileAccess):
             self._static_families.add(family(key))
             return result
         return self._record_static(key, args, kwargs, replacing)
+
+    def _lazy_modules(self, key: tuple, kwargs: dict) -> list[torch.nn.Module]:
+        """The lazy modules not materialized yet that the function reaches, but those an eager call
+        of this signature left lazy (see _run_materializing)."""
+        left = self._lazy_left.get(key, ())
+        return [module for module in lazy_modules(self._function, kwargs) if module not in left]
+
+    def _run_materializing(self, key: tuple, lazy: list[torch.nn.Module], args: tuple, kwargs: dict) -> Any:
+        """A call that would record or replay, finding lazy modules not materialized yet
+        (`nn.LazyLinear` before its first forward), runs the function eagerly and records nothing:
+        their forward gives them their shapes, memory and initial values, which a recording would
+        hold as ops of every call (torch.compile, too, initializes them eagerly before tracing).
+        The next call records, or replays. The lazy modules this call left lazy (the function did
+        not run them) do not stop the next one of its signature; should it run one after all, the
+        recorder refuses it by name (record/recorder.py). A new signature (`aux=True`) runs eagerly
+        again while they are lazy."""
+        result = self._function(*args, **kwargs)
+        left = [module for module in lazy if has_lazy_tensors(module)]
+        if left:
+            self._lazy_left.setdefault(key, weakref.WeakSet()).update(left)
+        self.stats.eager_calls += 1
+        return result
 
     def _record_static(self, key: tuple, args: tuple, kwargs: dict, replacing: TraceEntry | None) -> Any:
         grad_state = self._gradient_state(kwargs)
@@ -666,6 +694,9 @@ class trace(ProfileAccess):
         return Recorder(self.__name__, capture_as_const=self.options.capture_as_const, external_names=names)
 
     def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
+        lazy = self._lazy_modules(entry.key, kwargs)  # another model, still lazy: its materializing call runs eagerly
+        if lazy:
+            return self._run_materializing(entry.key, lazy, args, kwargs)
         record = entry.record
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
         without_state = _optimizers_without_state(kwargs)

@@ -16,13 +16,16 @@ the function notices when that place holds another tensor (another trainer, a ne
 from __future__ import annotations
 
 import copy
+import dis
 import enum
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,12 @@ class ExternalNames:
                              if not isinstance(value, _ATOMS) and plain_value(value)}
         # where each tensor is when the call begins: a call may put another tensor in that place
         # (`self.h = h`), and a call without the function must look where this one looked
-        self._found = self._collect()
+        self._found = _collect(roots_of(function, kwargs))
         # and what it is then, to find what the call changes by Python rather than by an op
         self._first: list[tuple[Any, int, bool, str]] = []
         for tensor, name in self._found.tensors:
+            if is_lazy(tensor):  # a lazy module's, not materialized: no memory yet (see lazy_modules)
+                continue
             try:
                 self._first.append((weakref.ref(tensor), _storage_address(tensor), tensor.requires_grad, name))
             except TypeError:  # no weak references to it: nothing to compare
@@ -126,34 +131,50 @@ class ExternalNames:
                 continue  # the place is gone (a popped entry, a replaced container)
         return None
 
-    def _roots(self) -> list[tuple[str, tuple[str, Any], Any]]:
-        return roots_of(self._function, self._kwargs)
 
-    def _collect(self) -> dict[int, tuple[str, Locator | None]]:
-        found = _Found()
-        roots = self._roots()
-        for name, root, value in roots:
-            if isinstance(value, torch.nn.Module):
-                _walk_module(value, name, Locator(root, ()), found)
-            elif isinstance(value, torch.Tensor):
-                found.add(value, name, Locator(root, ()))
-        # plain containers after modules: a parameter keeps the name its module gives it
-        optimizers: list[tuple[str, Locator, torch.optim.Optimizer]] = []
-        visited: set[int] = set()
-        for name, root, value in roots:
-            if isinstance(value, torch.optim.Optimizer):
-                optimizers.append((name, Locator(root, ()), value))
-            elif not isinstance(value, (torch.nn.Module, torch.Tensor)):
-                _walk_plain(value, name, Locator(root, ()), found, optimizers, visited, _PLAIN_DEPTH)
-        for name, locator, optimizer in optimizers:
-            found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
-            for param, state in optimizer.state.items():
-                owner_name, owner_locator = found.get(id(param), ("param", None))
-                for key, tensor in state.items():
-                    if isinstance(tensor, torch.Tensor):
-                        located = Locator(locator.root, locator.steps, owner_locator, key) if owner_locator else None
-                        found.add(tensor, f"{name}.state[{owner_name}].{key}", located)
-        return found
+def lazy_modules(function: Callable, kwargs: dict) -> list[torch.nn.Module]:
+    """The modules the function reaches (where ExternalNames looks: keyword arguments, globals,
+    closure cells and their plain containers) holding a parameter or buffer that a lazy module has
+    not materialized yet (`nn.LazyLinear` before its first forward)."""
+    return [holder for holder, _, kind in _collect(roots_of(function, kwargs)).holders
+            if kind == "module" and has_lazy_tensors(holder)]
+
+
+def has_lazy_tensors(module: torch.nn.Module) -> bool:
+    """Whether the module itself (not its submodules) holds an uninitialized parameter or buffer."""
+    return any(map(is_lazy, (*module._parameters.values(), *module._buffers.values())))
+
+
+def is_lazy(tensor: Any) -> bool:
+    """An `UninitializedParameter` or `UninitializedBuffer`: no shape, no memory, no ops yet."""
+    return isinstance(tensor, UninitializedTensorMixin)
+
+
+def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
+    """The tensors the roots hold, each with its name and locator, and the objects holding them."""
+    found = _Found()
+    for name, root, value in roots:
+        if isinstance(value, torch.nn.Module):
+            _walk_module(value, name, Locator(root, ()), found)
+        elif isinstance(value, torch.Tensor):
+            found.add(value, name, Locator(root, ()))
+    # plain containers after modules: a parameter keeps the name its module gives it
+    optimizers: list[tuple[str, Locator, torch.optim.Optimizer]] = []
+    visited: set[int] = set()
+    for name, root, value in roots:
+        if isinstance(value, torch.optim.Optimizer):
+            optimizers.append((name, Locator(root, ()), value))
+        elif not isinstance(value, (torch.nn.Module, torch.Tensor)):
+            _walk_plain(value, name, Locator(root, ()), found, optimizers, visited, _PLAIN_DEPTH)
+    for name, locator, optimizer in optimizers:
+        found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
+        for param, state in optimizer.state.items():
+            owner_name, owner_locator = found.get(id(param), ("param", None))
+            for key, tensor in state.items():
+                if isinstance(tensor, torch.Tensor):
+                    located = Locator(locator.root, locator.steps, owner_locator, key) if owner_locator else None
+                    found.add(tensor, f"{name}.state[{owner_name}].{key}", located)
+    return found
 
 
 class _Found(dict):
@@ -181,12 +202,12 @@ def _storage_address(tensor: torch.Tensor) -> int:
 
 def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any], Any]]:
     """What the function reaches directly, as (name, root, value): its keyword arguments, the
-    globals its code names and its closure cells."""
+    globals its code loads (`global_names`) and its closure cells."""
     roots = [(name, ("kwarg", name), value) for name, value in kwargs.items()]
     code = getattr(function, "__code__", None)
     if code is not None:
         globals_ = getattr(function, "__globals__", {})
-        roots += [(n, ("global", n), globals_[n]) for n in code.co_names if n in globals_]
+        roots += [(n, ("global", n), globals_[n]) for n in global_names(code) if n in globals_]
         closure = getattr(function, "__closure__", None) or ()
         for index, (name, cell) in enumerate(zip(code.co_freevars, closure)):
             try:
@@ -194,6 +215,37 @@ def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any
             except ValueError:  # empty cell
                 pass
     return roots
+
+
+# the instructions that read a name from the globals (`LOAD_NAME` in a class body defined inside
+# the function falls back to them; Python 3.12 has `LOAD_FROM_DICT_OR_GLOBALS` there too)
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+_GLOBAL_NAMES: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}  # id(code) -> (code, its global_names)
+
+
+def global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The globals `code` loads, and the code it defines loads (a comprehension, a lambda, an inner
+    function: they share its globals), in order of first use. Not `co_names`, which holds the
+    attribute names too: `opt.step()` in a function named `step` made the global `step`, the
+    trace itself, one the function reaches. Found once per code object: every call without the
+    host asks (runtime/python_state.py)."""
+    entry = _GLOBAL_NAMES.get(id(code))
+    if entry is not None and entry[0]() is code:
+        return entry[1]
+    names: dict[str, None] = {}
+    pending = [code]
+    while pending:
+        current = pending.pop(0)
+        names.update((i.argval, None) for i in dis.get_instructions(current) if i.opname in _GLOBAL_LOADS)
+        pending += [const for const in current.co_consts if isinstance(const, types.CodeType)]
+    key = id(code)
+
+    def forget(ref: weakref.ref) -> None:
+        if _GLOBAL_NAMES.get(key, (None,))[0] is ref:
+            del _GLOBAL_NAMES[key]
+
+    _GLOBAL_NAMES[key] = (weakref.ref(code, forget), tuple(names))
+    return _GLOBAL_NAMES[key][1]
 
 
 _ASSIGNED = ("attr", "item", "buffer")  # steps that end at a place Python assigns to
@@ -288,10 +340,12 @@ _RUNTIME_MODULES = frozenset({"threading", "multiprocessing", "queue", "asyncio"
 
 def _plain_object(value: Any) -> bool:
     """An instance of the user's own class whose attributes are its state (not a function, class,
-    module of code, a torch object with state of its own, or a runtime object of the standard
-    library such as a `threading.Barrier`)."""
+    module of code, a torch object with state of its own, a runtime object of the standard
+    library such as a `threading.Barrier`, or tracejit's own: a trace, whose statistics change on
+    every call, held by a trainer object the function is given)."""
     cls = type(value)
     return (cls.__module__ not in ("builtins", "types") and not cls.__module__.startswith("torch")
+            and cls.__module__.split(".")[0] != "tracejit"
             and cls.__module__.split(".")[0] not in _RUNTIME_MODULES
             and isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type))
 

@@ -18,7 +18,7 @@ from .calls import (
     split_call,
 )
 from .handles import HandleMap
-from .names import ExternalNames
+from .names import ExternalNames, is_lazy
 from .ranks import agree_on_collectives
 from .record import (
     ExcludedBlock,
@@ -220,6 +220,7 @@ class Recorder:
         index = len(self.ops)
         source = user_location()
         autograd_node = torch._C._current_autograd_node()
+        refuse_lazy(self.function_name, self.names, func, tensors, index, source)
         _refuse_non_strided(func, tensors, "takes", index, source)
         _refuse_non_strided_constructor(func, kwargs, index, source)
         _refuse_storage_arguments(func, args, kwargs, index, source)
@@ -518,6 +519,25 @@ def _tensors_in(result: Any) -> list[torch.Tensor]:
     if isinstance(result, (tuple, list)):
         return [value for value in result if isinstance(value, torch.Tensor)]
     return []
+
+
+def refuse_lazy(function_name: str, names: ExternalNames | None, func: Any, tensors: list[torch.Tensor], index: int,
+                source: Any) -> None:
+    """A parameter or buffer that a lazy module has not materialized yet (`nn.LazyLinear` before
+    its first forward) has no shape and no memory. A call that finds such a module where tracejit
+    looks runs eagerly, unrecorded (trace.py); one met by an op all the same (reached elsewhere, or
+    left lazy by that call) is refused by name rather than crash on its missing shape."""
+    for tensor in tensors:
+        if is_lazy(tensor):
+            name = names.name_of(tensor) if names is not None else None
+            raise RuntimeError(
+                f"tracejit: {function_name}(): op #{index} {func} at {source} uses "
+                f"{name or 'a ' + type(tensor).__name__} of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...) "
+                f"that is not materialized yet. A call that finds such a module in the function's keyword "
+                f"arguments, the globals and closure cells it names or their attributes runs eagerly first, "
+                f"unrecorded; this one was reached elsewhere, or the call that found it did not run it. Run one "
+                f"forward of the model before the traced call (`model(x)`, as torch advises before making the "
+                f"optimizer).")
 
 
 def _refuse_non_strided(func: Any, tensors: list[torch.Tensor], verb: str, index: int, source: Any) -> None:

@@ -25,7 +25,7 @@ from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, s
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
-from ..record.recorder import Recorder, storage_address, version_of
+from ..record.recorder import Recorder, refuse_lazy, storage_address, version_of
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
@@ -116,6 +116,7 @@ class Replayer:
         record = self.record
         position = self.position
         tensors, statics, scalars = split_call(func, args, kwargs)
+        refuse_lazy(record.function_name, self.names, func, tensors, position, user_location())
         if position >= len(record.ops):
             return self._diverge(func, args, kwargs, lambda: mismatch.extra_op(
                 record, func, statics, self._names(tensors), scalars, user_location()))

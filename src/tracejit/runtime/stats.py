@@ -25,6 +25,7 @@ class TraceStats:
     host_free_calls: int = 0  # calls served by the compiled program without running the function
     host_free_misses: int = 0  # without_host calls whose guards failed: the function ran instead
     shape_specializations: int = 0  # symbolic_shape: programs made for a new size from a symbolic trace, unrecorded
+    eager_calls: int = 0  # calls run eagerly, unrecorded, that found a lazy module not materialized yet
 
     @property
     def replays(self) -> int:
