@@ -809,3 +809,34 @@ def test_a_lazy_module_tracejit_cannot_find_is_refused_by_name():
         x = torch.randn(5, 4)
         assert torch.equal(traced(x, holder=_LazyHolder(model)), twin(x).detach()), f"call {i}"
     assert traced.stats.records == 1 and traced.stats.api_replays >= 3, traced.stats
+
+
+SCALE = 1.0
+
+
+def _scaled(x):
+    return x * SCALE
+
+
+def _through_helper(x):
+    return _scaled(x) + 1
+
+
+def test_without_the_host_a_number_the_caller_changes_in_a_global_or_closure_is_followed():
+    """`x * SCALE` has the number built into the program: a caller's `SCALE = 4.0` (or a closure
+    variable it rebinds) between calls was frozen at the recorded value by host-free calls."""
+    global SCALE
+    factor = 1.0
+
+    def closed(x):
+        return x * factor
+
+    for function in (_scaled, _through_helper, closed):
+        SCALE, factor = 1.0, 1.0
+        traced = tracejit.trace(function, without_host=True, backend="aten")
+        x = torch.ones(2)
+        for value in (1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0):
+            SCALE = factor = value
+            assert torch.equal(traced(x), function(x)), (function.__name__, value)
+        assert traced.stats.host_free_calls >= 3 and traced.stats.host_free_misses >= 2, function.__name__
+    SCALE = 1.0

@@ -217,6 +217,24 @@ def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any
     return roots
 
 
+def plain_roots(function: Callable) -> list[tuple[str, tuple[str, Any], Any]]:
+    """The plain values (see plain_value) among the globals and closure cells the function reads,
+    and among the globals of the plain functions of its own module it reads (a helper's `x * SCALE`),
+    as (name, root, value)."""
+    found: dict[tuple[str, Any], tuple[str, Any]] = {}
+    for name, root, value in roots_of(function, {}):
+        if root[0] == "kwarg":
+            continue
+        if plain_value(value):
+            found[root] = (name, value)
+        elif (root[0] == "global" and isinstance(value, types.FunctionType)
+              and value.__globals__ is getattr(function, "__globals__", None)):
+            for inner, inner_root, inner_value in roots_of(value, {}):
+                if inner_root[0] == "global" and plain_value(inner_value):
+                    found.setdefault(inner_root, (f"{inner} (read by {name})", inner_value))
+    return [(name, root, value) for root, (name, value) in found.items()]
+
+
 # the instructions that read a name from the globals (`LOAD_NAME` in a class body defined inside
 # the function falls back to them; Python 3.12 has `LOAD_FROM_DICT_OR_GLOBALS` there too)
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})

@@ -26,7 +26,7 @@ from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
 from ..record.calls import data_dependent_size
 from ..record.ddp_calls import is_ddp
-from ..record.names import ExternalNames, Locator, container_expression, plain_value, root_expression, same_value
+from ..record.names import ExternalNames, Locator, container_expression, plain_roots, plain_value, root_expression, same_value
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
 from ..signature import (
@@ -277,6 +277,8 @@ class HostFreeRunner:
                 found = names.plain_kwargs.get(name, value)  # as the binding call found it
                 guards.append(_fail(f"not SAME_VALUE(kw[{name!r}], {src.constant(copy.deepcopy(found), 'p')})",
                                     f"{name!r} is not {found!r} anymore"))
+        if not self.checked:
+            guards += self._plain_root_guards(src)
         self._located_grads: list[str] = []
         self._cleared_grads: list[str] = []  # parameters whose `.grad` the call leaves None
         self._meta: list[tuple[str, str]] = []  # (local, its layout check)
@@ -502,6 +504,18 @@ class HostFreeRunner:
                                         f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)}",
                                         f"{info.name} is not {meta} anymore")))
         return lines
+
+    def _plain_root_guards(self, src: _Source) -> list[str]:
+        """Plain values (numbers, flags, strings, tuples of them) the function reads from its
+        globals and closure cells, and those its helper functions of the same module read: the
+        program has what they were built in (`x * SCALE`), so another value makes the call run the
+        function. Before, a caller's `SCALE = 4.0` between calls went unseen."""
+        src.namespace["SAME_VALUE"] = same_value
+        guards = []
+        for name, root, value in plain_roots(self.function):
+            guards.append(_fail(f"not SAME_VALUE({root_expression(root)}, {src.constant(copy.deepcopy(value), 'p')})",
+                                f"{name} is not {value!r} anymore"))
+        return guards
 
     def _first_read_in_backward(self, handle: int) -> bool:
         """Whether autograd's engine reached the tensor first (state C++ holds across calls, such as
