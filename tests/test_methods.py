@@ -85,3 +85,46 @@ def test_a_copy_of_the_instance_traces_afresh_and_an_instance_is_not_kept_alive(
     del net
     gc.collect()
     assert gone() is None
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.scale = 1.0
+
+    def eager_forward(self, x):
+        return self.bn(self.fc(x)) * self.scale
+
+    @tracejit.trace(backend="aten")
+    def forward(self, x):
+        return self.eager_forward(x)
+
+
+class NormedWithoutHost(Normed):
+    @tracejit.trace(backend="aten", without_host=True)
+    def forward(self, x):
+        return self.eager_forward(x)
+
+
+def test_a_traced_forward_follows_eval_and_its_modules_settings():
+    """The instance was bound in a closure cell, outside the signature and the host-free guards:
+    `eval()` between calls raised TraceMismatchError, and without the host a changed `self.scale`
+    was frozen at the recorded value. It is the keyword `self` now, as a keyword module."""
+    for cls in (Normed, NormedWithoutHost):
+        torch.manual_seed(0)
+        net = cls()
+        twin = copy.deepcopy(net)
+        for i, (training, scale) in enumerate([(True, 1.0)] * 3 + [(False, 1.0), (True, 2.0), (False, 2.0),
+                                                                    (True, 2.0), (True, 2.0), (False, 2.0)]):
+            for module in (net, twin):
+                module.train(training)
+                module.scale = scale
+            x = torch.randn(5, 3, generator=torch.Generator().manual_seed(i))
+            with torch.no_grad():
+                assert torch.equal(net(x), twin.eager_forward(x)), (cls.__name__, i)
+            assert torch.equal(net.bn.running_mean, twin.bn.running_mean)
+        stats = net.forward.stats
+        assert stats.records == 2, cls.__name__  # training and evaluation
+        assert (stats.host_free_calls if cls is NormedWithoutHost else stats.checked_replays) >= 4, cls.__name__

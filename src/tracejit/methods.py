@@ -1,10 +1,13 @@
 """`@tracejit.trace` on a method: one traced function per instance, as `torch.compile` does.
 
 `obj.forward` looks the decorated function up through the trace's `__get__`, which hands out the
-traced function of that instance, created on first use with the same options. It traces the
-method with the instance bound in a closure cell named `self`: the instance is not an input
-but where the function reaches its parameters, buffers and state, so they are externals named
-`self.fc1.weight`, and `without_host` finds them again through the cell.
+traced function of that instance, created on first use with the same options. Each call passes
+the instance as the keyword argument `self`: not an input but where the function reaches its
+parameters, buffers and state, so they are externals named `self.fc1.weight`, and the instance
+is watched as any keyword module or object is. Its training flags select traces (`model.eval()`
+between calls of a decorated `forward`), and without the host its settings are guarded. (Bound
+in a closure cell instead, its `eval()` raised TraceMismatchError and a changed `self.scale` was
+frozen by host-free calls.)
 
 Each instance has its own traces, statistics and cache bound (`max_traces`): two models of one
 class do not share recorded parameters. They are kept in the instance (see bound_trace), not in
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -51,20 +55,44 @@ def bound_trace(traced: Any, instance: Any) -> Any:
     bound = methods.get(id(traced))
     if bound is None:
         options = {f.name: getattr(traced.options, f.name) for f in fields(traced.options)}
-        bound = methods[id(traced)] = type(traced)(_bind(traced._function, instance), **options)
+        bound = methods[id(traced)] = BoundMethod(type(traced)(_bind(traced._function, instance), **options),
+                                                  instance)
     return bound
 
 
-def _bind(function: Callable, self: Any) -> Callable:
-    """`function` with its first argument bound to `self`, named like the method."""
+SELF = "self"  # the keyword the instance is passed as
+
+
+class BoundMethod:
+    """The traced method of one instance: calls the trace with the instance as keyword `self`, and
+    is the trace otherwise (`obj.forward.stats`, `.listing()`, `.dump(...)`). Holds the instance
+    weakly: it lives in the instance's __dict__."""
+
+    def __init__(self, traced: Any, instance: Any):
+        self.traced = traced
+        self._instance = weakref.ref(instance)
+        functools.update_wrapper(self, traced, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if SELF in kwargs:
+            raise TypeError(f"tracejit: {self.traced.__name__}() got a keyword argument 'self'; the traced method "
+                            f"passes its instance under that name")
+        return self.traced(*args, **kwargs, **{SELF: self._instance()})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["traced"], name)
+
+
+def _bind(function: Callable, instance: Any) -> Callable:
+    """`function` taking its first argument as the keyword `self`, named like the method."""
 
     def method(*args: Any, **kwargs: Any) -> Any:
-        return function(self, *args, **kwargs)
+        return function(kwargs.pop(SELF), *args, **kwargs)
 
     for name in ("__module__", "__name__", "__qualname__", "__doc__"):
         setattr(method, name, getattr(function, name, None))
     try:  # positional names for messages: the method's without `self`
-        method.__signature__ = inspect.signature(functools.partial(function, self))
+        method.__signature__ = inspect.signature(functools.partial(function, instance))
     except (TypeError, ValueError):
         pass
     return method

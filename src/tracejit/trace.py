@@ -215,7 +215,7 @@ class trace(ProfileAccess):
 
     # -- calling --------------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:  # a traced method's instance is keyword `self`
         thread = threading.get_ident()
         if self._running_on == thread:
             raise RuntimeError(
