@@ -859,3 +859,74 @@ def test_a_returned_leaf_the_function_flagged_requires_grad_keeps_the_flag():
             delta.sum().backward()  # a leaf of the caller's own graph
             assert torch.equal(delta.grad, torch.ones(5))
     assert traced.stats.host_free_calls == 3
+
+
+class _Scaled(nn.Module):
+    def forward(self, x):
+        self.scale = torch.tensor([1.0, 2.0, 3.0])  # left in the module: a new tensor on every eager call
+        return (x * self.scale,)
+
+
+def _literal_returned(x, *, model):
+    c = torch.tensor([1.0, 2.0, 3.0])
+    return c, x * c
+
+
+def _literal_view_returned(x, *, model):
+    c = torch.tensor([0.0, 1.0, 2.0, 3.0])[1:]
+    return c, x * c
+
+
+def _literal_updated_and_returned(x, *, model):
+    c = torch.tensor([1.0, 2.0, 3.0])
+    c.add_(x)
+    return c, x * c
+
+
+def _literal_updated_inside(x, *, model):
+    c = torch.tensor([1.0, 2.0, 3.0])
+    c.mul_(x)
+    return (x + c,)
+
+
+def _literal_kept_by_a_module(x, *, model):
+    return model(x)
+
+
+@pytest.mark.parametrize("function", [_literal_returned, _literal_view_returned, _literal_updated_and_returned,
+                                      _literal_updated_inside, _literal_kept_by_a_module],
+                         ids=["returned", "view", "updated", "updated_inside", "module_attribute"])
+@pytest.mark.parametrize("options", [{"without_host": True, "backend": "aten"}, {"without_host": True, "backend": "c"},
+                                     {"backend": "aten"}], ids=["aten", "c", "checked"])
+def test_a_tensor_made_from_python_data_is_new_on_every_call(function, options):
+    # torch.tensor(data) makes a tensor on every eager call. Without the host the program returned
+    # the record's own literal on every call (and computed with it): a caller scaling what it got
+    # (legal, nothing a call returned changes afterwards) changed every later call's results; a
+    # literal updated in place inside the call accumulated over calls. Checked calls noticed the
+    # change ("a captured constant changed") and left the API level for good.
+    model_a, model_b = _Scaled(), _Scaled()
+    kept_a, kept_b = [], []
+    traced = tracejit.trace(function, **options)
+    for i in range(6):
+        x = torch.full((3,), float(i + 1))
+        want, got = function(x, model=model_a), traced(x, model=model_b)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), i
+        for a, b in zip(want, got):
+            assert b.is_contiguous() == a.is_contiguous() and (b._base is None) == (a._base is None)
+        if function is _literal_kept_by_a_module:
+            assert torch.equal(model_b.scale, model_a.scale), i
+            model_a.scale.mul_(10)
+            model_b.scale.mul_(10)
+        for a, b in zip(want, got):  # the caller scales what it got back, in eager as here
+            a.mul_(10)
+            b.mul_(10)
+        kept_a.append(want)
+        kept_b.append(got)
+    for want, got in zip(kept_a, kept_b):  # and no later call changed what an earlier one returned
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    stats = traced.stats
+    if options.get("without_host"):
+        assert stats.host_free_calls >= 3 and stats.host_free_misses == 0, stats
+    else:
+        assert stats.api_replays >= 2 and stats.api_fallbacks == 0, stats
+

@@ -135,6 +135,10 @@ class Graph:
     barriers: tuple[int, ...] = ()
     # handle -> constant tensor (captured or folded); shared, never mutated by passes
     constants: dict[int, Any] = field(default_factory=dict, compare=False)
+    # constants made anew by every call: the literals (`torch.tensor(data)`) the call writes or lets
+    # outlive it (Record.fresh_literals). A program starts each call from a copy of the recorded value
+    # (runtime/hostfree.py), so they are no invariant to hoist or fold.
+    fresh: frozenset[int] = frozenset()
 
     def value(self, value_id: int) -> Value:
         return self.values[value_id]

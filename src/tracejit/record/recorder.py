@@ -39,6 +39,16 @@ _LITERAL_OPS = frozenset(
 )
 
 
+def snapshot_literal(tensor: torch.Tensor) -> torch.Tensor:
+    """A private copy of a literal (`torch.tensor(data)`) as the call made it: what every call
+    without the function starts from. The record never hands it out (programs and the API level
+    give the function and the caller copies of it)."""
+    if isinstance(tensor, FakeTensor):
+        return tensor
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        return tensor.detach().clone(memory_format=torch.preserve_format)
+
+
 class Recorder:
     """Builds a `Record` from the ops of one call.
 
@@ -105,7 +115,8 @@ class Recorder:
 
     @classmethod
     def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
-               capture_as_const: bool, regions: RegionTracker, scalars: list) -> Recorder:
+               capture_as_const: bool, regions: RegionTracker, scalars: list,
+               literal_values: dict[int, torch.Tensor] | None = None) -> Recorder:
         """Continue `record` from op `position`, with the handles a replay bound so far and the
         dynamic scalars it saw (`scalars`, flat): the matched ops keep this call's values."""
         recorder = cls(record.function_name, capture_as_const=capture_as_const, external_names=external_names)
@@ -126,14 +137,14 @@ class Recorder:
         recorder.constant_versions = {h: v for h, v in record.constant_versions.items() if h < first_dropped}
         recorder.constant_storage = {h: v for h, v in record.constant_storage.items() if h < first_dropped}
         # A literal (torch.tensor(1.0)) is made anew by every call: the matched prefix bound this
-        # call's object to its handle, and the program must use that one. The first call's may be
-        # anything by now (Adam's first step tensors are literals that it then increments).
+        # call's object to its handle, and the record keeps a copy of it as this call made it (the
+        # replay copied those the record writes when it bound them, `literal_values`; the others
+        # are still as made).
         bound = handles.live()
         for handle in recorder.constants:
             if record.tensors[handle].literal and handle in bound:
-                recorder.constants[handle] = bound[handle]
-                recorder.constant_versions[handle] = bound[handle]._version
-                recorder.constant_storage.pop(handle, None)
+                made = (literal_values or {}).get(handle)
+                recorder.constants[handle] = made if made is not None else snapshot_literal(bound[handle])
         recorder.arg_handles = record.arg_handles
         recorder.kwarg_handles = dict(record.kwarg_handles)
         recorder.rerecorded = True
@@ -155,12 +166,17 @@ class Recorder:
             return handle if handle >= self.cut_below else self._cut(tensor, handle)
         literal = op in _LITERAL_OPS
         name = "literal" if literal else self.names.name_of(tensor) or f"first used by op #{index} {op}"
-        if literal or self.capture_as_const:
-            handle = self._new_handle(tensor, Kind.CONST, name, literal=literal)
+        if literal:
+            # The record keeps a copy of the literal as the call made it: the call's own tensor is
+            # the function's (it may write it, return it, keep it), and every later call makes its own.
+            handle = self._new_handle(tensor, Kind.CONST, name, literal=True)
+            self.constants[handle] = snapshot_literal(tensor)
+            return handle
+        if self.capture_as_const:
+            handle = self._new_handle(tensor, Kind.CONST, name)
             self.constants[handle] = tensor
             self.constant_versions[handle] = tensor._version
-            if not literal:
-                self.constant_storage[handle] = storage_address(tensor)
+            self.constant_storage[handle] = storage_address(tensor)
             return handle
         handle = self._new_handle(tensor, Kind.EXTERNAL, name, base=self._overlapped(tensor))
         if self.cut_below:  # made by an excluded block, say: a later call's block may pass an older tensor
@@ -380,7 +396,9 @@ class Recorder:
 def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int] = frozenset(),
                  storages: dict[int, StorageWeakRef] | None = None, returned: set[int] = frozenset()) -> None:
     """Flag the internal tensors whose memory is still reachable after the call: Python state holds
-    the tensor, or another tensor over its storage (a `.data` alias, a view).
+    the tensor, or another tensor over its storage (a `.data` alias, a view). Likewise the literals
+    (`torch.tensor(data)`) the call made, which the record holds only as copies: Python state that
+    keeps one (`self.scale = torch.tensor(...)`) gets a new one from every call.
 
     Memory kept only because the autograd graph of a returned tensor saved it for a backward pass
     is not state: a call without the function returns tensors with no graph. The record *created
@@ -395,7 +413,7 @@ def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int
     created_state = False
     for handle, pointer in alive.items():
         info = record.tensors[handle] if handle < len(record.tensors) else None
-        if info is None or info.kind is not Kind.INTERNAL:
+        if info is None or not (info.kind is Kind.INTERNAL or info.literal):
             continue
         if pointer in saved_for_backward:
             info.flags |= Flag.SAVED

@@ -25,7 +25,7 @@ from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, s
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
-from ..record.recorder import Recorder, storage_address
+from ..record.recorder import Recorder, snapshot_literal, storage_address
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
@@ -71,6 +71,9 @@ class Replayer:
         # Externals bound so far in this call, held weakly: an extra strong reference changes
         # what autograd dispatches (AccumulateGrad steals a gradient only if nobody else holds it).
         self.bound_externals: dict[int, weakref.ref] = {}
+        # copies of the literals the record writes, as this call made them: a re-record from a later
+        # op keeps the value the program starts from (Recorder.resume)
+        self.literal_values: dict[int, torch.Tensor] = {}
         for handle, tensor in zip(self.record.arg_handles, args):
             self.handles.set(tensor, handle)
         for name, handle in self.record.kwarg_handles.items():
@@ -79,6 +82,8 @@ class Replayer:
     def _bind_external(self, tensor: torch.Tensor, handle: int) -> None:
         self.handles.set(tensor, handle)
         self.bound_externals[handle] = weakref.ref(tensor)
+        if handle in self.program.written_literals:
+            self.literal_values[handle] = snapshot_literal(tensor)
 
     # -- handler protocol -----------------------------------------------------------------------
 
@@ -294,7 +299,7 @@ class Replayer:
         # the rest of the call runs eagerly on the tensors the host holds: make them all real
         self.program.complete(self.state, self.scalars)
         self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
-                                        self.capture_as_const, self.regions, self.scalars)
+                                        self.capture_as_const, self.regions, self.scalars, self.literal_values)
 
     def abandon(self) -> None:
         """The function raised: run the fused members it was handed, so tensors it kept are real and
