@@ -930,3 +930,51 @@ def test_a_tensor_made_from_python_data_is_new_on_every_call(function, options):
     else:
         assert stats.api_replays >= 2 and stats.api_fallbacks == 0, stats
 
+
+def _features_under_inference_mode(x, *, model):
+    a = x * 2
+    with torch.inference_mode():
+        y = model(a)  # BatchNorm in training mode: its running statistics are updated in place
+        total = y.sum(0)
+    return a, y, total, y + 1
+
+
+def _features_leaving_inference_mode(x, *, model):
+    with torch.inference_mode(False):  # called under torch.inference_mode()
+        a = x * 2
+    y = model(a)
+    return a, y, y.sum(0)
+
+
+@pytest.mark.parametrize("function, caller", [
+    (_features_under_inference_mode, contextlib.nullcontext),
+    (_features_leaving_inference_mode, torch.inference_mode),
+], ids=["inside", "left_inside"])
+@pytest.mark.parametrize("options", [{"without_host": True, "backend": "aten"}, {"without_host": True, "backend": "c"},
+                                     {"backend": "aten"}], ids=["aten", "c", "checked"])
+def test_results_made_under_inference_mode_are_inference_tensors(function, caller, options):
+    # Which results are inference tensors is eager's: those the ops made inside
+    # torch.inference_mode(). The program ran every op in the call's mode, so from the first call
+    # that did not run the function they were ordinary tensors (an in-place update outside
+    # inference mode, which eager refuses, went through), or inference tensors where the function
+    # had left inference mode.
+    model_a = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    model_b = copy.deepcopy(model_a)
+    traced = tracejit.trace(function, **options)
+    for i in range(6):
+        x = torch.randn(5, 4)
+        with caller():
+            want, got = function(x, model=model_a), traced(x, model=model_b)
+        assert all(torch.allclose(a, b) for a, b in zip(got, want)), i
+        assert [t.is_inference() for t in got] == [t.is_inference() for t in want], i
+        assert not any(t.requires_grad for t in got)
+        for name, buffer in model_b.named_buffers():  # updated in place: ordinary tensors, as eager's
+            assert torch.allclose(buffer, model_a.get_buffer(name)) and not buffer.is_inference(), (i, name)
+    made_inside = next(t for t in got if t.is_inference())
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        made_inside.add_(1)
+    stats = traced.stats
+    if options.get("without_host"):
+        assert stats.host_free_calls >= 3 and stats.host_free_misses == 0, stats
+    else:
+        assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats

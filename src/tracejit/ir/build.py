@@ -107,11 +107,15 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         capture_as_const=capture_as_const,
         constants=dict(record.constants),
         fresh=frozenset(record.fresh_literals()),
+        inference_mode=record.inference_mode,
+        inference_flipped=frozenset(op.index for op in record.ops if op.inference != record.inference_mode),
         host_reads=frozenset(r.handle for r in record.host_reads),
         reads=tuple(sorted({(r.position, r.handle) for r in record.host_reads})),
         # host code of an excluded block runs before op `position`; other processes meet at a collective;
-        # a data-dependent output size may move a checked call to another program (runtime/variants.py)
+        # a data-dependent output size may move a checked call to another program (runtime/variants.py);
+        # the function enters or leaves torch.inference_mode() (a fused kernel runs in one mode)
         barriers=tuple(sorted({b.position for b in record.excluded_blocks}
+                              | {op.index for before, op in zip(record.ops, record.ops[1:]) if op.inference != before.inference}
                               | {op.index for op in record.ops if is_collective(op.op)}
                               | {op.index for op in record.ops if data_dependent_size(op, record)}
                               | {r.position for r in record.host_reads if is_inf_check(r.what)})),

@@ -97,6 +97,7 @@ class OpRecord:
     source: SourceLocation
     regions: tuple[str, ...] = ()  # enclosing profiler ranges, e.g. "Optimizer.step#Adam.step"
     backward_of: str | None = None  # the autograd node running it ("ReluBackward0"); None: not backward
+    inference: bool = False  # dispatched under torch.inference_mode() (its results are inference tensors)
 
     @property
     def name(self) -> str:
@@ -172,6 +173,7 @@ class Record:
     modules_called: tuple = ()
     optimizers_stepped: tuple = ()  # likewise the optimizers whose step() ran (noted without the host only)
     scalers_updated: tuple = ()  # and the torch.amp.GradScalers whose update() ran (without the host only)
+    inference_mode: bool = False  # the call began under torch.inference_mode() (part of its signature)
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]

@@ -83,6 +83,8 @@ class Recorder:
         # the memory of the call's inputs and externals (handle -> bytes): an external found in one
         # of them (a parameter's .grad, a view of a flat buffer the call takes) is a view of it
         self._outer_spans: dict[int, tuple[int, int]] = {}
+        # torch.inference_mode() when the call began; each op notes its own (the function may enter it)
+        self.inference_mode = torch.is_inference_mode_enabled()
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -148,6 +150,7 @@ class Recorder:
         recorder.arg_handles = record.arg_handles
         recorder.kwarg_handles = dict(record.kwarg_handles)
         recorder.rerecorded = True
+        recorder.inference_mode = record.inference_mode
         recorder.regions = regions
         return recorder
 
@@ -236,6 +239,7 @@ class Recorder:
         index = len(self.ops)
         source = user_location()
         autograd_node = torch._C._current_autograd_node()
+        inference = torch.is_inference_mode_enabled()
         _refuse_non_strided(func, tensors, "takes", index, source)
         _refuse_non_strided_constructor(func, kwargs, index, source)
         _refuse_storage_arguments(func, args, kwargs, index, source)
@@ -250,7 +254,8 @@ class Recorder:
             self.tensors[handle].flags |= Flag.MUTATED
         self.ops.append(
             OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source,
-                     self.regions.current(), autograd_node.name() if autograd_node is not None else None)
+                     self.regions.current(), autograd_node.name() if autograd_node is not None else None,
+                     inference)
         )
         return result
 
@@ -382,6 +387,7 @@ class Recorder:
             arg_handles=self.arg_handles,
             kwarg_handles=self.kwarg_handles,
             rerecorded=self.rerecorded,
+            inference_mode=self.inference_mode,
         )
         held = autograd_saved(result) | self.held_storages()
         mark_escapes(record, self.handles, held, self.storages, _storages_of(result))

@@ -404,6 +404,7 @@ class SymbolicRecorder(Recorder):
             constant_storage=dict(self.constant_storage),
             arg_handles=self.arg_handles,
             kwarg_handles=dict(self.kwarg_handles),
+            inference_mode=self.inference_mode,
         )
         mark_escapes(record, self.handles)
         return record

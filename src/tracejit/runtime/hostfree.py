@@ -397,7 +397,12 @@ class HostFreeRunner:
             if h in bound:
                 continue
             load = f"h{h} = {src.constant(self.env_template[h], 'c')}"
-            loads.append(f"{load}.clone()" if h in graph.fresh else load)
+            if h not in graph.fresh:
+                loads.append(load)
+            elif _made_at(self.record, h) in graph.inference_flipped:  # made inside torch.inference_mode()
+                loads += [f"with INFERENCE_MODE({not graph.inference_mode}):", f"    {load}.clone()"]
+            else:
+                loads.append(f"{load}.clone()")
         return [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)", "try:",
                 *(f"    {line}" for line in (*run.parts.body, *self._epilogue(objects, kwargs, src))),
                 "finally:", "    if grad: SET_GRAD(True)"]
@@ -620,6 +625,11 @@ class HostFreeRunner:
                  and obj.is_leaf and obj.requires_grad]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
+
+
+def _made_at(record: Record, handle: int) -> int:
+    """The position of the first op that takes `handle` (a literal: its aten.lift_fresh)."""
+    return next((op.index for op in record.ops if handle in op.inputs), -1)
 
 
 def _output_expr(spec: OutputSpec) -> str:
