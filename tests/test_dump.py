@@ -422,6 +422,26 @@ def test_dump_to_a_file_object_and_load_from_bytes_with_profiling():
         tracejit.load(buffer.getvalue()).get_profile()
 
 
+def test_a_loaded_graph_starts_every_call_from_its_constants():
+    # a literal the function updates in place is a constant the program writes: the loaded graph
+    # wrote into its own copy, so every call started from the previous call's result
+    def shifted(x):
+        c = torch.tensor([1.0, 2.0, 3.0])
+        c.add_(x)
+        return c, x * c
+
+    traced = tracejit.trace(shifted, capture_as_const=True)
+    traced(torch.ones(3))
+    buffer = io.BytesIO()
+    traced.dump(buffer)
+    graph = tracejit.load(buffer.getvalue())
+    for i in range(3):
+        x = torch.full((3,), float(i))
+        got = graph(x)
+        assert all(torch.equal(a, b) for a, b in zip(got, shifted(x))), i
+        got[0].mul_(10)  # the caller's to change
+
+
 @pytest.mark.parametrize("norm", ["layer", "batch", "group"])
 def test_a_normalization_under_bf16_autocast_dumps_and_loads(norm):
     # Found by an adversarial review: the CPU kernels keep the statistics of a bf16 input with

@@ -859,3 +859,122 @@ def test_a_returned_leaf_the_function_flagged_requires_grad_keeps_the_flag():
             delta.sum().backward()  # a leaf of the caller's own graph
             assert torch.equal(delta.grad, torch.ones(5))
     assert traced.stats.host_free_calls == 3
+
+
+class _Scaled(nn.Module):
+    def forward(self, x):
+        self.scale = torch.tensor([1.0, 2.0, 3.0])  # left in the module: a new tensor on every eager call
+        return (x * self.scale,)
+
+
+def _literal_returned(x, *, model):
+    c = torch.tensor([1.0, 2.0, 3.0])
+    return c, x * c
+
+
+def _literal_view_returned(x, *, model):
+    c = torch.tensor([0.0, 1.0, 2.0, 3.0])[1:]
+    return c, x * c
+
+
+def _literal_updated_and_returned(x, *, model):
+    c = torch.tensor([1.0, 2.0, 3.0])
+    c.add_(x)
+    return c, x * c
+
+
+def _literal_updated_inside(x, *, model):
+    c = torch.tensor([1.0, 2.0, 3.0])
+    c.mul_(x)
+    return (x + c,)
+
+
+def _literal_kept_by_a_module(x, *, model):
+    return model(x)
+
+
+@pytest.mark.parametrize("function", [_literal_returned, _literal_view_returned, _literal_updated_and_returned,
+                                      _literal_updated_inside, _literal_kept_by_a_module],
+                         ids=["returned", "view", "updated", "updated_inside", "module_attribute"])
+@pytest.mark.parametrize("options", [{"without_host": True, "backend": "aten"}, {"without_host": True, "backend": "c"},
+                                     {"backend": "aten"}], ids=["aten", "c", "checked"])
+def test_a_tensor_made_from_python_data_is_new_on_every_call(function, options):
+    # torch.tensor(data) makes a tensor on every eager call. Without the host the program returned
+    # the record's own literal on every call (and computed with it): a caller scaling what it got
+    # (legal, nothing a call returned changes afterwards) changed every later call's results; a
+    # literal updated in place inside the call accumulated over calls. Checked calls noticed the
+    # change ("a captured constant changed") and left the API level for good.
+    model_a, model_b = _Scaled(), _Scaled()
+    kept_a, kept_b = [], []
+    traced = tracejit.trace(function, **options)
+    for i in range(6):
+        x = torch.full((3,), float(i + 1))
+        want, got = function(x, model=model_a), traced(x, model=model_b)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), i
+        for a, b in zip(want, got):
+            assert b.is_contiguous() == a.is_contiguous() and (b._base is None) == (a._base is None)
+        if function is _literal_kept_by_a_module:
+            assert torch.equal(model_b.scale, model_a.scale), i
+            model_a.scale.mul_(10)
+            model_b.scale.mul_(10)
+        for a, b in zip(want, got):  # the caller scales what it got back, in eager as here
+            a.mul_(10)
+            b.mul_(10)
+        kept_a.append(want)
+        kept_b.append(got)
+    for want, got in zip(kept_a, kept_b):  # and no later call changed what an earlier one returned
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    stats = traced.stats
+    if options.get("without_host"):
+        assert stats.host_free_calls >= 3 and stats.host_free_misses == 0, stats
+    else:
+        assert stats.api_replays >= 2 and stats.api_fallbacks == 0, stats
+
+
+def _features_under_inference_mode(x, *, model):
+    a = x * 2
+    with torch.inference_mode():
+        y = model(a)  # BatchNorm in training mode: its running statistics are updated in place
+        total = y.sum(0)
+    return a, y, total, y + 1
+
+
+def _features_leaving_inference_mode(x, *, model):
+    with torch.inference_mode(False):  # called under torch.inference_mode()
+        a = x * 2
+    y = model(a)
+    return a, y, y.sum(0)
+
+
+@pytest.mark.parametrize("function, caller", [
+    (_features_under_inference_mode, contextlib.nullcontext),
+    (_features_leaving_inference_mode, torch.inference_mode),
+], ids=["inside", "left_inside"])
+@pytest.mark.parametrize("options", [{"without_host": True, "backend": "aten"}, {"without_host": True, "backend": "c"},
+                                     {"backend": "aten"}], ids=["aten", "c", "checked"])
+def test_results_made_under_inference_mode_are_inference_tensors(function, caller, options):
+    # Which results are inference tensors is eager's: those the ops made inside
+    # torch.inference_mode(). The program ran every op in the call's mode, so from the first call
+    # that did not run the function they were ordinary tensors (an in-place update outside
+    # inference mode, which eager refuses, went through), or inference tensors where the function
+    # had left inference mode.
+    model_a = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    model_b = copy.deepcopy(model_a)
+    traced = tracejit.trace(function, **options)
+    for i in range(6):
+        x = torch.randn(5, 4)
+        with caller():
+            want, got = function(x, model=model_a), traced(x, model=model_b)
+        assert all(torch.allclose(a, b) for a, b in zip(got, want)), i
+        assert [t.is_inference() for t in got] == [t.is_inference() for t in want], i
+        assert not any(t.requires_grad for t in got)
+        for name, buffer in model_b.named_buffers():  # updated in place: ordinary tensors, as eager's
+            assert torch.allclose(buffer, model_a.get_buffer(name)) and not buffer.is_inference(), (i, name)
+    made_inside = next(t for t in got if t.is_inference())
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        made_inside.add_(1)
+    stats = traced.stats
+    if options.get("without_host"):
+        assert stats.host_free_calls >= 3 and stats.host_free_misses == 0, stats
+    else:
+        assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats

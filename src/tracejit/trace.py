@@ -886,6 +886,10 @@ class trace(ProfileAccess):
             return
         except GuardFailure:
             return  # an external is gone already: try again on the next aten-level call
+        if entry.host_free.unplaced:  # a literal kept in a list, say: every program run would miss
+            self._refuse_api(entry, f"the function keeps {entry.host_free.unplaced[0]} beyond the call where "
+                                    f"tracejit cannot find it")
+            return
         trace.output_objects = None
         externals = {h: t for h, t in replayer.handles.live().items() if entry.record.tensors[h].kind is Kind.EXTERNAL}
         try:

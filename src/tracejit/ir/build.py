@@ -94,7 +94,8 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
     # call leaves alive holds what it saved: fused kernels must store those values too (a
     # BatchNorm row kernel cannot compute its saved mean again: it updates the running statistics)
     kept = Flag.ESCAPED | Flag.SAVED if host_visible else Flag.ESCAPED
-    escaped = frozenset(i.handle for i in record.tensors if i.kind is Kind.INTERNAL and i.flags & kept)
+    # a literal kept in Python state (`self.buf = torch.tensor(...)`) is left there anew by every call
+    escaped = frozenset(i.handle for i in record.tensors if (i.kind is Kind.INTERNAL or i.literal) and i.flags & kept)
     return Graph(
         function_name=record.function_name,
         values=tuple(versions.values),
@@ -105,11 +106,16 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         num_handles=len(record.tensors),
         capture_as_const=capture_as_const,
         constants=dict(record.constants),
+        fresh=frozenset(record.fresh_literals()),
+        inference_mode=record.inference_mode,
+        inference_flipped=frozenset(op.index for op in record.ops if op.inference != record.inference_mode),
         host_reads=frozenset(r.handle for r in record.host_reads),
         reads=tuple(sorted({(r.position, r.handle) for r in record.host_reads})),
         # host code of an excluded block runs before op `position`; other processes meet at a collective;
-        # a data-dependent output size may move a checked call to another program (runtime/variants.py)
+        # a data-dependent output size may move a checked call to another program (runtime/variants.py);
+        # the function enters or leaves torch.inference_mode() (a fused kernel runs in one mode)
         barriers=tuple(sorted({b.position for b in record.excluded_blocks}
+                              | {op.index for before, op in zip(record.ops, record.ops[1:]) if op.inference != before.inference}
                               | {op.index for op in record.ops if is_collective(op.op)}
                               | {op.index for op in record.ops if data_dependent_size(op, record)}
                               | {r.position for r in record.host_reads if is_inf_check(r.what)})),

@@ -135,6 +135,15 @@ class Graph:
     barriers: tuple[int, ...] = ()
     # handle -> constant tensor (captured or folded); shared, never mutated by passes
     constants: dict[int, Any] = field(default_factory=dict, compare=False)
+    # constants made anew by every call: the literals (`torch.tensor(data)`) the call writes or lets
+    # outlive it (Record.fresh_literals). A program starts each call from a copy of the recorded value
+    # (runtime/hostfree.py), so they are no invariant to hoist or fold.
+    fresh: frozenset[int] = frozenset()
+    # torch.inference_mode() when the call began, and the positions of the ops the recorded call ran
+    # the other way (the function entered `with torch.inference_mode():`, or left it): the program runs
+    # those so, and their results are inference tensors exactly where eager's are (runtime/codegen.py)
+    inference_mode: bool = False
+    inference_flipped: frozenset[int] = frozenset()
 
     def value(self, value_id: int) -> Value:
         return self.values[value_id]

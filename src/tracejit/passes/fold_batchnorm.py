@@ -41,7 +41,8 @@ class _Folder:
         self.new_inputs: list[Node] = []
         self.name_of = {n.outputs[0]: n.input_name for n in graph.nodes if n.op is Op.CONST}
         self.constant_of = {n.outputs[0]: graph.constants[graph.values[n.outputs[0]].handle]
-                            for n in graph.nodes if n.op is Op.CONST and graph.values[n.outputs[0]].handle in graph.constants}
+                            for n in graph.nodes if n.op is Op.CONST and graph.values[n.outputs[0]].handle in graph.constants
+                            and graph.values[n.outputs[0]].handle not in graph.fresh}  # made anew each call
 
     def constant(self, tensor: torch.Tensor, name: str, source) -> int:
         handle = self.num_handles

@@ -27,7 +27,8 @@ def fold_constants(graph: Graph) -> Graph:
     unwritten = single_version_handles(graph)
     returned = {graph.values[v].handle for v in graph.outputs} | set(graph.escaped)
     constant_values = {n.outputs[0]: graph.constants[graph.values[n.outputs[0]].handle]
-                       for n in graph.nodes if n.op is Op.CONST and graph.values[n.outputs[0]].handle in graph.constants}
+                       for n in graph.nodes if n.op is Op.CONST and graph.values[n.outputs[0]].handle in graph.constants
+                       and graph.values[n.outputs[0]].handle not in graph.fresh}  # a literal made anew each call
     constants = dict(graph.constants)
     nodes = []
     for node in graph.nodes:

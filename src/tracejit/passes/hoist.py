@@ -22,7 +22,9 @@ from .analysis import identity_matters
 def hoist_external_views(graph: Graph) -> Graph:
     if graph.host_visible:
         return graph
-    invariant = {n.outputs[0] for n in graph.nodes if n.op in (Op.EXTERNAL, Op.CONST)}
+    # a fresh literal is another tensor on every call (graph.fresh)
+    invariant = {n.outputs[0] for n in graph.nodes if n.op in (Op.EXTERNAL, Op.CONST)
+                 and graph.values[n.outputs[0]].handle not in graph.fresh}
     held = identity_matters(graph)
     nodes = []
     for node in graph.nodes:

@@ -102,6 +102,9 @@ class ApiTrace:
     live_graph: Any = None  # tensor -> True if it has autograd history the call's backward did not free
     optimizer_calls: list[OptimizerCall] = field(default_factory=list)  # step()/zero_grad() spans of calls
     module_calls: list[ModuleCall] = field(default_factory=list)  # torch.nn module forwards' spans of calls
+    # the literals that require grad as the call made them (`torch.tensor(data, requires_grad=True)`):
+    # the answers copying them do too (runtime/api_replay.py)
+    literals_requiring_grad: set[int] = field(default_factory=set)
 
     def refuse(self, reason: str) -> None:
         if self.refused is None:
@@ -269,6 +272,8 @@ class ApiTracer(TorchFunctionMode):
         if handle is not None and self.record.tensors[handle].kind is Kind.INTERNAL:
             return self._remember(tensor, TensorRef(RefKind.VALUE, handle))
         if handle is not None and self.record.tensors[handle].literal:
+            if tensor.requires_grad:
+                self.trace.literals_requiring_grad.add(handle)
             return self._remember(tensor, TensorRef(RefKind.LITERAL, handle))
         self.trace.externals.append(weakref.ref(tensor))
         return self._remember(tensor, TensorRef(RefKind.EXTERNAL, len(self.trace.externals) - 1))

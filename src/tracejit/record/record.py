@@ -97,6 +97,7 @@ class OpRecord:
     source: SourceLocation
     regions: tuple[str, ...] = ()  # enclosing profiler ranges, e.g. "Optimizer.step#Adam.step"
     backward_of: str | None = None  # the autograd node running it ("ReluBackward0"); None: not backward
+    inference: bool = False  # dispatched under torch.inference_mode() (its results are inference tensors)
 
     @property
     def name(self) -> str:
@@ -153,7 +154,8 @@ class Record:
     host_reads: list[HostRead] = field(default_factory=list)
     excluded_blocks: list[ExcludedBlock] = field(default_factory=list)
     # Tensors the record must hold to be replayable: captured constants (with the version
-    # counter they had), and the Python-data literals seen while recording.
+    # counter they had), and a private copy of each Python-data literal as the call made it
+    # (recorder.snapshot_literal; never handed out, see `fresh_literals`).
     constants: dict[int, torch.Tensor] = field(default_factory=dict)
     constant_versions: dict[int, int] = field(default_factory=dict)
     # and the memory they had: `param.data = other` keeps the object and its version counter
@@ -171,9 +173,27 @@ class Record:
     modules_called: tuple = ()
     optimizers_stepped: tuple = ()  # likewise the optimizers whose step() ran (noted without the host only)
     scalers_updated: tuple = ()  # and the torch.amp.GradScalers whose update() ran (without the host only)
+    inference_mode: bool = False  # the call began under torch.inference_mode() (part of its signature)
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]
+
+    def written_literals(self) -> set[int]:
+        """The literals (`torch.tensor(data)`) whose memory some op writes."""
+        tensors = self.tensors
+        roots = {tensors[h].base if tensors[h].base is not None else h for op in self.ops for h in op.mutated}
+        return {h for h in roots if tensors[h].literal}
+
+    def fresh_literals(self) -> set[int]:
+        """The literals a call without the function must make anew, as eager code does on every
+        call: those the call writes, and those that outlive it (returned, a returned view's base,
+        kept in Python state). A program may share the others' recorded values between calls."""
+        tensors = self.tensors
+        if not any(info.literal for info in tensors):
+            return set()
+        kept = {info.base if info.base is not None else info.handle for info in tensors
+                if info.flags & (Flag.ESCAPED | Flag.RETURNED)}
+        return {h for h in kept if tensors[h].literal} | self.written_literals()
 
     def describe_handle(self, handle: int) -> str:
         info = self.tensors[handle]

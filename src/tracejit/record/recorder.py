@@ -39,6 +39,16 @@ _LITERAL_OPS = frozenset(
 )
 
 
+def snapshot_literal(tensor: torch.Tensor) -> torch.Tensor:
+    """A private copy of a literal (`torch.tensor(data)`) as the call made it: what every call
+    without the function starts from. The record never hands it out (programs and the API level
+    give the function and the caller copies of it)."""
+    if isinstance(tensor, FakeTensor):
+        return tensor
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        return tensor.detach().clone(memory_format=torch.preserve_format)
+
+
 class Recorder:
     """Builds a `Record` from the ops of one call.
 
@@ -73,6 +83,8 @@ class Recorder:
         # the memory of the call's inputs and externals (handle -> bytes): an external found in one
         # of them (a parameter's .grad, a view of a flat buffer the call takes) is a view of it
         self._outer_spans: dict[int, tuple[int, int]] = {}
+        # torch.inference_mode() when the call began; each op notes its own (the function may enter it)
+        self.inference_mode = torch.is_inference_mode_enabled()
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -105,7 +117,8 @@ class Recorder:
 
     @classmethod
     def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
-               capture_as_const: bool, regions: RegionTracker, scalars: list) -> Recorder:
+               capture_as_const: bool, regions: RegionTracker, scalars: list,
+               literal_values: dict[int, torch.Tensor] | None = None) -> Recorder:
         """Continue `record` from op `position`, with the handles a replay bound so far and the
         dynamic scalars it saw (`scalars`, flat): the matched ops keep this call's values."""
         recorder = cls(record.function_name, capture_as_const=capture_as_const, external_names=external_names)
@@ -126,17 +139,18 @@ class Recorder:
         recorder.constant_versions = {h: v for h, v in record.constant_versions.items() if h < first_dropped}
         recorder.constant_storage = {h: v for h, v in record.constant_storage.items() if h < first_dropped}
         # A literal (torch.tensor(1.0)) is made anew by every call: the matched prefix bound this
-        # call's object to its handle, and the program must use that one. The first call's may be
-        # anything by now (Adam's first step tensors are literals that it then increments).
+        # call's object to its handle, and the record keeps a copy of it as this call made it (the
+        # replay copied those the record writes when it bound them, `literal_values`; the others
+        # are still as made).
         bound = handles.live()
         for handle in recorder.constants:
             if record.tensors[handle].literal and handle in bound:
-                recorder.constants[handle] = bound[handle]
-                recorder.constant_versions[handle] = version_of(bound[handle])
-                recorder.constant_storage.pop(handle, None)
+                made = (literal_values or {}).get(handle)
+                recorder.constants[handle] = made if made is not None else snapshot_literal(bound[handle])
         recorder.arg_handles = record.arg_handles
         recorder.kwarg_handles = dict(record.kwarg_handles)
         recorder.rerecorded = True
+        recorder.inference_mode = record.inference_mode
         recorder.regions = regions
         return recorder
 
@@ -155,12 +169,17 @@ class Recorder:
             return handle if handle >= self.cut_below else self._cut(tensor, handle)
         literal = op in _LITERAL_OPS
         name = "literal" if literal else self.names.name_of(tensor) or f"first used by op #{index} {op}"
-        if literal or self.capture_as_const:
-            handle = self._new_handle(tensor, Kind.CONST, name, literal=literal)
+        if literal:
+            # The record keeps a copy of the literal as the call made it: the call's own tensor is
+            # the function's (it may write it, return it, keep it), and every later call makes its own.
+            handle = self._new_handle(tensor, Kind.CONST, name, literal=True)
+            self.constants[handle] = snapshot_literal(tensor)
+            return handle
+        if self.capture_as_const:
+            handle = self._new_handle(tensor, Kind.CONST, name)
             self.constants[handle] = tensor
             self.constant_versions[handle] = version_of(tensor)
-            if not literal:
-                self.constant_storage[handle] = storage_address(tensor)
+            self.constant_storage[handle] = storage_address(tensor)
             return handle
         handle = self._new_handle(tensor, Kind.EXTERNAL, name, base=self._overlapped(tensor))
         if self.cut_below:  # made by an excluded block, say: a later call's block may pass an older tensor
@@ -221,6 +240,7 @@ class Recorder:
         source = user_location()
         autograd_node = torch._C._current_autograd_node()
         refuse_lazy(self.function_name, self.names, func, tensors, index, source)
+        inference = torch.is_inference_mode_enabled()
         _refuse_non_strided(func, tensors, "takes", index, source)
         _refuse_non_strided_constructor(func, kwargs, index, source)
         _refuse_storage_arguments(func, args, kwargs, index, source)
@@ -235,7 +255,8 @@ class Recorder:
             self.tensors[handle].flags |= Flag.MUTATED
         self.ops.append(
             OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source,
-                     self.regions.current(), autograd_node.name() if autograd_node is not None else None)
+                     self.regions.current(), autograd_node.name() if autograd_node is not None else None,
+                     inference)
         )
         return result
 
@@ -367,6 +388,7 @@ class Recorder:
             arg_handles=self.arg_handles,
             kwarg_handles=self.kwarg_handles,
             rerecorded=self.rerecorded,
+            inference_mode=self.inference_mode,
         )
         held = autograd_saved(result) | self.held_storages()
         mark_escapes(record, self.handles, held, self.storages, _storages_of(result))
@@ -381,7 +403,9 @@ class Recorder:
 def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int] = frozenset(),
                  storages: dict[int, StorageWeakRef] | None = None, returned: set[int] = frozenset()) -> None:
     """Flag the internal tensors whose memory is still reachable after the call: Python state holds
-    the tensor, or another tensor over its storage (a `.data` alias, a view).
+    the tensor, or another tensor over its storage (a `.data` alias, a view). Likewise the literals
+    (`torch.tensor(data)`) the call made, which the record holds only as copies: Python state that
+    keeps one (`self.scale = torch.tensor(...)`) gets a new one from every call.
 
     Memory kept only because the autograd graph of a returned tensor saved it for a backward pass
     is not state: a call without the function returns tensors with no graph. The record *created
@@ -396,7 +420,7 @@ def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int
     created_state = False
     for handle, pointer in alive.items():
         info = record.tensors[handle] if handle < len(record.tensors) else None
-        if info is None or info.kind is not Kind.INTERNAL:
+        if info is None or not (info.kind is Kind.INTERNAL or info.literal):
             continue
         if pointer in saved_for_backward:
             info.flags |= Flag.SAVED

@@ -22,6 +22,7 @@ import gc
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -78,6 +79,9 @@ class SymbolicRecorder(Recorder):
         # Every tensor the record takes from outside (arguments, externals, constants), held strongly:
         # the program reads them when it runs, after the call may have dropped them.
         self._inputs: dict[int, torch.Tensor] = {}
+        # ...except literals (`torch.tensor(data)`), held weakly: one the call no longer holds starts
+        # from the record's copy, and one it keeps in Python state is found there (mark_escapes)
+        self._literals: dict[int, weakref.ref] = {}
         self._placeholders: dict[int, Placeholder] = {}
         self._allocated: list[torch.Tensor] = []  # placeholders of the op being recorded
         # Storages whose contents are not what eager execution would hold at this point, and why.
@@ -96,7 +100,9 @@ class SymbolicRecorder(Recorder):
     def _new_handle(self, tensor: torch.Tensor, kind: Kind, name: str, producer: int | None = None,
                     base: int | None = None, literal: bool = False) -> int:
         handle = super()._new_handle(tensor, kind, name, producer=producer, base=base, literal=literal)
-        if kind is not Kind.INTERNAL:
+        if literal:
+            self._literals[handle] = weakref.ref(tensor)
+        elif kind is not Kind.INTERNAL:
             self._inputs[handle] = tensor
         if self._sizes is not None and kind is Kind.EXTERNAL and tensor.is_leaf:
             self.first_seen.append((tensor, tensor.grad, tensor.requires_grad))
@@ -376,7 +382,13 @@ class SymbolicRecorder(Recorder):
 
     def _run(self, program: Any) -> None:
         self.ran_for_real = True
-        disagreements = self._runner.run(program, self._inputs, self._placeholders)
+        inputs = self._inputs
+        if self._literals:
+            inputs = dict(inputs)
+            for handle, ref in self._literals.items():
+                tensor = ref()
+                inputs[handle] = tensor if tensor is not None else self.constants[handle].clone()
+        disagreements = self._runner.run(program, inputs, self._placeholders)
         if disagreements:
             raise self._prediction_error(disagreements)
 
@@ -392,6 +404,7 @@ class SymbolicRecorder(Recorder):
             constant_storage=dict(self.constant_storage),
             arg_handles=self.arg_handles,
             kwarg_handles=dict(self.kwarg_handles),
+            inference_mode=self.inference_mode,
         )
         mark_escapes(record, self.handles)
         return record

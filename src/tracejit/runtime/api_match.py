@@ -119,7 +119,9 @@ def match_lines(expr: str, template: Any, program: Any, numbers: Numbers | None 
 def answer_expr(template: Any, program: Any) -> str:
     if isinstance(template, TensorRef):
         if template.kind is RefKind.LITERAL:
-            return program.constant(program.record.constants[template.key], "lit")
+            # the call's own copy of the recorded literal, the same object for every answer in one
+            # call (`c.add_(1)` returns `c`): the record's copy is never handed out
+            return f"LIT({template.key}, {program.constant(program.record.constants[template.key], 'lit')})"
         return ref_expr(template)
     if isinstance(template, StructSeq):
         items = "".join(f"{answer_expr(t, program)}, " for t in template.items)

@@ -75,15 +75,18 @@ class ApiProgram:
         self.autocast = context[2] or context[4]  # autocast on for cpu or cuda (signature.call_context_key)
         self.external_refs = list(trace.externals)
         self.nones = (None,) * len(self.external_refs)
-        # captured constants must not change (the aten level names the one that did)
+        # captured constants must not change (the aten level names the one that did); literals are
+        # the record's own copies, which nobody else gets (`literal`)
         self.constants = [(weakref.ref(t), record.constant_versions[h], record.constant_storage.get(h, 0))
                           for h, t in record.constants.items() if h in record.constant_versions]
+        self.literals: dict[int, torch.Tensor] = {}  # handle -> this call's copy of a literal
+        self.literals_requiring_grad = frozenset(trace.literals_requiring_grad)
         self.calls = trace.calls
         self.funcs = [call.func for call in trace.calls]
         self.placeholders = _placeholders(record, trace, output)
         self.placeholder_values = list(self.placeholders.values())  # kept_placeholders' one C-level pass
         self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": same_literal,
-                                          "TENSOR": torch.Tensor}
+                                          "TENSOR": torch.Tensor, "LIT": self.literal}
         self.locals = 0
         self.scalars = list(runner.bound_scalars)
         self.scalar_offsets, recorded_scalars = scalar_layout(record)
@@ -134,6 +137,17 @@ class ApiProgram:
     def local(self) -> str:
         self.locals += 1
         return f"v{self.locals}"
+
+    def literal(self, handle: int, recorded: torch.Tensor) -> torch.Tensor:
+        """The answer for a literal (`torch.tensor(data)`): a copy of the recorded value made by the
+        call that creates it, as eager makes a tensor on every call, and the same object afterwards."""
+        made = self.literals.get(handle)
+        if made is None:
+            with torch._C.DisableTorchFunction():  # tracejit's copy, no call of the function
+                made = self.literals[handle] = recorded.clone()
+            if handle in self.literals_requiring_grad:  # torch.tensor(data, requires_grad=True)
+                made.requires_grad_(True)
+        return made
 
     def _function(self, name: str, params: str, body: list[str]) -> Any:
         source = f"def {name}({params}):\n" + "".join(f"    {line}\n" for line in body)
@@ -449,8 +463,8 @@ def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any) -
     for handle in handles:
         if handle in inputs:
             env[handle] = inputs[handle]
-        elif handle in record.constants:
-            env[handle] = record.constants[handle]
+        elif handle in record.constants:  # a literal: the record's copy stays as recorded
+            env[handle] = record.constants[handle].clone() if record.tensors[handle].literal else record.constants[handle]
         else:
             ref = program.external_objects.get(handle)
             env[handle] = ref() if ref is not None else None
@@ -732,6 +746,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             program.checking_args = program.checking_kwargs = None
         if program.read_slices:
             program.read_slices = {}
+        if program.literals:
+            program.literals.clear()
     if failure is not None:  # the checker is off the mode stack now: it would answer torch.equal
         _restore_generator(generator)
     elif generator is not None and _restore_generator(generator):

@@ -188,20 +188,34 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
     last_use = _last_uses(graph)
     keep = {graph.values[v].handle for v in graph.outputs} | set(graph.escaped)
     body = []
+    flipped = False  # inside a `with` block of the other inference mode (graph.inference_flipped)
+    if graph.inference_flipped:
+        emitter.namespace["INFERENCE_MODE"] = torch._C._InferenceMode
     for index, node in enumerate(graph.nodes):
         if node.op in INPUT_OPS or node.hoisted:
             continue
+        lines = []
         if node.static_view and arena is not None:
-            body.append(emitter.static_view(node))
+            lines.append(emitter.static_view(node))
         else:
             if node.op is Op.FUSED:
                 line = _fused_call(emitter, node, kernels[index], arena)
             else:
                 line = emitter.call(node, arena)
-            body += _profiled(emitter, profiler, node, line, "without_host")
+            lines += _profiled(emitter, profiler, node, line, "without_host")
         dead = sorted(h for h, last in last_use.items() if last == index and h not in keep)
         if dead:
-            body.append("del " + ", ".join(f"h{h}" for h in dead))
+            lines.append("del " + ", ".join(f"h{h}" for h in dead))
+        # an op the function ran inside (or outside) torch.inference_mode() runs so: its results are
+        # inference tensors where eager's are. Fused groups never span a switch (graph.barriers).
+        if bool(node.positions) and max(node.positions) in graph.inference_flipped:
+            if not flipped:
+                body.append(f"with INFERENCE_MODE({not graph.inference_mode}):")
+                flipped = True
+            body += [f"    {line}" for line in lines]
+        else:
+            flipped = False
+            body += lines
     parts = RunParts(_loaded_handles(graph, hoisted_handles), tuple(body), tuple(sorted(keep)))
     run_lines = [f"h{h} = env[{h}]" for h in parts.loads] + body + [f"env[{h}] = h{h}" for h in parts.stores]
     hoisted_inputs = _inputs_of(graph, hoisted)

@@ -211,6 +211,7 @@ class HostFreeRunner:
         self.external_slots: dict[int, int] = {}
         self.sources: dict[str, str] = {}
         self.env_template: list = []
+        self.unplaced: list[str] = []  # kept tensors the epilogue cannot leave where the function would
         self.gradient_state = gradient_state  # the trace's, which also watches DDPs reached without a keyword
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
@@ -351,6 +352,7 @@ class HostFreeRunner:
         own = "list(SCALARS)" if bindings else "SCALARS"
         self._names = names
         self._escape_guards: list[str] = []  # filled by the epilogue: checks before the program runs
+        self.unplaced: list[str] = []  # and the tensors it kept where tracejit cannot find them
         program = self._program_lines(objects, kwargs, src)
         guards += self._escape_guards
         lines += [f"s = {own} if S is None else S", "try:", *(f"    {line}" for line in guards),
@@ -394,8 +396,21 @@ class HostFreeRunner:
         src.namespace.update((k, v) for k, v in run.__globals__.items() if k != "__builtins__")
         bound = {*self.record.arg_handles, *self.record.kwarg_handles.values()}
         bound |= {info.handle for info in self.record.tensors if info.kind is Kind.EXTERNAL}
-        # hoisted views of externals and constants come from the binding's template
-        loads = [f"h{h} = {src.constant(self.env_template[h], 'c')}" for h in run.parts.loads if h not in bound]
+        # hoisted views of externals and constants come from the binding's template; a literal the
+        # call writes or lets outlive it is a new tensor on every call (eager makes one each time),
+        # a copy of the recorded one: nothing a call returned or left in Python state changes later
+        graph = self.program.graph
+        loads = []
+        for h in run.parts.loads:
+            if h in bound:
+                continue
+            load = f"h{h} = {src.constant(self.env_template[h], 'c')}"
+            if h not in graph.fresh:
+                loads.append(load)
+            elif _made_at(self.record, h) in graph.inference_flipped:  # made inside torch.inference_mode()
+                loads += [f"with INFERENCE_MODE({not graph.inference_mode}):", f"    {load}.clone()"]
+            else:
+                loads.append(f"{load}.clone()")
         return [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)", "try:",
                 *(f"    {line}" for line in (*run.parts.body, *self._epilogue(objects, kwargs, src))),
                 "finally:", "    if grad: SET_GRAD(True)"]
@@ -576,12 +591,19 @@ class HostFreeRunner:
         for handle, tensor in objects.items():
             if tensors[handle].kind is Kind.EXTERNAL and tensor.is_leaf and tensor.grad is not None:
                 holders.setdefault(id(tensor.grad), Holder("grad", weakref.ref(tensor)))
+        # the gradient a literal leaf got (`w = torch.tensor(data, requires_grad=True)` ... backward):
+        # this call's literal gets this call's gradient
+        literal_grads = {id(obj.grad): handle for handle, obj in objects.items()
+                         if handle in self.program.graph.fresh and obj.is_leaf and obj.grad is not None}
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
             if obj is None:
                 continue
             if id(obj) in self._input_grads:  # this call's input gets its own gradient
                 body.append(f"{self._input_grads[id(obj)]}.grad = h{handle}")
+                continue
+            if id(obj) in literal_grads and literal_grads[id(obj)] in self.program.graph.escaped:
+                body.append(f"h{literal_grads[id(obj)]}.grad = h{handle}")
                 continue
             holder = holders.get(id(obj))
             if holder is None:
@@ -622,6 +644,7 @@ class HostFreeRunner:
                 if root == handle or tensors[root].kind in (Kind.ARG, Kind.KWARG) or tensors[root].flags & Flag.RETURNED:
                     what = "a tensor it made" if root == handle else f"a view of the call's {tensors[root].name}"
                     self._escape_guards.append(_fail("True", f"t{handle}, {what}, is kept where tracejit cannot find it"))
+                    self.unplaced.append(f"t{handle}, {what},")
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
@@ -632,13 +655,20 @@ class HostFreeRunner:
             if module is not None and is_ddp(module) and _FORWARD_SYNC in module.__dict__:
                 body += [f"d = {src.constant(ref, 'dr')}()",
                          f"if d is not None: d.{_FORWARD_SYNC} = {module.__dict__[_FORWARD_SYNC]!r}"]
-        # A leaf the function made and flagged (`torch.zeros_like(x).requires_grad_()`): the flag is
-        # set in Python, never dispatched, so the program's tensor needs it set again
+        # A leaf the function made and flagged (`torch.zeros_like(x).requires_grad_()`,
+        # `torch.tensor(data, requires_grad=True)`): the flag is set in Python, never dispatched, so
+        # the program's tensor needs it set again (a literal left in Python state too)
+        made = {handle for handle in self.program.graph.fresh if handle in self.program.graph.escaped}
         body += [f"h{handle}.requires_grad_(True)" for handle, obj in sorted(objects.items())
-                 if tensors[handle].flags & Flag.RETURNED and tensors[handle].kind is Kind.INTERNAL
+                 if ((tensors[handle].flags & Flag.RETURNED and tensors[handle].kind is Kind.INTERNAL) or handle in made)
                  and obj.is_leaf and obj.requires_grad]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
+
+
+def _made_at(record: Record, handle: int) -> int:
+    """The position of the first op that takes `handle` (a literal: its aten.lift_fresh)."""
+    return next((op.index for op in record.ops if handle in op.inputs), -1)
 
 
 def _output_expr(spec: OutputSpec) -> str:

@@ -245,6 +245,7 @@ class CheckedProgram:
         self.graph = graph
         self.profiler = profiler
         self.scalar_offsets, self.initial_scalars = scalar_layout(record)
+        self.written_literals = frozenset(record.written_literals())  # see Replayer.literal_values
         self.kernels = kernels or {}
         self.groups_fired = 0  # fused kernels run by the checked calls that finished (tests prove fusion ran)
         self.callables: list[Callable | None] = [None] * len(record.ops)

@@ -25,7 +25,7 @@ from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, s
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
-from ..record.recorder import Recorder, refuse_lazy, storage_address, version_of
+from ..record.recorder import Recorder, refuse_lazy, snapshot_literal, storage_address, version_of
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
@@ -77,6 +77,9 @@ class Replayer:
         # than the record's: this call computes with them, but the compiled program has the recorded
         # ones built in, so no faster path may be bound from this call (trace.py).
         self.other_literals: list[int] = []
+        # copies of the literals the record writes, as this call made them: a re-record from a later
+        # op keeps the value the program starts from (Recorder.resume)
+        self.literal_values: dict[int, torch.Tensor] = {}
         for handle, tensor in zip(self.record.arg_handles, args):
             self.handles.set(tensor, handle)
         for name, handle in self.record.kwarg_handles.items():
@@ -87,6 +90,8 @@ class Replayer:
             self.other_literals.append(handle)
         self.handles.set(tensor, handle)
         self.bound_externals[handle] = weakref.ref(tensor)
+        if handle in self.program.written_literals:
+            self.literal_values[handle] = snapshot_literal(tensor)
 
     # -- handler protocol -----------------------------------------------------------------------
 
@@ -304,7 +309,7 @@ class Replayer:
         # the rest of the call runs eagerly on the tensors the host holds: make them all real
         self.program.complete(self.state, self.scalars)
         self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
-                                        self.capture_as_const, self.regions, self.scalars)
+                                        self.capture_as_const, self.regions, self.scalars, self.literal_values)
 
     def abandon(self) -> None:
         """The function raised: run the fused members it was handed, so tensors it kept are real and

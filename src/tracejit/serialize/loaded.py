@@ -68,6 +68,8 @@ class LoadedGraph(ProfileAccess):
         tensors = self._bind(args, kwargs)
         start = CLOCK() if self._profiler is not None else 0.0
         env = list(self._template)
+        for handle in self.graph.fresh:  # a constant the program writes: this call's copy
+            env[handle] = env[handle].clone()
         for (_, _, handle), tensor in zip(self._inputs, tensors):
             if handle is not None:
                 env[handle] = tensor

@@ -189,5 +189,8 @@ def to_graph(portable: PortableGraph) -> Graph:
         capture_as_const=True,
         provenance="load",
         constants={values[c.value].handle: c.tensor for c in portable.constants},
+        # a constant the program writes (a literal updated in place) starts every call from a copy
+        fresh=frozenset({values[v].root for op in portable.ops for v in op.writes}
+                        & {values[c.value].handle for c in portable.constants}),
     )
 
