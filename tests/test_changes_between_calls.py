@@ -322,3 +322,73 @@ def test_a_tensor_the_function_reaches_where_tracejit_cannot_find_it_refuses_wit
         for _ in range(4):
             traced(model=model, opt=opt)
     assert traced.stats.host_free_calls == 0
+
+
+class _Table:
+    weights = torch.linspace(0.5, 2.0, 6)  # a class attribute: no path tracejit follows leads to it
+
+
+def test_a_tensor_tracejit_cannot_find_but_reached_again_runs_without_host():
+    """Two calls that ran the function reached the same object: later calls skip it. (The first
+    version of the refusal above also refused these: class attributes, a module's plain list of
+    tensors, a functools.partial's argument.)"""
+
+    def weighted(x):
+        return x * _Table.weights
+
+    traced = tracejit.trace(weighted, without_host=True, backend="aten")
+    x = torch.ones(6)
+    for _ in range(6):
+        assert torch.equal(traced(x), weighted(x))
+    assert traced.stats.host_free_calls == 4
+
+
+def test_a_tensor_reached_anew_in_the_memory_of_an_input_is_a_mismatch():
+    """Bound anew at the API level, a tensor that is the input the program writes in place (the
+    caller appended its running buffer to the history the step reads) ran the fused program over
+    aliased memory: other numbers than eager's, silently. It is a divergence, as before."""
+    history = [torch.randn(8) for _ in range(3)]
+
+    def step(buf):
+        prev = history[-1]
+        buf.mul_(0.5)
+        buf.add_(prev)
+        return (buf * prev).sum()
+
+    traced = tracejit.trace(step)
+    buf = torch.zeros(8)
+    for _ in range(3):
+        history.append(torch.randn(8))
+        traced(buf)
+    assert traced.stats.api_replays >= 1
+    history.append(buf)
+    with pytest.raises(TraceMismatchError):
+        traced(buf)
+
+
+def test_an_inference_tensor_reached_anew_by_a_training_step_is_not_trained_on():
+    """Bound anew, it trained where eager raises. Refused now: the call diverges at the API level
+    and runs the function again at the aten level, whose `next()` finds the iterator exhausted
+    (side effects before a divergence happen twice, as the guide says)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(5, 6), torch.randn(5, 3)) for _ in range(4)]
+    with torch.inference_mode():
+        batches.append((torch.randn(5, 6), torch.randn(5, 3)))
+    it = iter(batches)
+
+    def step(*, model, opt):
+        x, y = next(it)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    traced = tracejit.trace(step, backend="aten")
+    for _ in range(4):
+        traced(model=model, opt=opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(StopIteration):
+        traced(model=model, opt=opt)
+    assert all(map(torch.equal, before, model.parameters()))

@@ -128,3 +128,44 @@ def test_a_traced_forward_follows_eval_and_its_modules_settings():
         stats = net.forward.stats
         assert stats.records == 2, cls.__name__  # training and evaluation
         assert (stats.host_free_calls if cls is NormedWithoutHost else stats.checked_replays) >= 4, cls.__name__
+
+
+FACTOR = 1.0
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    @tracejit.trace(backend="aten", without_host=True)
+    def forward(self, x):
+        return self.fc(x) * FACTOR
+
+
+class Counter:
+    def __init__(self):
+        self.w = torch.ones(2)
+
+    @tracejit.trace(backend="aten")
+    def step(self, x):
+        return x * self.w
+
+
+def test_a_traced_method_reads_its_own_module_globals_and_keeps_its_instance():
+    """The wrapper that binds the instance has tracejit's globals: a global the method reads was
+    not guarded without the host (FACTOR = 5.0 went unseen), and `step = Counter().step` lost its
+    instance to the garbage collector (held weakly)."""
+    global FACTOR
+    net = Scaled()
+    x = torch.ones(1, 3)
+    with torch.no_grad():
+        for value in (1.0, 1.0, 1.0, 5.0, 5.0):
+            FACTOR = value
+            assert torch.equal(net(x), net.fc(x) * value)
+    assert net.forward.stats.host_free_calls >= 2
+    FACTOR = 1.0
+    step = Counter().step
+    gc.collect()
+    for _ in range(3):
+        assert torch.equal(step(torch.full((2,), 3.0)), torch.full((2,), 3.0))

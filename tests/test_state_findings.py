@@ -840,3 +840,22 @@ def test_without_the_host_a_number_the_caller_changes_in_a_global_or_closure_is_
             assert torch.equal(traced(x), function(x)), (function.__name__, value)
         assert traced.stats.host_free_calls >= 3 and traced.stats.host_free_misses >= 2, function.__name__
     SCALE = 1.0
+
+
+def test_without_the_host_a_global_number_the_function_changes_is_refused():
+    """`global SCALE; SCALE *= 0.5` inside the step: the guard took its copy after the call had
+    changed it, and every later host-free call used the recorded number with SCALE frozen."""
+    global SCALE
+
+    def decaying(x):
+        global SCALE
+        y = x * SCALE
+        SCALE *= 0.5
+        return y
+
+    SCALE = 1.0
+    traced = tracejit.trace(decaying, without_host=True, backend="aten")
+    assert torch.equal(traced(torch.ones(2)), torch.ones(2))
+    with pytest.raises(tracejit.HostDependencyError, match=r"SCALE: 1.0 -> 0.5"):
+        traced(torch.ones(2))
+    SCALE = 1.0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -65,19 +64,20 @@ SELF = "self"  # the keyword the instance is passed as
 
 class BoundMethod:
     """The traced method of one instance: calls the trace with the instance as keyword `self`, and
-    is the trace otherwise (`obj.forward.stats`, `.listing()`, `.dump(...)`). Holds the instance
-    weakly: it lives in the instance's __dict__."""
+    is the trace otherwise (`obj.forward.stats`, `.listing()`, `.dump(...)`). It lives in the
+    instance's __dict__ and holds the instance (`step = Trainer().train_step` keeps it alive, as a
+    bound method does); the cycle goes with the instance."""
 
     def __init__(self, traced: Any, instance: Any):
         self.traced = traced
-        self._instance = weakref.ref(instance)
+        self.instance = instance
         functools.update_wrapper(self, traced, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if SELF in kwargs:
             raise TypeError(f"tracejit: {self.traced.__name__}() got a keyword argument 'self'; the traced method "
                             f"passes its instance under that name")
-        return self.traced(*args, **kwargs, **{SELF: self._instance()})
+        return self.traced(*args, **kwargs, **{SELF: self.instance})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["traced"], name)
@@ -91,6 +91,7 @@ def _bind(function: Callable, instance: Any) -> Callable:
 
     for name in ("__module__", "__name__", "__qualname__", "__doc__"):
         setattr(method, name, getattr(function, name, None))
+    method.__tracejit_method__ = function  # whose globals the call reads (names.code_owner)
     try:  # positional names for messages: the method's without `self`
         method.__signature__ = inspect.signature(functools.partial(function, instance))
     except (TypeError, ValueError):

@@ -200,10 +200,18 @@ def _storage_address(tensor: torch.Tensor) -> int:
         return 0
 
 
+def code_owner(function: Callable) -> Callable:
+    """The function whose code, globals and closure cells a traced call runs: a traced method's own
+    (methods.py wraps it to take its instance as the keyword `self`; the wrapper's globals are
+    tracejit's)."""
+    return getattr(function, "__tracejit_method__", function)
+
+
 def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any], Any]]:
     """What the function reaches directly, as (name, root, value): its keyword arguments, the
     globals its code loads (`global_names`) and its closure cells."""
     roots = [(name, ("kwarg", name), value) for name, value in kwargs.items()]
+    function = code_owner(function)
     code = getattr(function, "__code__", None)
     if code is not None:
         globals_ = getattr(function, "__globals__", {})
@@ -222,6 +230,7 @@ def plain_roots(function: Callable) -> list[tuple[str, tuple[str, Any], Any]]:
     and among the globals of the plain functions of its own module it reads (a helper's `x * SCALE`),
     as (name, root, value)."""
     found: dict[tuple[str, Any], tuple[str, Any]] = {}
+    function = code_owner(function)
     for name, root, value in roots_of(function, {}):
         if root[0] == "kwarg":
             continue
@@ -272,6 +281,7 @@ _ASSIGNED = ("attr", "item", "buffer")  # steps that end at a place Python assig
 def resolve(locator: Locator, function: Callable, kwargs: dict) -> Any:
     """What is at `locator` now (not optimizer state). Raises what the lookup raises if it is gone."""
     kind, key = locator.root
+    function = code_owner(function)
     value = (kwargs[key] if kind == "kwarg" else function.__globals__[key] if kind == "global"
              else function.__closure__[key].cell_contents)
     for step, name in locator.steps:

@@ -63,7 +63,7 @@ def match_lines(expr: str, template: Any, program: Any, numbers: Numbers | None 
             literal = program.constant(program.record.constants[template.key], "lit")
             return [f"if not SAME_LITERAL({expr}, {literal}): return FAIL"]
         if template.kind is RefKind.EXTERNAL and template.key in getattr(program, "_rebinding", ()):
-            return [f"if {expr} is not E[{template.key}] and not REBIND({expr}, E, {template.key}): return FAIL"]
+            return [f"if {expr} is not E[{template.key}] and not REBIND({expr}, A, E, {template.key}): return FAIL"]
         return [f"if {expr} is not {ref_expr(template)}: return FAIL"]
     if template is None or type(template) is bool:
         return [f"if {expr} is not {template}: return FAIL"]

@@ -204,14 +204,21 @@ class ApiProgram:
         body.append(f"return {answer_expr(call.result, self)}")
         return self._function(name, params, body)
 
-    def rebind(self, tensor: Any, externals: list, slot: int) -> bool:
+    def rebind(self, tensor: Any, inputs: list, externals: list, slot: int) -> bool:
         """At its first use in a call, a plain external (see _rebindable) may be another tensor of
-        the recorded layout: the program reads it from `externals` (the host-free runner's E)."""
-        handle, meta = self.rebind_meta[slot]
+        the recorded layout, in memory of its own: the program reads it from `externals` (the
+        host-free runner's E). One in the memory of an input or another external (which the
+        program may write) is a divergence."""
+        handle, meta, inference = self.rebind_meta[slot]
         if (type(tensor) is not torch.Tensor or tensor.requires_grad or tensor._base is not None
                 or tensor.shape != meta.shape or tensor.stride() != meta.stride or tensor.dtype != meta.dtype
-                or tensor.device != meta.device):
+                or tensor.device != meta.device or tensor.is_inference() is not inference):
             return False
+        memory = tensor.untyped_storage().data_ptr()
+        for other in (*inputs, *externals):
+            if (isinstance(other, torch.Tensor) and other is not externals[slot]
+                    and other.untyped_storage().data_ptr() == memory):
+                return False
         externals[slot] = tensor
         self.external_objects[handle] = weakref.ref(tensor)  # for run_op_by_op and host reads
         return True
@@ -336,7 +343,7 @@ def _rebindable(trace: ApiTrace, record: Record, runner: HostFreeRunner,
     else knows: no parameter or tensor requiring grad, no view, not written by the program, no
     gradient read where it is, never handed out as a call's result."""
     handle_of = {slot: handle for handle, slot in runner.external_slots.items()}
-    written = {h for op in record.ops for h in op.outputs if h is not None}
+    written = {h for op in record.ops for h in (*op.outputs, *op.mutated) if h is not None}
     kept_views = runner.program.hoisted_roots
     answered = set()
     for call in trace.calls:
@@ -353,7 +360,7 @@ def _rebindable(trace: ApiTrace, record: Record, runner: HostFreeRunner,
                     or handle in written or handle in kept_views or record.tensors[handle].base is not None
                     or record.tensors[handle].kind is not Kind.EXTERNAL):
                 continue
-            meta[slot] = (handle, record.tensors[handle].meta)
+            meta[slot] = (handle, record.tensors[handle].meta, obj.is_inference())
             first_use.setdefault(call.index, set()).add(slot)
     return meta, {index: frozenset(slots) for index, slots in first_use.items()}
 

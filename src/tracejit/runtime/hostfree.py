@@ -26,7 +26,16 @@ from ..errors import HostDependencyError
 from ..record.amp import is_inf_check
 from ..record.calls import data_dependent_size
 from ..record.ddp_calls import is_ddp
-from ..record.names import ExternalNames, Locator, container_expression, plain_roots, plain_value, root_expression, same_value
+from ..record.names import (
+    ExternalNames,
+    Locator,
+    code_owner,
+    container_expression,
+    plain_roots,
+    plain_value,
+    root_expression,
+    same_value,
+)
 from ..record.record import Flag, Kind, OutputSpec, Record
 from ..record.rng import rng_dependency
 from ..signature import (
@@ -106,6 +115,7 @@ class _Source:
     """Accumulates generated code and the constants it refers to by name."""
 
     def __init__(self, function: Any) -> None:
+        function = code_owner(function)
         self.namespace: dict[str, Any] = {
             "EMPTY": {},
             "GLOBALS": getattr(function, "__globals__", {}),
@@ -213,6 +223,9 @@ class HostFreeRunner:
         self.env_template: list = []
         self.unplaced: list[str] = []  # kept tensors the epilogue cannot leave where the function would
         self.gradient_state = gradient_state  # the trace's, which also watches DDPs reached without a keyword
+        # externals tracejit cannot find by a path (no locator), as the last binding call reached
+        # them: a call may skip the function only after two calls reached the same objects
+        self._unlocated: dict[int, weakref.ref] = {}
 
     def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
              grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None,
@@ -292,12 +305,15 @@ class HostFreeRunner:
             if (objects.get(grad) is not None and objects.get(param) is not None and objects[param].grad is None
                     and param in self.external_slots):
                 self._cleared_grads.append(f"E[{self.external_slots[param]}]")  # the program reuses h<param>
+        self._unconfirmed: list[int] = []  # unlocated externals this binding reached for the first time
         # the inputs' gradients: found through their inputs (see _input_gradients)
         self._found_through_inputs = {id(t.grad) for t in (*args, *kwargs.values())
                                       if isinstance(t, torch.Tensor) and t.grad is not None}
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
+        if self._unconfirmed:  # the next call runs the function, which tells whether it reaches them again
+            raise GuardFailure(f"t{self._unconfirmed[0]} was reached for the first time")
         guards += self._meta_checks(src)
         guards += self._gradient_hook_guards(objects, src, new_hooks)
         if len(self._located_grads) > 1:  # the program writes them as distinct tensors
@@ -495,15 +511,22 @@ class HostFreeRunner:
             if (not self.checked and info.base is None and id(obj) not in self._found_through_inputs
                     and not self._first_read_in_backward(info.handle)):
                 # Only its weak reference says where it is: the function may reach another tensor on
-                # the next call (the next batch of a data iterator, `data[i]` for a counter i) and a
-                # call without it would read this one again
-                name = getattr(self.function, "__name__", "the function")
-                raise HostDependencyError(
-                    f"without_host=True cannot skip {name}(): it reads t{info.handle} ({info.name}, "
-                    f"{info.meta}), a tensor tracejit cannot find again from the call's arguments or the "
-                    f"function's globals and closures (a data iterator's batch, a list item picked at run "
-                    f"time), so a call without the function could not know which tensor it would read. "
-                    f"Pass it as an argument, or trace without without_host.")
+                # each call (the next batch of a data iterator, `data[i]` for a counter i), and a call
+                # without it would read this one again. Two calls that ran the function must reach
+                # the same object first; one that reached another refuses the trace.
+                previous = self._unlocated.get(info.handle)
+                self._unlocated[info.handle] = weakref.ref(obj)
+                if previous is None:
+                    self._unconfirmed.append(info.handle)
+                elif previous() is not obj:
+                    name = getattr(self.function, "__name__", "the function")
+                    raise HostDependencyError(
+                        f"without_host=True cannot skip {name}(): it reads t{info.handle} ({info.name}, "
+                        f"{info.meta}), a tensor tracejit cannot find again from the call's arguments or the "
+                        f"function's globals and closures, and two calls reached two different tensors there "
+                        f"(a data iterator's batch, a list item picked at run time): a call without the "
+                        f"function could not know which one it would read. Pass it as an argument, or trace "
+                        f"without without_host.")
             lines = [f"{local} = {ref}()"]
             same = f"{local} is None"
             what = f"{info.name} was freed"

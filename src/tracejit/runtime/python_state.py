@@ -2,17 +2,21 @@
 
 A learning-rate scheduler stepped inside the traced function writes `param_groups` (and its own
 `last_epoch`) on every call. A host-free call reads those settings but never runs the scheduler,
-so the schedule would freeze at the recorded step, silently. Such a trace is refused instead.
+so the schedule would freeze at the recorded step, silently. Such a trace is refused instead. So
+is one that changes a plain value of its globals or closure cells (`global SCALE; SCALE *= 0.5`):
+the program has the value built in, and the guards of runtime/hostfree.py see only the caller's
+changes.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 
 from ..errors import HostDependencyError
-from ..record.names import roots_of
+from ..record.names import plain_roots, roots_of
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -30,6 +34,8 @@ def python_state(function: Callable, kwargs: dict) -> dict[str, object]:
                         state[f"{key} of param group {index} of {name}"] = setting
         elif isinstance(value, _SCHEDULERS):
             state[f"last_epoch of {name}"] = value.last_epoch
+    for name, _, value in plain_roots(function):
+        state[name] = copy.deepcopy(value)  # a list changed in place is another value
     return state
 
 
@@ -46,8 +52,10 @@ def refuse_python_state_changes(function: Callable, function_name: str, before: 
     listed = "\n".join(f"    {line}" for line in changed[:5])
     return HostDependencyError(
         f"without_host=True cannot skip {function_name}(): the traced call changes Python state that the "
-        f"program cannot change without the function (a learning-rate scheduler stepped inside it?):\n"
+        f"program cannot change without the function (a learning-rate scheduler stepped inside it, a counter "
+        f"or factor in a global?):\n"
         f"{listed}\n"
         f"Call scheduler.step() after the traced call instead: the settings it writes into param_groups are "
-        f"read on every call without the host. Or trace without without_host."
+        f"read on every call without the host. Change plain values outside the traced call, or keep them in "
+        f"tensors. Or trace without without_host."
     )
