@@ -382,6 +382,10 @@ def test_a_host_collective_is_polled_before_its_wait_blocks(monkeypatch):
     from tracejit.record import ranks as ranks_module
 
     monkeypatch.setattr(ranks_module, "_posted", [False])  # no group here: nothing posted to retract
+    monkeypatch.setattr(ranks_module, "_CORES_FOR_EVERY_RANK", {"0": True, "crowded": False})
+    crowded = _Work(looks=3)  # more ranks on this host than cores: a polling rank holds a peer's core
+    ranks_module.wait(crowded, "all_reduce", "crowded", on_host=True)
+    assert (crowded.seen, crowded.waits) == (0, 1)
     done_while_polled = _Work(looks=3)
     ranks_module.wait(done_while_polled, "all_reduce", "0", on_host=True)
     # polled until done; the wait that follows returns at once (and raises a failed work's error)
@@ -406,6 +410,16 @@ def test_a_host_collective_is_polled_before_its_wait_blocks(monkeypatch):
         with pytest.raises(ValueError, match=rf"TRACEJIT_DIST_SPIN_MS must be a number of milliseconds >= 0 "
                                              rf"\(0: no polling\), got '{bad}'"):
             ranks_module.wait(_Work(looks=0), "all_reduce", "0", on_host=True)
+
+
+def test_ranks_outnumbering_the_cores_do_not_poll(single_rank, monkeypatch):
+    from tracejit.record import ranks as ranks_module
+
+    monkeypatch.setattr(ranks_module, "_CORES_FOR_EVERY_RANK", {})
+    assert ranks_module._cores_for_every_rank(single_rank)  # one rank
+    monkeypatch.setattr(ranks_module, "_CORES_FOR_EVERY_RANK", {})
+    monkeypatch.setattr(ranks_module.os, "sched_getaffinity", lambda pid: set(), raising=False)
+    assert not ranks_module._cores_for_every_rank(single_rank)
 
 
 def test_collectives_over_host_tensors_are_polled(single_rank, monkeypatch):

@@ -191,6 +191,27 @@ def peer_failure(store: Any, rank: int) -> str | None:
     return None
 
 
+_CORES_FOR_EVERY_RANK: dict[str, bool] = {}
+
+
+def _cores_for_every_rank(group: str) -> bool:
+    """Whether this host has a core for each of its ranks in `group` (LOCAL_WORLD_SIZE, as torchrun
+    sets it, or else the group's size): ranks that outnumber the cores take turns on them, and a
+    rank polling for its collective holds a core a peer needs (4 ranks on 2 cores: 2x slower)."""
+    found = _CORES_FOR_EVERY_RANK.get(group)
+    if found is None:
+        from .collectives import group_ranks  # collectives.py waits through this module
+
+        try:
+            ranks = len(group_ranks(group))
+        except (ValueError, RuntimeError, KeyError):
+            ranks = torch.distributed.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        found = _CORES_FOR_EVERY_RANK[group] = min(local, ranks) <= cores
+    return found
+
+
 def _spin(work: Any, seconds: float) -> None:
     """Poll `work` for up to `seconds` (TRACEJIT_DIST_SPIN_MS), yielding the CPU between looks. A blocked wait parks the
     thread, and waking it again costs a scheduler round trip that on a small (virtual) machine
@@ -211,7 +232,7 @@ def wait(work: Any, collective: str, group: str, on_host: bool = False) -> None:
     collective's wait only orders streams, and polling it would synchronize the host."""
     if _posted[0]:
         _retract_failure()
-    if on_host:
+    if on_host and _cores_for_every_rank(group):
         _spin(work, collective_spin_seconds())
     slice_ = datetime.timedelta(seconds=POLL_SECONDS)
     standing_since = None
