@@ -33,6 +33,7 @@ from ..record.names import (
     container_expression,
     plain_roots,
     plain_value,
+    resolve,
     root_expression,
     same_value,
 )
@@ -306,6 +307,7 @@ class HostFreeRunner:
                     and param in self.external_slots):
                 self._cleared_grads.append(f"E[{self.external_slots[param]}]")  # the program reuses h<param>
         self._unconfirmed: list[int] = []  # unlocated externals this binding reached for the first time
+        self._kwargs = kwargs
         # the inputs' gradients: found through their inputs (see _input_gradients)
         self._found_through_inputs = {id(t.grad) for t in (*args, *kwargs.values())
                                       if isinstance(t, torch.Tensor) and t.grad is not None}
@@ -488,8 +490,9 @@ class HostFreeRunner:
             same = "False"  # the checker matched it: the object the function used
             what = f"{info.name} (matched by the checked call)"
         elif locator is not None:
+            lengths = self._list_lengths(locator, src)
             expr = src.locator(locator)
-            lines = [*src.pending, f"{local} = {expr}"]
+            lines = [*src.pending, *lengths, f"{local} = {expr}"]
             src.pending.clear()
             src.resolved[locator] = local
             # a freed object's reference returns None, which the located tensor is not either
@@ -541,6 +544,25 @@ class HostFreeRunner:
         self._meta.append((local, _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.dtype is not "
                                         f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)}",
                                         f"{info.name} is not {meta} anymore")))
+        return lines
+
+    def _list_lengths(self, locator: Locator, src: _Source) -> list[str]:
+        """A tensor found at a position of a list (`history[-1]` found as `history[2]`) is where
+        the function reads it only while the list keeps its length: a list the caller appends to
+        makes the call run the function, which finds the tensor again."""
+        lines = []
+        for depth, (step, key) in enumerate(locator.steps):
+            if step != "item" or type(key) is not int:
+                continue
+            prefix = Locator(locator.root, locator.steps[:depth])
+            try:
+                container = resolve(prefix, self.function, self._kwargs)
+            except (KeyError, AttributeError, IndexError, TypeError):
+                continue
+            if isinstance(container, list):
+                expr = src.locator(prefix)
+                lines += [*src.pending, _fail(f"len({expr}) != {len(container)}", f"{prefix.describe()} changed length")]
+                src.pending.clear()
         return lines
 
     def _plain_root_guards(self, src: _Source) -> list[str]:
