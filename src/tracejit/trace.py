@@ -196,6 +196,7 @@ class trace(ProfileAccess):
         # per input signature, the lazy modules a call found not materialized and left so (the
         # function did not run them): they do not keep the next calls from recording (see _run_materializing)
         self._lazy_left: dict[tuple, weakref.WeakSet] = {}
+        self._no_lazy_modules: set[tuple] = set()  # (signature, ids of the keywords) found without lazy modules
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
@@ -414,8 +415,16 @@ class trace(ProfileAccess):
     def _lazy_modules(self, key: tuple, kwargs: dict) -> list[torch.nn.Module]:
         """The lazy modules not materialized yet that the function reaches, but those an eager call
         of this signature left lazy (see _run_materializing)."""
+        # A module never becomes lazy again: keyword objects found without lazy modules are not
+        # walked again (the walk costs milliseconds for a large model, on every aten-level call)
+        objects = (key, tuple(map(id, kwargs.values())))
+        if objects in self._no_lazy_modules:
+            return []
         left = self._lazy_left.get(key, ())
-        return [module for module in lazy_modules(self._function, kwargs) if module not in left]
+        lazy = [module for module in lazy_modules(self._function, kwargs) if module not in left]
+        if not lazy and len(self._no_lazy_modules) < 64:
+            self._no_lazy_modules.add(objects)
+        return lazy
 
     def _run_materializing(self, key: tuple, lazy: list[torch.nn.Module], args: tuple, kwargs: dict) -> Any:
         """A call that would record or replay, finding lazy modules not materialized yet
