@@ -106,14 +106,26 @@ def _views_of_copies(graph: Graph, copies: dict[int, int]) -> set[int]:
 
 
 def _recomputable_values(graph: Graph, nodes: list[Node], producer: dict, first_backward: int) -> set[int]:
+    """Pure forward values whose storage nobody writes and whose inputs nobody writes between
+    their producer and the end of backward, where the recomputation runs: `b = a.tanh();
+    a.add_(1)` cannot recompute `b` from `a` (eager allows the write, nothing saved `a`; the
+    copy was computed from `a + 1`: gradients 0.65 off). A write after backward (the optimizer
+    step on a parameter) comes after every recomputation."""
     unwritten = single_version_handles(graph)
     observable = observable_roots(graph)
+    last_backward = max(i for i, n in enumerate(nodes) if n.op is Op.CALL and n.backward_of)
+    written_at: dict[int, list[int]] = {}  # root -> positions of the nodes writing it up to backward's end
+    for position, node in enumerate(nodes[:last_backward + 1]):
+        for vid in node.writes:
+            written_at.setdefault(graph.values[vid].root, []).append(position)
     found = set()
     for vid, (index, node) in producer.items():
         value = graph.values[vid]
         recomputable = (is_pure_call(node) and node.out_kind == "tensor") or (
             vid == node.outputs[0] and _batch_norm_in_training(graph, node))
-        if index < first_backward and recomputable and value.handle in unwritten and value.root not in observable:
+        if index < first_backward and recomputable and value.handle in unwritten and value.root not in observable \
+                and not any(position > index for u in node.inputs
+                            for position in written_at.get(graph.values[u].root, ())):
             found.add(vid)
     return found
 
