@@ -805,3 +805,58 @@ def test_a_full_slice_of_a_symbolic_dim_is_elided_as_eager_elides_it(symbolic_sh
     step = tracejit.trace(_masked_attention_step, symbolic_shape=symbolic_shape)
     side_by_side(step, _masked_attention_step, objects, inputs, len(sizes), records=1 + (symbolic_shape is None))
     assert len(step._shape_traces) == 1 and step.stats.shape_specializations >= 2, step.stats
+
+
+SIZES_SEEN: list = []
+ROWS_SEEN = 0
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.n = 0
+
+    def forward(self, x):
+        self.n = x.shape[0]
+        return self.fc(x)
+
+
+def _counting_step(x, *, model):
+    global ROWS_SEEN
+    SIZES_SEEN.append(x.shape[0])
+    ROWS_SEEN += x.shape[0]
+    return model(x).sum()
+
+
+def test_sizes_kept_in_python_state_are_numbers_as_in_eager():
+    """A call recorded with symbolic sizes ran the function's Python on them: `self.n = x.shape[0]`
+    left the symbol `s77` on the module, a global counter became `s77 + 16` for good, a log list
+    got `s77` (and `group["lr"] = 0.01 * x.shape[0]` made the optimizer unpicklable). Such an
+    attempt is dropped now (its state put back) and the call records the static trace of its sizes."""
+    global ROWS_SEEN
+    model = _Counting()
+    traced = tracejit.trace(_counting_step, backend="aten")
+    SIZES_SEEN.clear()
+    ROWS_SEEN = 0
+    sizes = [8, 8, 5, 8, 3, 5, 3]
+    for size in sizes:
+        x = torch.randn(size, 4)
+        with torch.no_grad():
+            assert torch.equal(traced(x, model=model), model.fc(x).sum())
+        assert type(model.n) is int and model.n == size
+    assert SIZES_SEEN == sizes and all(type(n) is int for n in SIZES_SEEN)
+    assert type(ROWS_SEEN) is int and ROWS_SEEN == sum(sizes)
+
+
+def test_a_refused_symbolic_recording_leaves_no_symbol_behind():
+    """With symbolic_shape=True the attempt is refused, and the module held the symbol (or a
+    stand-in tensor) afterwards: unusable even eagerly."""
+    model = _Counting()
+    traced = tracejit.trace(_counting_step, backend="aten", symbolic_shape=True)
+    with torch.no_grad(), pytest.raises(tracejit.SymbolicTraceError, match=r"leaves a symbolic size in Python state"):
+        traced(torch.randn(8, 4), model=model)
+    assert type(model.n) is int and all(type(n) is int for n in SIZES_SEEN) and type(ROWS_SEEN) is int
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert model.n == 2

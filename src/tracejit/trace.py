@@ -614,8 +614,9 @@ class trace(ProfileAccess):
         names = ExternalNames(self._function, kwargs, settings=self.options.without_host)
         recorder = SymbolicRecorder(self.__name__, capture_as_const=self.options.capture_as_const,
                                     external_names=names, compile=_record_itself, runner=Realizer(), sizes=sizes)
-        # the automatic mode may drop the attempt: the state it changed is then put back
-        before = StateSnapshot(self._function, kwargs) if self.options.symbolic_shape is None else None
+        # the automatic mode may drop the attempt: the state it changed is then put back (and an
+        # attempt that fails in the symbolic mode leaves no symbol or stand-in in Python state)
+        before = StateSnapshot(self._function, kwargs)
         recorder.bind_inputs(fake_args, fake_kwargs, arg_names)
         recorder.use_real_inputs(args, kwargs)
         context = CallContext(self, recorder, self.options.capture_as_const)
@@ -624,6 +625,12 @@ class trace(ProfileAccess):
             with seen.watching(), traced_call(context):
                 result = self._function(*fake_args, **fake_kwargs)
             record = recorder.finish(result)
+            left = before.symbolic_left()
+            if left is not None:
+                raise SymbolicTraceError(
+                    f"tracejit: {self.__name__}() leaves a symbolic size in Python state ({left}) when recorded "
+                    f"with symbolic sizes, where an eager call leaves a number. Keep sizes in locals or tensors, "
+                    f"or trace it with symbolic_shape=False.")
             record.rng_calls = tuple(context.rng_calls)
             seen.store(record)
             self._changed_in_call = seen.changes
@@ -670,6 +677,7 @@ class trace(ProfileAccess):
                     f"would find it. {ran}. Keep such tensors on a module or return them, or trace with "
                     f"symbolic_shape=False.") from error
             _abandon(recorder, error)  # run what was recorded, so side effects match an eager call
+            before.restore_symbolic()  # no symbol or stand-in stays in the module or the globals
             raise
         except BaseException as error:
             _abandon(recorder, error)

@@ -24,8 +24,34 @@ from typing import Any
 
 import torch
 
-from ..record.names import roots_of
+from ..record.names import code_owner, roots_of
 from ..record.placeholders import storage_key
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
+def _holds_symbolic(value: Any, depth: int = 0) -> bool:
+    """A symbolic size or a stand-in tensor, or a list, tuple or dict holding one (two levels)."""
+    if isinstance(value, _SYMBOLIC) or is_fake(value):
+        return True
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(_holds_symbolic(item, depth + 1) for item in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_holds_symbolic(item, depth + 1) for item in value.values())
+    return False
+
+
+def _cell(function: Callable, index: int) -> Any:
+    try:
+        return function.__closure__[index].cell_contents
+    except (ValueError, IndexError, TypeError):  # an empty cell
+        return None
 
 _STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
              torch.optim.lr_scheduler.ReduceLROnPlateau, torch.amp.GradScaler)
@@ -39,6 +65,49 @@ class StateSnapshot:
         for container in self._walk(set()):
             self._containers.append((container, dict(container) if isinstance(container, dict) else list(container)))
         self._grads = {id(t): (t, t.grad, t.requires_grad) for t in self._leaves()}
+        # the function's globals and closure cells themselves (`seen += x.shape[0]` rebinds one)
+        self._roots = [(root, value) for _, root, value in roots_of(function, {}) if root[0] in ("global", "cell")]
+        for _, value in self._roots:  # a global list the call appends to (a log of sizes)
+            if isinstance(value, (dict, list)) and all(value is not c for c, _ in self._containers):
+                self._containers.append((value, dict(value) if isinstance(value, dict) else list(value)))
+
+    def restore_symbolic(self) -> None:
+        """Put back what holds a symbolic size or a stand-in now, and only that (after a failed
+        recording that ran its ops for real, the rest is what an eager call that raised left)."""
+        owner = code_owner(self._function)
+        for (kind, key), value in self._roots:
+            now = owner.__globals__.get(key) if kind == "global" else _cell(owner, key)
+            if _holds_symbolic(now) and now is not value:
+                if kind == "global":
+                    owner.__globals__[key] = value
+                else:
+                    owner.__closure__[key].cell_contents = value
+        for container, contents in self._containers:
+            if isinstance(container, dict):
+                for key in [k for k, v in container.items() if _holds_symbolic(v)]:
+                    if key in contents:
+                        container[key] = contents[key]
+                    else:
+                        del container[key]
+            elif any(map(_holds_symbolic, container)):
+                container[:] = contents
+
+    def symbolic_left(self) -> str | None:
+        """A symbolic size or a stand-in tensor the attempt left in the state this snapshot covers
+        (`self.n = x.shape[0]`, `seen += x.shape[0]`, `group["lr"] = 0.01 * x.shape[0]`): the
+        Python state of an eager call holds numbers there. Described, or None."""
+        found = _holds_symbolic
+        owner = code_owner(self._function)
+        for kind, key in (root for root, _ in self._roots):
+            value = owner.__globals__.get(key) if kind == "global" else _cell(owner, key)
+            if found(value):
+                return f"global {key} = {value}" if kind == "global" else f"a closure variable = {value}"
+        for container in self._walk(set()):
+            items = container.items() if isinstance(container, dict) else enumerate(container)
+            for key, value in items:
+                if found(value):
+                    return f"{key!r}: {value}"
+        return None
 
     def add_leaf(self, tensor: torch.Tensor, grad: torch.Tensor | None, requires_grad: bool) -> None:
         """A tensor the attempt reached otherwise (a closure's parameter), as it was when first seen."""
@@ -64,6 +133,12 @@ class StateSnapshot:
         return storages, ids
 
     def restore(self) -> None:
+        owner = code_owner(self._function)
+        for (kind, key), value in self._roots:
+            if kind == "global":
+                owner.__globals__[key] = value
+            else:
+                owner.__closure__[key].cell_contents = value
         for container, contents in self._containers:
             if isinstance(container, dict):
                 container.clear()
