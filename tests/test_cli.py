@@ -198,3 +198,18 @@ def test_an_error_of_the_graph_on_given_inputs_is_one_line(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert err.startswith("tracejit: error: lookup() failed on these inputs: index out of range")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_input_data_of_another_kind_is_refused():
+    """Complex data counted as floats: a complex64 .npy for a float32 input ran with its imaginary
+    part dropped (torch's warning only); int and bool data were refused already."""
+    import numpy as np
+
+    from tracejit.record.record import TensorMeta
+    from tracejit.serialize.testcases import tensor_from_spec
+
+    meta = TensorMeta((2,), (1,), torch.float32, torch.device("cpu"))
+    for data, dtype in ((np.array([1 + 2j, 3j], dtype=np.complex64), "complex64"), (np.array([1, 2]), "int64")):
+        with pytest.raises(ValueError, match=f"input 'x': got {dtype} data for a float32 input"):
+            tensor_from_spec(data, "x", meta)
+    assert torch.equal(tensor_from_spec(np.array([1.0, 2.0]), "x", meta), torch.tensor([1.0, 2.0]))

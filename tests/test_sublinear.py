@@ -85,8 +85,9 @@ def test_bad_sublinear_options(options, error, text):
 def test_bad_config_values():
     with pytest.raises(ValueError, match="checkpoint_every must be None or an int >= 2"):
         tracejit.SublinearMemoryConfig(checkpoint_every=1)
-    with pytest.raises(ValueError, match="lb_memory_mb must be a number >= 0"):
-        tracejit.SublinearMemoryConfig(lb_memory_mb=-1)
+    for bad in (-1, float("nan"), float("inf"), True):  # NaN and inf crashed the first call's compiler
+        with pytest.raises(ValueError, match="lb_memory_mb must be a number >= 0"):
+            tracejit.SublinearMemoryConfig(lb_memory_mb=bad)
 
 
 @pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])

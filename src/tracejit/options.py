@@ -27,7 +27,8 @@ class SublinearMemoryConfig:
                                                   or self.checkpoint_every < 2):
             raise ValueError(f"SublinearMemoryConfig: checkpoint_every must be None or an int >= 2, "
                              f"got {self.checkpoint_every!r}")
-        if not isinstance(self.lb_memory_mb, (int, float)) or self.lb_memory_mb < 0:
+        if (not isinstance(self.lb_memory_mb, (int, float)) or isinstance(self.lb_memory_mb, bool)
+                or not 0 <= self.lb_memory_mb < float("inf")):  # NaN fails both comparisons
             raise ValueError(f"SublinearMemoryConfig: lb_memory_mb must be a number >= 0, got {self.lb_memory_mb!r}")
 
 

@@ -27,7 +27,9 @@ _SEED = 0  # test inputs are the same on every dump of the same graph
 def _kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"
-    return "float" if (dtype.is_floating_point or dtype.is_complex) else "int"
+    if dtype.is_complex:  # cast to a real dtype it would lose its imaginary part
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
 
 
 def _random(arguments: str, name: str, meta: TensorMeta, generator: torch.Generator) -> torch.Tensor:
