@@ -56,7 +56,13 @@ def _reduce_op(number: int) -> Any:
 
 
 def _on_host(tensors: list[torch.Tensor]) -> bool:
-    return all(t.device.type == "cpu" for t in tensors)
+    """A collective over host tensors that a compiled program runs: polled before its wait blocks
+    (ranks.wait). One a recording or aten-level call runs keeps the blocking wait: gloo's worker
+    lets go of a collective's tensors only after marking it complete, and such a call notes right
+    after it which tensors something still holds (a tensor the call keeps refuses the API level)."""
+    from .modes import current_context  # modes.py dispatches to this module
+
+    return current_context() is None and all(t.device.type == "cpu" for t in tensors)
 
 
 def _all_reduce(tensors: list[torch.Tensor], group: str, reduce_op: int) -> None:
