@@ -270,6 +270,20 @@ def _batches(count: int, keep: bool):
     return iter(made) if keep else (tuple(t.clone() for t in batch) for batch in made)
 
 
+def _iterator_step(batches):
+    """A training step that takes its batch from `batches` itself."""
+
+    def step(*, model, opt):
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_batch_the_step_takes_from_an_iterator_is_the_next_one(keep):
     """`x, y = next(batches)` inside the step reaches a new tensor on every call, where the trace
@@ -282,13 +296,7 @@ def test_a_batch_the_step_takes_from_an_iterator_is_the_next_one(keep):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         batches = _batches(8, keep)
 
-        def step(*, model, opt):
-            x, y = next(batches)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
+        step = _iterator_step(batches)
 
         function = step if label == "eager" else tracejit.trace(step, backend="aten")
         losses[label] = [function(model=model, opt=opt).item() for _ in range(8)]
@@ -308,13 +316,7 @@ def test_a_tensor_the_function_reaches_where_tracejit_cannot_find_it_refuses_wit
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = _batches(6, keep=True)
 
-    def step(*, model, opt):
-        x, y = next(batches)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = _iterator_step(batches)
 
     traced = tracejit.trace(step, without_host=True)
     with pytest.raises(tracejit.HostDependencyError, match=r"a tensor tracejit cannot find again from the call's "

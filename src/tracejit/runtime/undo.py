@@ -47,6 +47,13 @@ def _holds_symbolic(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def _set_root(function: Callable, kind: str, key: Any, value: Any) -> None:
+    if kind == "global":
+        function.__globals__[key] = value
+    else:
+        function.__closure__[key].cell_contents = value
+
+
 def _cell(function: Callable, index: int) -> Any:
     try:
         return function.__closure__[index].cell_contents
@@ -78,10 +85,7 @@ class StateSnapshot:
         for (kind, key), value in self._roots:
             now = owner.__globals__.get(key) if kind == "global" else _cell(owner, key)
             if _holds_symbolic(now) and now is not value:
-                if kind == "global":
-                    owner.__globals__[key] = value
-                else:
-                    owner.__closure__[key].cell_contents = value
+                _set_root(owner, kind, key, value)
         for container, contents in self._containers:
             if isinstance(container, dict):
                 for key in [k for k, v in container.items() if _holds_symbolic(v)]:
@@ -135,10 +139,7 @@ class StateSnapshot:
     def restore(self) -> None:
         owner = code_owner(self._function)
         for (kind, key), value in self._roots:
-            if kind == "global":
-                owner.__globals__[key] = value
-            else:
-                owner.__closure__[key].cell_contents = value
+            _set_root(owner, kind, key, value)
         for container, contents in self._containers:
             if isinstance(container, dict):
                 container.clear()
