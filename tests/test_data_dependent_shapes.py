@@ -191,6 +191,42 @@ def test_training_step_with_a_boolean_mask(trace, level):
     assert f.stats.records == 2 and f.stats.shape_variants == 2 and f.stats.checked_replays == 4
 
 
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam_fused"])
+def test_a_size_first_seen_when_the_optimizer_made_its_state_replays_later(trace, level, optimizer):
+    # The first call's size comes back after another size was replayed: its variant was recorded by
+    # the call that created the optimizer's state lazily, which later calls do not create again.
+    def make(params):
+        if optimizer == "sgd_momentum":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.Adam(params, lr=0.01, fused=True)
+
+    def step(x, *, model, opt):
+        h = model(x)
+        loss = h[x[:, 0] > 0].sum() + h.mean()  # one or two rows selected
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    reference = copy.deepcopy(model)
+    opt, opt_eager = make(model.parameters()), make(reference.parameters())
+    one = torch.tensor([[1.0, 0, 0, 0], [-1, 0, 0, 0]])
+    two = torch.tensor([[1.0, 0, 0, 0], [1, 0, 0, 0]])
+    f = trace(step)
+    for x in [one, two, two, one, one, one, two, one]:
+        assert torch.equal(f(x, model=model, opt=opt), step(x, model=reference, opt=opt_eager))
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p, q)
+    for state, state_eager in zip(opt.state.values(), opt_eager.state.values()):
+        for key in state:
+            assert torch.equal(torch.as_tensor(state[key]), torch.as_tensor(state_eager[key]))
+    # the first size's variant is recorded again once, by its first call after the state existed
+    assert f.stats.records == 1 and f.stats.shape_variants == 1 and f.stats.rerecords == 1
+    assert f.stats.checked_replays == 5
+
+
 def _gather_step(x, idx, rows, cols, *, model, opt):
     opt.zero_grad()
     h = model(x)[idx]  # integer indexing: the result has idx's size

@@ -779,13 +779,17 @@ class trace(ProfileAccess):
                 # lazily by the first step a GradScaler did not skip), so its first replay may record again
                 new_record.rerecorded = False
             entry.program, entry.record = self._compile(new_record), new_record
-            variants.add(entry.program)
             entry.variants = variants
             entry.handles = replayer.recorder.handles
-            if replayer.branched:
-                self.stats.branch_variants += 1
+            if replayer.replacing is not None:
+                variants.replace(replayer.replacing, entry.program)
+                self.stats.rerecords += 1
             else:
-                self.stats.shape_variants += 1
+                variants.add(entry.program)
+                if replayer.branched:
+                    self.stats.branch_variants += 1
+                else:
+                    self.stats.shape_variants += 1
         elif new_record is not None:
             shape_trace = entry.shape_trace
             if shape_trace is not None and not (record.created_state and not record.rerecorded):
@@ -817,6 +821,7 @@ class trace(ProfileAccess):
         else:
             entry.replays += 1
             self.stats.checked_replays += 1
+            variants.settle(replayer.program)
             if entry.fresh_optimizers - without_state:
                 # an optimizer with state replayed the call that created it without a difference
                 # (state of Python numbers only): the record serves such calls, none re-records

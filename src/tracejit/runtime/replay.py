@@ -48,6 +48,7 @@ class Replayer:
         self.room = room
         self.max_traces = max_traces
         self.new_variant = False
+        self.replacing: CheckedProgram | None = None  # the provisional variant a new_variant records again
         self.inf_check_at = -1  # the position of GradScaler's inf check in this call, if it ran
         # host reads of traced values this call made, by description: a record without host reads
         # whose call now makes them (BatchNorm's momentum set to None reads its batch count) must
@@ -175,6 +176,12 @@ class Replayer:
         self.program = program
         self.record = program.record
         self.state = program.new_state()
+        if self.variants.provisional(program) and not self.may_rerecord:
+            # recorded by the call that created the state this call has: it may diverge where that
+            # call made the state, and then records the variant again from there
+            self.may_rerecord = True
+            self.new_variant = True
+            self.replacing = program
         self._ops = self.record.ops
         self._length = len(self._ops)
         self._steps = program.steps

@@ -8,6 +8,11 @@ ended in; when a data-dependent op produces a size that variant did not record, 
 to the variant that did (ops before the op ran already, and no fused group spans the op, so
 the new variant continues from a settled state), or records a new variant from there on. Each
 variant counts against `max_traces`.
+
+A variant recorded by a call that created Python-side state (the optimizer's lazy state, made by
+the first call) is *provisional* until a call ends in it: the next call that moves to it runs
+without that creation, so it may record the variant again from where it diverges, as the first
+replay of such a record does.
 """
 
 from __future__ import annotations
@@ -26,6 +31,18 @@ class ShapeVariants:
 
     def __init__(self, program: CheckedProgram):
         self.programs = [program]
+        self.settled: set[int] = set()  # ids of the programs a call ended in
+
+    def settle(self, program: CheckedProgram) -> None:
+        self.settled.add(id(program))
+
+    def provisional(self, program: CheckedProgram) -> bool:
+        record = program.record
+        return record.created_state and not record.rerecorded and id(program) not in self.settled
+
+    def replace(self, old: CheckedProgram, new: CheckedProgram) -> None:
+        self.programs[self.programs.index(old)] = new
+        self.settled.discard(id(old))
 
     def __len__(self) -> int:
         return len(self.programs)
