@@ -718,6 +718,45 @@ def test_the_functions_own_exception_during_a_symbolic_recording(symbolic_shape,
     assert traced.stats.checked_replays >= 2, traced.stats
 
 
+class _NeedsTwoRows(torch.nn.Module):
+    def forward(self, h):
+        if h.shape[0] < 2:
+            raise ValueError("needs two rows")
+        return h
+
+
+@pytest.mark.parametrize("last", ["own_module", "batch_norm"])
+def test_an_exception_inside_a_modules_forward_at_a_new_size_is_eagers(last):
+    # nn.Module.__call__ keeps the forward's arguments in a closure that the frames of the
+    # exception hold even once cleared: the attempt's tensor counted as left in Python state, and
+    # the call raised SymbolicTraceError where eager raises the module's ValueError.
+    torch.manual_seed(0)
+    tail = _NeedsTwoRows() if last == "own_module" else torch.nn.BatchNorm1d(8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), tail)
+    objects = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+    twins = copy.deepcopy(objects)
+
+    def step(x, *, model, opt):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    traced = tracejit.trace(step)
+    for i, n in enumerate((4, 4, 1, 3, 3, 1, 4)):
+        x = _batch(n, width=8, seed=i)[0]
+        outcomes = []
+        for function, state in ((step, objects), (traced, twins)):
+            try:
+                outcomes.append(function(x, **state))
+            except ValueError as error:  # SymbolicTraceError is not a ValueError
+                outcomes.append(type(error))
+        assert same_tree(outcomes[1], outcomes[0]), (i, n, outcomes)
+        _same_state(twins, objects, (i, n))
+    assert traced.stats.checked_replays >= 2, traced.stats
+
+
 def test_a_dropped_attempt_restores_the_gradients_of_a_closures_parameters(unwritten_memory_is_nan):
     # parameters no keyword module holds: their .grad as the attempt first saw them is put back
     weight, twin = torch.randn(4, 8, requires_grad=True), None

@@ -1164,11 +1164,18 @@ def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,
     does not reach, return its description, and whether the state was put back: not when that is
     seen first (the caller then runs what was recorded, so the tensor holds what an eager call that
     raised there computed); after, when the same tensor is also held elsewhere."""
-    # The frames of the error hold the function's locals (the attempt's tensors only): cleared
-    # first, they would count as kept.
-    chained = error
-    while chained is not None:
-        traceback.clear_frames(chained.__traceback__)
+    # The frames of the error hold the function's locals (the attempt's tensors only): kept, they
+    # would count as kept. Clearing a frame is not enough: it still holds its function, whose
+    # closure may hold them too (nn.Module._call_impl's `inner` keeps the forward's arguments in
+    # cells). So the tracebacks go; where the error is raised on, a note keeps where it came from.
+    chain, chained = [], error
+    while chained is not None and all(chained is not seen for seen in chain):
+        if chained.__traceback__ is not None:
+            where = "".join(traceback.format_tb(chained.__traceback__)).rstrip()
+            chained.add_note(f"tracejit: raised while recording with symbolic sizes, at:\n{where}")
+            traceback.clear_frames(chained.__traceback__)
+            chained.__traceback__ = None
+        chain.append(chained)
         chained = chained.__cause__ or chained.__context__
     for tensor, grad, requires_grad in recorder.first_seen:
         before.add_leaf(tensor, grad, requires_grad)
