@@ -40,26 +40,43 @@ class Seen:
     """What one recording call used, each object once, in first-use order."""
 
     def __init__(self, optimizers: bool):
-        self.modules: list[torch.nn.Module] = []
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.scalers: list[torch.amp.GradScaler] = []  # without the host: GradScalers whose update() ran
+        # held weakly: a module made and dropped in the call (`nn.BCEWithLogitsLoss(pos_weight=w)`)
+        # must not keep its tensors alive, where the record would take them for tensors the call keeps
+        self._modules: list[weakref.ref] = []
+        self._optimizers: list[weakref.ref] = []
+        self._scalers: list[weakref.ref] = []  # without the host: GradScalers whose update() ran
         self.watch_optimizers = optimizers
-        self._ids: set[int] = set()
+        self._ids: dict[int, weakref.ref] = {}
         self.changes: list[str] = []  # without the host: what the call changed that only the function changes
         self._settings_at_step: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
         self._thread = threading.get_ident()
         self._scheduler_noted = False  # the first step is enough (SequentialLR steps its children: it is named)
         self.consumed: dict[int, object] = {}  # id -> autograd node a backward pass of the call freed
 
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return _alive(self._modules)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return _alive(self._optimizers)
+
+    @property
+    def scalers(self) -> list[torch.amp.GradScaler]:
+        return _alive(self._scalers)
+
     def _note(self, found: list, obj: object) -> None:
-        if id(obj) not in self._ids and threading.get_ident() == self._thread:  # the hooks are process-wide
-            self._ids.add(id(obj))
-            found.append(obj)
+        if threading.get_ident() != self._thread:  # the hooks are process-wide
+            return
+        noted = self._ids.get(id(obj))
+        if noted is None or noted() is not obj:
+            self._ids[id(obj)] = ref = weakref.ref(obj)
+            found.append(ref)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         handles = [torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda module, args: self._note(self.modules, module))]
+            lambda module, args: self._note(self._modules, module))]
         outer = getattr(_watched, "seen", None)
         outer_backward = getattr(_watched, "backward", None)
         _install_backward_note()
@@ -85,7 +102,7 @@ class Seen:
     def _stepping(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != self._thread:
             return
-        self._note(self.optimizers, optimizer)
+        self._note(self._optimizers, optimizer)
         if id(optimizer) not in self._settings_at_step:
             self._settings_at_step[id(optimizer)] = (optimizer, _settings(optimizer))
 
@@ -95,7 +112,7 @@ class Seen:
             self.changes.append(f"{type(scheduler).__name__}.step() at {user_location()}")
 
     def scaler_updated(self, scaler: torch.amp.GradScaler) -> None:
-        self._note(self.scalers, scaler)
+        self._note(self._scalers, scaler)
 
     def backward_runs(self, roots: tuple, retain_graph: object, create_graph: object, inputs: object) -> None:
         """Note the nodes of the graph behind `roots` that this backward pass frees: down to the
@@ -120,9 +137,13 @@ class Seen:
 
     def store(self, record) -> None:
         """Keep them, weakly, with the record they were used by."""
-        record.modules_called = tuple(map(weakref.ref, self.modules))
-        record.optimizers_stepped = tuple(map(weakref.ref, self.optimizers))
-        record.scalers_updated = tuple(map(weakref.ref, self.scalers))
+        record.modules_called = tuple(self._modules)
+        record.optimizers_stepped = tuple(self._optimizers)
+        record.scalers_updated = tuple(self._scalers)
+
+
+def _alive(refs: list[weakref.ref]) -> list:
+    return [obj for obj in (ref() for ref in refs) if obj is not None]
 
 
 # Schedulers and GradScalers have no global hooks: their `step` and `update` methods are wrapped,
