@@ -182,6 +182,40 @@ def test_autocast_entered_around_each_step(without_host):
         assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
 
 
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+def test_autocast_inside_the_step_under_the_callers_disabled_autocast(without_host):
+    # Under an outer region, torch keeps the weight casts an inner region made until the outer one
+    # ends: they counted as tensors each call keeps, and every call missed the fast path.
+    def train(x, y, *, model, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model_b = copy.deepcopy(model_a)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9)
+    traced = tracejit.trace(train, without_host=without_host, backend="aten")
+    for i in range(6):
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        with torch.autocast("cpu", enabled=False):
+            want = train(x, y, model=model_a, opt=opt_a)
+        with torch.autocast("cpu", enabled=False):
+            got = traced(x, y, model=model_b, opt=opt_b)
+        assert torch.equal(got, want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    stats = traced.stats
+    if without_host:
+        assert stats.host_free_calls >= 4 and stats.host_free_misses == 0, stats
+    else:
+        assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
+
+
 _SETTINGS_CHANGES = {
     "growth_factor": lambda scaler: scaler.set_growth_factor(4.0),
     "backoff_factor": lambda scaler: scaler.set_backoff_factor(0.25),

@@ -885,6 +885,7 @@ class trace(ProfileAccess):
                      context: tuple) -> None:
         """After an aten-level replay that noted its torch-level calls: build the API-level check."""
         replayer.state = None  # what the aten-level program held for the call: not the function's
+        torch.clear_autocast_cache()  # the caller's autocast region's casts are not the function's (Recorder.finish)
         if trace.refused is None:
             trace.refuse(_kept_values(entry.record, replayer.handles.live(), trace, kwargs, [trace]))
         if trace.refused is not None:

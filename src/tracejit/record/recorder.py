@@ -374,6 +374,11 @@ class Recorder:
         )
 
     def finish(self, result: Any) -> Record:
+        # Inside the caller's autocast region (even one with enabled=False), torch keeps the casts
+        # of the weights that an autocast region of the call made until the outermost region ends:
+        # they would count as tensors the call keeps. Dropping them only costs the caller a new
+        # cast of the same weights.
+        torch.clear_autocast_cache()
         output = self.output_spec(result)
         record = Record(
             function_name=self.function_name,
