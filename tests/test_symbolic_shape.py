@@ -718,6 +718,49 @@ def test_the_functions_own_exception_during_a_symbolic_recording(symbolic_shape,
     assert traced.stats.checked_replays >= 2, traced.stats
 
 
+def _conv_flatten_linear():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                torch.nn.Flatten(), torch.nn.Linear(64, 4))
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)}
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_sizes_the_guards_fix_are_numbers_in_python_state(without_host):
+    # With the height and width symbols, the flattened width is 4*(H//2)*(W//2), which the Linear's
+    # matmul guards equal to 64: the weight's gradient and momentum buffer have that fixed size,
+    # but were stand-ins of symbolic size: the call raised SymbolicTraceError, left a FakeTensor
+    # in .grad (the next eager backward crashed) and dropped a momentum buffer.
+    objects = _conv_flatten_linear()
+    twins = copy.deepcopy(objects)
+
+    def step(x, y, *, model, opt):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    traced = tracejit.trace(step, symbolic_shape=True, without_host=without_host)
+    for i, n in enumerate((4, 4, 6, 6, 3, 4)):
+        generator = torch.Generator().manual_seed(i)
+        x, y = torch.randn(n, 3, 8, 8, generator=generator), torch.randint(0, 4, (n,), generator=generator)
+        assert torch.allclose(traced(x, y, **twins), step(x, y, **objects), atol=1e-6), (i, n)
+        for p, q in zip(twins["model"].parameters(), objects["model"].parameters()):
+            assert torch.allclose(p, q, atol=1e-6), (i, n)
+        assert len(twins["opt"].state) == len(objects["opt"].state) == 4
+    assert traced.stats.records == 1 and traced._shape_traces, traced.stats
+
+    def gradients_only(x, y, *, model):
+        F.cross_entropy(model(x), y).backward()
+
+    model = _conv_flatten_linear()["model"]
+    tracejit.trace(gradients_only, symbolic_shape=True)(torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)), model=model)
+    grad = model[4].weight.grad
+    assert type(grad) is torch.Tensor and grad.shape == (4, 64) and torch.isfinite(grad).all()
+    gradients_only(torch.randn(2, 3, 8, 8), torch.randint(0, 4, (2,)), model=model)  # eager goes on
+
+
 class _NeedsTwoRows(torch.nn.Module):
     def forward(self, h):
         if h.shape[0] < 2:

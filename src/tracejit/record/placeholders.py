@@ -142,10 +142,13 @@ class PlaceholderExecutor:
                         f"of the right shape, or trace with symbolic=False."
                     )
                 return original
+            layout = None
             if self._hands_out_fake(value):
-                return value
+                layout = self._sizes.pinned_layout(value)
+                if layout is None:
+                    return value
             if id(value) not in allocated:
-                allocated[id(value)] = placeholder = _allocate_like(value)
+                allocated[id(value)] = placeholder = _allocate_like(value, layout)
                 self._fakes[placeholder] = value
             return allocated[id(value)]
 
@@ -155,7 +158,7 @@ class PlaceholderExecutor:
         """Run a view op for real (it computes only metadata) and on the fakes, pairing the outputs."""
         fake_result, _ = self._run_fake(func, args, kwargs)
         if self._sizes is not None and (_any_fake((args, kwargs)) or any(
-                self._hands_out_fake(t) for t in tree_leaves(fake_result))):
+                self._hands_out_fake(t) and self._sizes.pinned_layout(t) is None for t in tree_leaves(fake_result))):
             return fake_result  # a view of a fake, or of symbolic size: the fake world only
         result = func(*args, **kwargs)
         for real, fake in zip(tree_leaves(result), tree_leaves(fake_result)):
@@ -227,14 +230,21 @@ def _any_fake(tree: Any) -> bool:
     return any(isinstance(t, FakeTensor) for t in tree_leaves(tree))
 
 
-def _allocate_like(fake: torch.Tensor) -> torch.Tensor:
-    if fake.storage_offset() == 0:
-        return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
+def _allocate_like(fake: torch.Tensor, layout: tuple | None = None) -> torch.Tensor:
+    """A placeholder with the fake's layout, or `layout` (sizes, strides, offset: a symbolic-size
+    fake's, fixed by the guards)."""
+    shape, stride, offset = layout if layout is not None else (fake.shape, fake.stride(), fake.storage_offset())
+    if offset == 0:
+        return torch.empty_strided(shape, stride, dtype=fake.dtype, device=fake.device)
     # An output that starts inside its storage: allocate the whole storage, then place the output in it.
-    nbytes = fake.untyped_storage().nbytes()
+    if layout is None:
+        nbytes = fake.untyped_storage().nbytes()
+    else:
+        extent = 0 if 0 in shape else sum((size - 1) * step for size, step in zip(shape, stride)) + 1
+        nbytes = (offset + extent) * fake.element_size()
     storage = torch.empty(nbytes, dtype=torch.uint8, device=fake.device).untyped_storage()
     empty = torch.empty(0, dtype=fake.dtype, device=fake.device)
-    return empty.set_(storage, fake.storage_offset(), fake.shape, fake.stride())
+    return empty.set_(storage, offset, shape, stride)
 
 
 def _explain(func: Any, error: Exception, sizes: SymbolicSizes | None = None) -> Exception:

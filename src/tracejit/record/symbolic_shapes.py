@@ -89,12 +89,37 @@ class SymbolicSizes:
     def with_values(self, text: str) -> str:
         """`text` with each symbol of this recording replaced by the size it stands for in the call
         (torch's errors on symbolic sizes name symbols: "tensor a (s77) must match ... b (s17)")."""
-        known = getattr(self.env, "backed_var_to_val", None)  # torch 2.13's name; var_to_val before it
-        values = {str(symbol): value for symbol, value in (self.env.var_to_val if known is None else known).items()}
+        values = {str(symbol): value for symbol, value in self._values().items()}
         if not values:
             return text
         names = re.compile(r"\b(" + "|".join(sorted(map(re.escape, values), key=len, reverse=True)) + r")\b")
         return names.sub(lambda match: str(values[match.group(1)]), text)
+
+    def _values(self) -> dict:
+        known = getattr(self.env, "backed_var_to_val", None)  # torch 2.13's name; var_to_val before it
+        return self.env.var_to_val if known is None else known
+
+    def pinned_layout(self, fake: FakeTensor) -> tuple[tuple, tuple, int] | None:
+        """The sizes, strides and offset of `fake` if the guards so far fix every one of them (a
+        Linear's weight gradient after a flatten: `4*(s0//2)*(s53//2)` columns, which the forward's
+        matmul guarded equal to 64), else None. Every call the guards admit makes it that layout."""
+        values = self._values()
+
+        def pinned(value: Any) -> int | None:
+            if not isinstance(value, torch.SymInt):
+                return value
+            expr = value.node.expr
+            now = expr.xreplace(values)
+            if not now.is_Integer:  # a symbol without a value: a data-dependent size
+                return None
+            now = int(now)
+            return now if self.env._maybe_evaluate_static(sympy.Eq(expr, now)) == sympy.true else None
+
+        layout = [pinned(v) for v in (*fake.shape, *fake.stride(), fake.storage_offset())]
+        if any(v is None for v in layout):
+            return None
+        rank = fake.dim()
+        return tuple(layout[:rank]), tuple(layout[rank:2 * rank]), layout[-1]
 
     def static_fake(self, tensor: torch.Tensor) -> FakeTensor:
         """A tensor from outside the inputs (a parameter, optimizer state): its sizes are fixed."""
