@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dis
 import enum
+import struct
 import types
 import weakref
 from collections.abc import Callable
@@ -341,18 +342,40 @@ def plain_value(value: Any) -> bool:
 
 
 def same_value(now: Any, then: Any) -> bool:
-    """`now == then` for plain values, a NaN equal to a NaN (`clip=float("nan")` stays the same)."""
+    """`now == then` for plain values of the same type, floats bit for bit (see float_bits): a NaN
+    equals the same NaN (`clip=float("nan")` stays the same), -0.0 is not 0.0."""
     if now is then:
         return True
     if type(now) is not type(then):
         return False
     if isinstance(now, float):
-        return now == then or (now != now and then != then)
+        return float_bits(now) == float_bits(then)
     if isinstance(now, (tuple, list)):
         return len(now) == len(then) and all(map(same_value, now, then))
     if isinstance(now, dict):
         return now.keys() == then.keys() and all(same_value(now[k], then[k]) for k in now)
     return bool(now == then)
+
+
+def float_bits(value: float) -> int:
+    """The IEEE-754 bits of a float. A program has a number built in, and `==` calls two floats the
+    same that compute differently: 0.0 and -0.0 (`x / -0.0` is -inf), while a NaN equals no NaN,
+    not even itself. Equal bits are the same number."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def differs_expression(expr: str, value: Any, constant: Callable[[Any, str], str]) -> str:
+    """A condition, for generated code, true when `expr` is not the primitive `value` (a number,
+    string, bool or None): of another type (`x_int32 * 2.0` is float32 where `* 2` stays int32,
+    `x_bool + 1` is int64 where `+ True` stays bool) or, for a float, of other bits (float_bits).
+    `constant(value, prefix)` names a value in the generated code's namespace."""
+    if value is None or type(value) is bool:
+        return f"{expr} is not {value}"
+    condition = f"type({expr}) is not {constant(type(value), 'ty')}"
+    if isinstance(value, float) and (value == 0.0 or value != value):
+        # `!=` tells any other recorded float apart bit for bit, but not a zero's sign, nor a NaN
+        return f"{condition} or {constant(float_bits, 'bits')}({expr}) != {float_bits(value)}"
+    return f"{condition} or {expr} != {constant(value, 'p')}"
 
 
 _PLAIN_DEPTH = 3  # levels of plain containers searched below a root
