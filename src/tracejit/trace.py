@@ -945,7 +945,11 @@ class trace(ProfileAccess):
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return
-        if self._settings_changed.get(entry.key):  # changed once: the next call runs the function and tells
+        # A value changed once (the next call runs the function and tells), or containers the call
+        # rearranged (`history.append(y)`, a window shifted): a call without the function would not
+        # do it again, so the next call runs the function, and while every call does, every call
+        # runs the function, as eager does
+        if self._settings_changed.get(entry.key) or names.rearranged():
             if entry.host_free is not None:
                 entry.host_free.call = None
             self._fast_call = None

@@ -13,6 +13,7 @@ and rebinds.
 
 from __future__ import annotations
 
+import collections
 import copy
 import weakref
 from collections.abc import Callable
@@ -561,7 +562,7 @@ class HostFreeRunner:
                 container = resolve(prefix, self.function, self._kwargs)
             except (KeyError, AttributeError, IndexError, TypeError):
                 continue
-            if isinstance(container, list):
+            if isinstance(container, (list, collections.deque)):
                 expr = src.locator(prefix)
                 lines += [*src.pending, _fail(f"len({expr}) != {len(container)}", f"{prefix.describe()} changed length")]
                 src.pending.clear()
