@@ -379,6 +379,56 @@ def test_without_the_host_tensors_changed_by_python_inside_the_call_are_refused(
             traced(x, y, m=m, opt=opt, freeze=i % 2 == 1)
 
 
+def _doubled_input(x):
+    x.data = x.data * 2
+    return x + 1
+
+
+def _transposed_input(x):
+    x.data = x.data.t()
+    return x * 1
+
+
+def _replaced_intermediate(x):
+    y = x * 2
+    y.data = x.t().contiguous()
+    return y * 1
+
+
+@pytest.mark.parametrize("function", [_doubled_input, _transposed_input, _replaced_intermediate])
+def test_without_the_host_data_assigned_to_an_input_or_intermediate_is_refused(function):
+    """Only the tensors found by name were compared for new memory: `.data = ...` on an input or an
+    intermediate was dropped by host-free calls (other values, the input neither doubled nor
+    transposed, the recorded shape). Every assignment is noticed now, by its line; the calls
+    before the refusal ran the function, as eager."""
+    traced = tracejit.trace(function, without_host=True, backend="aten")
+    with pytest.raises(tracejit.HostDependencyError,
+                       match=rf"`\.data` assigned at test_state_findings\.py:\d+ in {function.__name__}: \w+\.data = "):
+        for i in range(4):
+            x = torch.arange(6.0).view(2, 3) + i
+            x_eager = x.clone()
+            got, want = traced(x), function(x_eager)
+            assert got.shape == want.shape and torch.equal(got, want), i
+            assert x.shape == x_eager.shape and torch.equal(x, x_eager), i
+    assert traced.stats.host_free_calls == 0
+
+
+def _moved_to_its_dtype(x, *, m):
+    m.to(torch.float32)  # torch's Module._apply assigns `p.data = p`, which changes nothing
+    x.data = x.data
+    return m(x)
+
+
+def test_without_the_host_data_assigned_that_changes_nothing_still_runs_without_the_host():
+    m = nn.Linear(3, 2)
+    traced = tracejit.trace(_moved_to_its_dtype, without_host=True, backend="aten")
+    with torch.no_grad():  # inference: no graph to hand out
+        for _ in range(4):
+            x = torch.randn(4, 3)
+            assert torch.equal(traced(x, m=m), m(x))
+    assert traced.stats.host_free_calls == 3
+
+
 def saliency_step(x, y, *, model):
     """autograd.grad with respect to an intermediate: the weight penalty's graph below the loss is
     not run by it, and the returned penalty keeps a usable graph."""
