@@ -884,6 +884,22 @@ def test_an_infinite_number_is_matched_at_the_api_level():
     assert traced.stats.api_replays >= 4 and traced.stats.api_fallbacks == 0
 
 
+def test_a_signed_zero_is_matched_bit_for_bit_at_the_api_level():
+    # Found by an adversarial review: `threshold`'s value is a number the API level matches (the
+    # program has it built in), compared with `!=`: -0.0 passed for the recorded 0.0, and 1 / the
+    # result was inf where eager's is -inf. Now it diverges, and that call runs at the aten level.
+    def step(x, *, value):
+        return 1 / F.threshold(x, 1.5, value)
+
+    traced = tracejit.trace(step, backend="aten")
+    x = torch.tensor([1.0, -2.0, 3.0])
+    with pytest.warns(tracejit.ReplayLevelWarning, match="_threshold has other arguments"):
+        for value in (0.0, 0.0, 0.0, 0.0, -0.0, -0.0, -0.0):
+            got, want = traced(x, value=value), step(x, value=value)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (value, got, want)
+    assert traced.stats.api_replays >= 4 and traced.stats.api_fallbacks == 1
+
+
 def test_exceptions_the_function_raises_do_not_keep_the_trace_at_the_aten_level():
     # Found by an adversarial review: three calls that raised the user's own error (a bad batch,
     # retried) counted as API-level divergences and kept every later call at the aten level.

@@ -155,6 +155,86 @@ def test_primitive_keyword_change_runs_the_function():
     assert counted.calls == 2
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, compared exactly: torch.equal calls -0.0 equal to 0.0 and a NaN unequal to itself."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_same_result(got: torch.Tensor, want: torch.Tensor, where: object) -> None:
+    assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), (where, got, want)
+
+
+def _times(x, *, k):
+    return x * k
+
+
+def _plus(x, *, k):
+    return x + k
+
+
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_a_keyword_number_of_another_type_runs_the_function(backend):
+    """`k=2`, then `k=2.0`: equal numbers, yet `x_int32 * 2.0` is float32. The guard compared with
+    `!=`, so the program recorded for the int kept returning int32. Now a number of another type
+    misses the guard and the call runs the function, which raises as a checked call does. `True`,
+    then `1`: the int selects another trace (bool + 1 is int64) instead of the bool's program."""
+    x = torch.tensor([1, 2, 3], dtype=torch.int32)
+    traced = tracejit.trace(_times, without_host=True, backend=backend)
+    for _ in range(3):
+        assert_same_result(traced(x, k=2), x * 2, "k=2")
+    assert traced.stats.host_free_calls == 2
+    with pytest.raises(tracejit.TraceMismatchError, match="a scalar of another type, <float> instead of <int>"):
+        traced(x, k=2.0)
+    flags = torch.tensor([True, False])
+    traced = tracejit.trace(_plus, without_host=True, backend=backend)
+    for k in (True, True, True, 1, 1, 1):
+        assert_same_result(traced(flags, k=k), _plus(flags, k=k), f"k={k!r}")
+    assert traced.stats.host_free_calls == 4 and traced.stats.records == 2
+
+
+def _divided(x, *, k):
+    return x / k
+
+
+_DIVISOR = 0.5
+
+
+def _divided_by_global(x):
+    return x / _DIVISOR
+
+
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_a_float_keyword_is_compared_bit_for_bit(backend):
+    """`0.0 == -0.0`, yet `x / -0.0` is -inf where `x / 0.0` is inf: the guard let -0.0 pass as the
+    recorded 0.0. A NaN, equal to no NaN, missed the guard on every call: none ran without the host."""
+    x = torch.tensor([1.0, -2.0, 3.0])
+    traced = tracejit.trace(_divided, without_host=True, backend=backend)
+    nan = float("nan")
+    values = [0.5, 0.0, 0.0, -0.0, -0.0, nan, nan, nan]
+    for k in values:
+        assert_same_result(traced(x, k=k), _divided(x, k=k), f"k={k!r}")
+    assert traced.stats.host_free_calls == 4  # the second 0.0, the second -0.0, the last two NaNs
+
+
+def test_a_float_global_or_closure_is_compared_bit_for_bit():
+    """The same for a number the function reads from a global or closure cell (record/names.py's
+    same_value)."""
+    global _DIVISOR
+    divisor = 0.5
+
+    def closed(x):
+        return x / divisor
+
+    x = torch.tensor([1.0, -2.0, 3.0])
+    for function in (_divided_by_global, closed):
+        traced = tracejit.trace(function, without_host=True, backend="aten")
+        for value in (0.5, 0.0, 0.0, -0.0, -0.0):
+            _DIVISOR = divisor = value
+            assert_same_result(traced(x), function(x), (function.__name__, value))
+        assert traced.stats.host_free_calls == 2, function.__name__
+    _DIVISOR = 0.5
+
+
 def test_verify_every_runs_a_checked_replay_and_catches_divergence():
     state = {"op": "relu"}
 

@@ -189,7 +189,7 @@ class trace(ProfileAccess):
         # first (HostFreeRunner.admit), before computing its own and looking it up
         self._fast_api: TraceEntry | None = None
         self._state_before: dict = {}  # without_host: python_state() when the current call began
-        self._changed_in_call: list[str] = []  # without_host: what the call's function changed (record/reached.py)
+        self._seen_in_call: Seen | None = None  # without_host: what the call's function changed (record/reached.py)
         # without_host: the plain values the last call that ran the function changed, by name: the
         # values it found and left (see _refuse_setting_changes)
         self._settings_changed: dict[tuple, dict[str, list]] = {}  # per input signature
@@ -271,7 +271,7 @@ class trace(ProfileAccess):
         self._check_arguments(args, kwargs)
         if self.options.without_host:  # what the function changes that a host-free call would not
             self._state_before = python_state(self._function, kwargs)
-            self._changed_in_call = []
+            self._seen_in_call = None
         key = signature(args, kwargs)
         entry = self._lookup(key, kwargs)
         if self.options.record_only:  # as MegEngine's: every call is an eager, recording one
@@ -458,7 +458,7 @@ class trace(ProfileAccess):
             record = recorder.finish(result)
             record.rng_calls = tuple(context.rng_calls)
             seen.store(record)
-            self._changed_in_call = seen.changes
+            self._seen_in_call = seen
             dependency = rng_dependency(record, after_first_draw=True) if self.options.symbolic else None
             if dependency:
                 raise SymbolicTraceError(
@@ -633,7 +633,7 @@ class trace(ProfileAccess):
                     f"or trace it with symbolic_shape=False.")
             record.rng_calls = tuple(context.rng_calls)
             seen.store(record)
-            self._changed_in_call = seen.changes
+            self._seen_in_call = seen
             record.rerecorded = replaced is not None
             dependency = rng_dependency(record, after_first_draw=True)
             if dependency:
@@ -755,7 +755,7 @@ class trace(ProfileAccess):
             if scaler_stages and isinstance(error, TraceMismatchError):
                 ScalerStages.restore(scaler_stages)
             raise
-        self._changed_in_call = seen.changes
+        self._seen_in_call = seen
         try:
             new_record = replayer.finish(result)
         except TraceMismatchError:
@@ -931,9 +931,10 @@ class trace(ProfileAccess):
         settings_error = self._refuse_setting_changes(entry.key, names.setting_changes())  # noted for the next call too
         if entry.provisional:
             return
+        seen = self._seen_in_call
         error = refuse_python_state_changes(self._function, self.__name__, self._state_before, kwargs,
-                                            self._changed_in_call)
-        changes = names.python_changes()
+                                            seen.changes if seen else ())
+        changes = names.python_changes() + (seen.data_assignments if seen else [])  # on any tensor, by line
         if error is None and changes:
             listed = "\n".join(f"    {change}" for change in changes[:5])
             error = HostDependencyError(
@@ -946,7 +947,11 @@ class trace(ProfileAccess):
         if error is not None:  # e.g. scheduler.step() inside the function: refuse, never freeze it
             entry.host_free_error, entry.host_free, self._fast_call = error, None, None
             return
-        if self._settings_changed.get(entry.key):  # changed once: the next call runs the function and tells
+        # A value changed once (the next call runs the function and tells), or containers the call
+        # rearranged (`history.append(y)`, a window shifted): a call without the function would not
+        # do it again, so the next call runs the function, and while every call does, every call
+        # runs the function, as eager does
+        if self._settings_changed.get(entry.key) or names.rearranged():
             if entry.host_free is not None:
                 entry.host_free.call = None
             self._fast_call = None

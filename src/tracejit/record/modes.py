@@ -177,7 +177,7 @@ def _shape_property(original: Any) -> property:
     return property(read, doc=getattr(original, "__doc__", None))
 
 
-class _Hooks:
+class TensorHooks:
     """Methods of torch.Tensor replaced while at least one traced call on any thread needs them."""
 
     def __init__(self, hooks: dict[str, Any]):
@@ -206,9 +206,9 @@ class _Hooks:
                             setattr(torch.Tensor, name, original)
 
 
-_HOST_READ_HOOKS = _Hooks({name: _host_read_hook(getattr(torch.Tensor, name), what)
-                           for name, what in HOST_READ_METHODS.items()})
-_SHAPE_READ_HOOKS = _Hooks({
+_HOST_READ_HOOKS = TensorHooks({name: _host_read_hook(getattr(torch.Tensor, name), what)
+                                for name, what in HOST_READ_METHODS.items()})
+_SHAPE_READ_HOOKS = TensorHooks({
     **{name: _shape_read_hook(getattr(torch.Tensor, name)) for name in SHAPE_READ_METHODS},
     "shape": _shape_property(torch.Tensor.shape),
 })

@@ -15,9 +15,12 @@ the function notices when that place holds another tensor (another trainer, a ne
 
 from __future__ import annotations
 
+import collections
 import copy
 import dis
 import enum
+import itertools
+import struct
 import types
 import weakref
 from collections.abc import Callable
@@ -82,6 +85,9 @@ class ExternalNames:
         # counter, a hand-written optimizer's int step count
         self._settings = _settings_of(self._found) if settings else []
         self._found.holders.clear()
+        # and the lists, tuples, deques and dicts found, with their items: a call that adds, removes
+        # or moves items (`history.append(y)`, a new key) did what a call without the function would not
+        self._contents = self._found.contents
 
     def python_changes(self) -> list[str]:
         """What the call changed by Python rather than by an op in the tensors found when it began:
@@ -111,6 +117,31 @@ class ExternalNames:
                 if not same_value(value, then):
                     changes.append((f"{prefix}{key}", then, _copied(value)))
         return changes
+
+    def rearranged(self) -> list[str]:
+        """What the call rearranged by Python among the containers and places found when it began:
+        the lists, tuples, deques and dicts it added items to or removed items from
+        (`history.append(y)`, `G.insert(0, x * 2)`, `cache[key] = y` under a new key), and the places
+        now holding a tensor found at another one (a window shifted by `pop(0)` and `append`,
+        `state["prev"] = state["cur"]`). A call without the function would do neither, and a tensor
+        found at a position (`history[-1]` found as `history[2]`) is not where the function looks
+        after an append."""
+        changes = []
+        for locator, name, items in self._contents:
+            if _rearranged(items, self._now(locator, _items)):
+                changes.append(f"{name} has other items")
+        for locator in self._places:
+            entry = self._found.get(id(self._now(locator, _identity)))
+            if entry is not None and entry[1] is not None and entry[1] != locator:
+                changes.append(f"{entry[0]} moved to {locator.describe()}")
+        return changes
+
+    def _now(self, locator: Locator, what: Callable[[Any], Any]) -> Any:
+        """`what` of the value at `locator` now; None if the place is gone (a popped entry)."""
+        try:
+            return what(resolve(locator, self._function, self._kwargs))
+        except (KeyError, AttributeError, IndexError, TypeError, ValueError):
+            return None
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
         entry = self._found.get(id(tensor))
@@ -180,12 +211,14 @@ def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
 class _Found(dict):
     """id(tensor) -> (name, locator) of the first place each tensor was found; and the tensors; and
     the objects holding plain values on the way, as (object, name, kind): "module", "object" (of
-    the user's own class), "optimizer", "root optimizer" (one the function reaches directly)."""
+    the user's own class), "optimizer", "root optimizer" (one the function reaches directly); and
+    the items of every list, tuple, deque and dict on the way."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tensors: list[tuple[torch.Tensor, str]] = []
         self.holders: list[tuple[Any, str, str]] = []
+        self.contents: list[tuple[Locator, str, Any]] = []  # (locator, name, _items) of each container
 
     def add(self, tensor: torch.Tensor, name: str, locator: Locator | None) -> None:
         if id(tensor) not in self:
@@ -341,13 +374,14 @@ def plain_value(value: Any) -> bool:
 
 
 def same_value(now: Any, then: Any) -> bool:
-    """`now == then` for plain values, a NaN equal to a NaN (`clip=float("nan")` stays the same)."""
+    """`now == then` for plain values of the same type, floats bit for bit (see float_bits): a NaN
+    equals the same NaN (`clip=float("nan")` stays the same), -0.0 is not 0.0."""
     if now is then:
         return True
     if type(now) is not type(then):
         return False
     if isinstance(now, float):
-        return now == then or (now != now and then != then)
+        return float_bits(now) == float_bits(then)
     if isinstance(now, (tuple, list)):
         return len(now) == len(then) and all(map(same_value, now, then))
     if isinstance(now, dict):
@@ -355,7 +389,29 @@ def same_value(now: Any, then: Any) -> bool:
     return bool(now == then)
 
 
+def float_bits(value: float) -> int:
+    """The IEEE-754 bits of a float. A program has a number built in, and `==` calls two floats the
+    same that compute differently: 0.0 and -0.0 (`x / -0.0` is -inf), while a NaN equals no NaN,
+    not even itself. Equal bits are the same number."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def differs_expression(expr: str, value: Any, constant: Callable[[Any, str], str]) -> str:
+    """A condition, for generated code, true when `expr` is not the primitive `value` (a number,
+    string, bool or None): of another type (`x_int32 * 2.0` is float32 where `* 2` stays int32,
+    `x_bool + 1` is int64 where `+ True` stays bool) or, for a float, of other bits (float_bits).
+    `constant(value, prefix)` names a value in the generated code's namespace."""
+    if value is None or type(value) is bool:
+        return f"{expr} is not {value}"
+    condition = f"type({expr}) is not {constant(type(value), 'ty')}"
+    if isinstance(value, float) and (value == 0.0 or value != value):
+        # `!=` tells any other recorded float apart bit for bit, but not a zero's sign, nor a NaN
+        return f"{condition} or {constant(float_bits, 'bits')}({expr}) != {float_bits(value)}"
+    return f"{condition} or {expr} != {constant(value, 'p')}"
+
+
 _PLAIN_DEPTH = 3  # levels of plain containers searched below a root
+_SEQUENCES = (list, tuple, collections.deque)  # searched by position (a deque: a history of the last n)
 _PLAIN_ITEMS = 64  # items of one list, tuple or dict searched
 _PLAIN_VISITS = 2048  # values searched in all: a dataset passed as a keyword is not walked through
 
@@ -398,10 +454,12 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimi
             if isinstance(tensor, torch.Tensor):
                 found.add(tensor, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("attr", name))))
         return
+    if isinstance(value, _SEQUENCES) or type(value) is dict:  # also one too deep to search
+        found.contents.append((locator, prefix, _items(value)))
     if depth == 0:
         return
-    if isinstance(value, (list, tuple)):
-        children = [(f"{prefix}[{i}]", ("item", i), v) for i, v in enumerate(value[:_PLAIN_ITEMS])]
+    if isinstance(value, _SEQUENCES):
+        children = [(f"{prefix}[{i}]", ("item", i), v) for i, v in enumerate(itertools.islice(value, _PLAIN_ITEMS))]
     elif type(value) is dict:
         children = [(f"{prefix}[{k!r}]", ("item", k), v) for k, v in list(value.items())[:_PLAIN_ITEMS]
                     if type(k) in (str, int)]
@@ -415,6 +473,33 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimi
         _walk_plain(child, name, Locator(locator.root, (*locator.steps, step)), found, optimizers, visited, depth - 1)
 
 
+def _items(container: Any) -> tuple[int, dict] | None:
+    """A container's length and its first _PLAIN_ITEMS items by identity, {position or key: id}
+    (a vocabulary is not copied on every call); None for anything else."""
+    if type(container) is dict:
+        pairs = itertools.islice(container.items(), _PLAIN_ITEMS)
+    elif isinstance(container, _SEQUENCES):
+        pairs = enumerate(itertools.islice(container, _PLAIN_ITEMS))
+    else:
+        return None
+    return len(container), {key: id(item) for key, item in pairs}
+
+
+def _rearranged(before: tuple[int, dict] | None, after: tuple[int, dict] | None) -> bool:
+    """Whether a call that found a container's items as `before` and left them as `after` added,
+    removed or moved items. A position or key given a new object is not such a change (a call
+    without the function leaves its new tensor there too, see place_of), unless the object it held
+    is still in the container: `[x0] * 2` left as `[x0, y]` was shifted as much as assigned to."""
+    if before is None or after is None or before[0] != after[0] or before[1].keys() != after[1].keys():
+        return True
+    old, new = set(before[1].values()), set(after[1].values())
+    return any(after[1][key] != item and (after[1][key] in old or item in new) for key, item in before[1].items())
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
 def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: _Found) -> None:
     found.holders.append((module, prefix, "module"))
     for name, param in module._parameters.items():
@@ -426,9 +511,14 @@ def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: 
     for name, buffer in module._buffers.items():
         if buffer is not None:
             found.add(buffer, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("buffer", name))))
+    users_own = not type(module).__module__.startswith("torch.")
     for name, value in vars(module).items():  # a plain tensor attribute (`self.h = h`)
         if isinstance(value, torch.Tensor) and name.isidentifier():
             found.add(value, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("attr", name))))
+        elif ((isinstance(value, _SEQUENCES) or type(value) is dict) and name not in _MODULE_INTERNALS
+              and (users_own or name[0] != "_")):  # a history it keeps (`self.hist.append(y)`), not torch's bookkeeping
+            found.contents.append((Locator(locator.root, (*locator.steps, ("attr", name))), f"{prefix}.{name}",
+                                   _items(value)))
     for name, child in module._modules.items():
         if child is not None:
             _walk_module(child, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("module", name))), found)

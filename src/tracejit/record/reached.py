@@ -8,8 +8,10 @@ runs, reached through a keyword argument, a closure, a global or a helper functi
 
 Without the host, the same watch notes what such a call changes that a call without the function
 would not: a learning-rate scheduler stepped, and settings of an optimizer's param groups written
-after its `step()` (a call without the function would freeze either); and the GradScalers whose
-`update()` it ran, whose settings a call without the function must guard. Schedulers and scalers
+after its `step()` (a call without the function would freeze either); a `.data = ...` on any
+tensor, a parameter, an input or an intermediate alike (`torch.Tensor.data` is replaced by a
+property that tells the watch while such a call runs); and the GradScalers whose `update()` it
+ran, whose settings a call without the function must guard. Schedulers and scalers
 have no global hooks: their classes' `step` and `update` are wrapped once, for good, and tell the
 watch of the call the running thread makes, if any.
 
@@ -31,6 +33,7 @@ from collections.abc import Iterator
 import torch
 import torch.optim.optimizer as optimizer_module
 
+from .modes import TensorHooks
 from .source import user_location
 
 _SCHEDULER_BASES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -48,6 +51,7 @@ class Seen:
         self.watch_optimizers = optimizers
         self._ids: dict[int, weakref.ref] = {}
         self.changes: list[str] = []  # without the host: what the call changed that only the function changes
+        self.data_assignments: list[str] = []  # without the host: each `.data = ...`, where it ran
         self._settings_at_step: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
         self._thread = threading.get_ident()
         self._scheduler_noted = False  # the first step is enough (SequentialLR steps its children: it is named)
@@ -86,7 +90,8 @@ class Seen:
             _install_method_notes()
             _watched.seen = self
         try:
-            yield
+            with _DATA_HOOK.installed() if self.watch_optimizers else contextlib.nullcontext():
+                yield
         finally:
             for handle in handles:
                 handle.remove()
@@ -110,6 +115,10 @@ class Seen:
         if not self._scheduler_noted:
             self._scheduler_noted = True
             self.changes.append(f"{type(scheduler).__name__}.step() at {user_location()}")
+
+    def data_assigned(self) -> None:
+        where = user_location()
+        self.data_assignments.append(f"`.data` assigned at {where}: {where.code}")
 
     def scaler_updated(self, scaler: torch.amp.GradScaler) -> None:
         self._note(self._scalers, scaler)
@@ -159,6 +168,40 @@ def _install_method_notes() -> None:
         for cls in _subclasses((torch.amp.GradScaler,)):
             if "update" in cls.__dict__:
                 _wrap(cls, "update", Seen.scaler_updated)
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # the C property
+
+
+def _assign_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """`tensor.data = value` while a call without the host watches: the program cannot repeat it
+    (it gives the tensor object other memory, or other sizes and strides, by Python), so the watch
+    is told, unless the assignment changes nothing."""
+    seen = getattr(_watched, "seen", None)
+    if seen is not None and not _changes_nothing(tensor, value):
+        seen.data_assigned()
+    _TENSOR_DATA.__set__(tensor, value)
+
+
+# sizes read through TensorBase: a recording hooks torch.Tensor's shape reads, and these are not the function's
+_BASE = torch._C.TensorBase
+
+
+def _changes_nothing(tensor: torch.Tensor, value: object) -> bool:
+    """`p.data = p` (torch's `Module._apply` after a `.to()` that moved nothing), `x.data = x.data`:
+    the same memory, seen the same way."""
+    if value is tensor:
+        return True
+    try:
+        return (isinstance(value, torch.Tensor) and value.dtype == tensor.dtype and value.device == tensor.device
+                and value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+                and _BASE.storage_offset(value) == _BASE.storage_offset(tensor)
+                and _BASE.size(value) == _BASE.size(tensor) and _BASE.stride(value) == _BASE.stride(tensor))
+    except (RuntimeError, NotImplementedError):  # fake or meta tensors: no memory to compare
+        return False
+
+
+_DATA_HOOK = TensorHooks({"data": property(_TENSOR_DATA.__get__, _assign_data, doc=_TENSOR_DATA.__doc__)})
 
 
 def _post_order(roots: list, stops: set[int]) -> list:

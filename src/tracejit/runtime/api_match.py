@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..record.api import RefKind, StructSeq, TensorRef
+from ..record.names import differs_expression
 
 FAIL = object()  # what a generated check returns when the call differs from the recorded one
 
@@ -103,11 +104,9 @@ def match_lines(expr: str, template: Any, program: Any, numbers: Numbers | None 
         line = numbers.line(expr, template)
         if line is not None:
             return line.split("\n")
-    if type(template) is float:
-        if template != template:  # nan
-            return [f"if type({expr}) is not float or {expr} == {expr}: return FAIL"]
-        return [f"if type({expr}) is not float or {expr} != {source_of(template, program.constant)}: return FAIL"]
-    if type(template) in (int, str, complex):
+    if type(template) in (int, float, str):  # a float bit for bit: -0.0 is not 0.0 (`threshold(x, 1, -0.0)`)
+        return [f"if {differs_expression(expr, template, program.constant)}: return FAIL"]
+    if type(template) is complex:
         return [f"if type({expr}) is not {type(template).__name__} or {expr} != {source_of(template, program.constant)}: "
                 f"return FAIL"]
     if isinstance(template, (torch.dtype, torch.layout, torch.memory_format)):

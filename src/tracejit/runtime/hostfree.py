@@ -13,6 +13,7 @@ and rebinds.
 
 from __future__ import annotations
 
+import collections
 import copy
 import weakref
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from ..record.names import (
     Locator,
     code_owner,
     container_expression,
+    differs_expression,
     plain_roots,
     plain_value,
     resolve,
@@ -283,8 +285,9 @@ class HostFreeRunner:
         # A checked call runs the function, which matches every torch call against the record, and
         # the numbers that reach ops come to the program as `S`: no value guard there.
         for name, value in sorted(kwargs.items()) if not self.checked else ():
-            if isinstance(value, _PRIMITIVES):
-                guards.append(_fail(f"kw[{name!r}] != {src.constant(value, 'p')}", f"{name!r} is not {value!r} anymore"))
+            if isinstance(value, _PRIMITIVES):  # of the same type, a float of the same bits
+                guards.append(_fail(differs_expression(f"kw[{name!r}]", value, src.constant),
+                                    f"{name!r} is not {value!r} anymore"))
             elif isinstance(value, torch.Generator):  # the program draws from the recorded one
                 guards.append(_fail(f"kw[{name!r}] is not {src.constant(value, 'gen')}", f"{name!r} is another generator"))
             elif plain_value(value):  # an enum, a dtype, a tuple or dict of such: compared by value
@@ -559,7 +562,7 @@ class HostFreeRunner:
                 container = resolve(prefix, self.function, self._kwargs)
             except (KeyError, AttributeError, IndexError, TypeError):
                 continue
-            if isinstance(container, list):
+            if isinstance(container, (list, collections.deque)):
                 expr = src.locator(prefix)
                 lines += [*src.pending, _fail(f"len({expr}) != {len(container)}", f"{prefix.describe()} changed length")]
                 src.pending.clear()

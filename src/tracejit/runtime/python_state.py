@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import HostDependencyError
-from ..record.names import plain_roots, roots_of
+from ..record.names import plain_roots, roots_of, same_value
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -44,8 +44,9 @@ def refuse_python_state_changes(function: Callable, function_name: str, before: 
     """The error for a call that changed what `python_state` watches, or what the recording's
     watch saw change however the function reached it (`seen`, record/reached.py); or None."""
     after = python_state(function, kwargs)
+    # compared as the guards compare: 1 -> 1.0 and 0.0 -> -0.0 are changes too
     changed = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before
-               if key in after and before[key] != after[key]]
+               if key in after and not same_value(after[key], before[key])]
     changed = changed or list(seen)  # the names the function reaches them by, where it does
     if not changed:
         return None
