@@ -52,7 +52,8 @@ SHAPE_READ_METHODS = ("size", "dim", "numel", "stride", "__len__")
 
 class Handler(Protocol):
     """A recorder or a replayer. A handler with `records_shape_reads = True` also gets
-    `on_shape_read(tensor)` calls; the attribute is optional and false by default."""
+    `on_shape_read(tensor)` calls, and one with `notes_grad_clears = True` gets
+    `on_grad_cleared(tensor)` calls; both attributes are optional and false by default."""
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
 
@@ -206,12 +207,29 @@ class _Hooks:
                             setattr(torch.Tensor, name, original)
 
 
+_GRAD = torch._C.TensorBase.grad
+
+
+def _set_grad(tensor: torch.Tensor, value: Any) -> None:
+    # `p.grad = None` (opt.zero_grad()) dispatches nothing: the handler notes where in the op
+    # sequence it happened, so a program that raises after that point leaves `.grad` None as eager
+    # does (runtime/hostfree.py, FailureEffects)
+    if value is None:
+        context = current_context()
+        notify = getattr(context.handler, "on_grad_cleared", None) if context is not None and not context.excluded else None
+        if notify is not None:  # None: another thread's call that does not note them
+            notify(tensor)
+    _GRAD.__set__(tensor, value)
+
+
 _HOST_READ_HOOKS = _Hooks({name: _host_read_hook(getattr(torch.Tensor, name), what)
                            for name, what in HOST_READ_METHODS.items()})
 _SHAPE_READ_HOOKS = _Hooks({
     **{name: _shape_read_hook(getattr(torch.Tensor, name)) for name in SHAPE_READ_METHODS},
     "shape": _shape_property(torch.Tensor.shape),
 })
+# the getter stays torch's own C function: only the setter runs Python
+_GRAD_CLEAR_HOOKS = _Hooks({"grad": property(_GRAD.__get__, _set_grad, _GRAD.__delete__, _GRAD.__doc__)})
 
 
 class CallContext:
@@ -239,15 +257,24 @@ def current_context() -> CallContext | None:
 
 
 @contextlib.contextmanager
+def _handler_hooks(handler: Handler) -> Iterator[None]:
+    """The hooks a handler asks for besides the host reads' (see Handler): shape reads, `.grad` clears."""
+    with contextlib.ExitStack() as hooks:
+        if getattr(handler, "records_shape_reads", False):
+            hooks.enter_context(_SHAPE_READ_HOOKS.installed())
+        if getattr(handler, "notes_grad_clears", False):
+            hooks.enter_context(_GRAD_CLEAR_HOOKS.installed())
+        yield
+
+
+@contextlib.contextmanager
 def traced_call(context: CallContext) -> Iterator[CallContext]:
     """Run a block as a traced call: install both modes and the thread's call context."""
     outer = check_not_nested(context.function_name)
     _local.context = context
-    records_shapes = getattr(context.handler, "records_shape_reads", False)
-    shape_hooks = _SHAPE_READ_HOOKS.installed() if records_shapes else contextlib.nullcontext()
     try:
-        with _HOST_READ_HOOKS.installed(), shape_hooks, rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), \
-                _DispatchMode(context):
+        with _HOST_READ_HOOKS.installed(), _handler_hooks(context.handler), \
+                rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), _DispatchMode(context):
             context.generator.begin()
             yield context
             context.generator.end()
