@@ -27,6 +27,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..signature import autocast_state
+from .amp import is_inf_check
+from .calls import data_dependent_size
 from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
 from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
@@ -38,10 +40,11 @@ PLAIN_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.de
                torch.memory_format, slice, type(Ellipsis))
 
 # Calls that change state outside the tensors the program computes: replaying them virtually would
-# lose the change, running them for real would change it before the check is done.
+# lose the change, running them for real would change it before the check is done. (`Tensor.set_`
+# reaches no torch function mode: trace.py refuses a record with its aten op.)
 STATE_CHANGES = frozenset({
     "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "share_memory_",
-    "_fix_weakref", "__setstate__", "set_", "resize_", "__set_name__",
+    "_fix_weakref", "__setstate__", "resize_", "__set_name__",
 })
 # Calls without tensor effects that must happen when the function runs (grad mode, profiler ranges).
 RUN_FOR_REAL = frozenset({"_set_grad_enabled", "_record_function_enter_new", "_record_function_exit",
@@ -109,6 +112,25 @@ class ApiTrace:
     def refuse(self, reason: str) -> None:
         if self.refused is None:
             self.refused = reason
+
+
+def record_refusal(record: Record) -> str | None:
+    """Why the API level cannot check the calls of `record`, as its ops and host reads tell; None
+    if they do not. (The calls the tracer notes tell the rest.)"""
+    if record.excluded_blocks:  # it runs the whole program at once; a block cuts the trace
+        return f"an exclude_from_trace() block at {record.excluded_blocks[0].source} runs eager code in the middle of the call"
+    dynamic = next((op for op in record.ops if data_dependent_size(op, record)), None)
+    if dynamic is not None:  # its program has one output size per op; variants switch mid-call
+        return f"op #{dynamic.index} {dynamic.name} at {dynamic.source} has a data-dependent output shape"
+    swap = next((op for op in record.ops if op.op.overloadpacket is torch.ops.aten.set_), None)
+    if swap is not None:  # Tensor.set_ reaches no torch function mode: the checker would not see it
+        return (f"op #{swap.index} {swap.name} at {swap.source} makes a tensor use other memory (Tensor.set_), "
+                f"which the API level cannot follow")
+    check = next((r for r in record.host_reads if is_inf_check(r.what)), None)
+    if check is not None:  # an overflow moves the call to another variant mid-call (runtime/replay.py)
+        return (f"GradScaler checks for inf on the host at {check.source}, so the optimizer step may be skipped "
+                f"mid-call (an optimizer taking the scaler on the device, such as Adam(fused=True), has no such check)")
+    return None
 
 
 def function_name(func: Any) -> str:
