@@ -503,3 +503,66 @@ def test_a_value_left_in_python_state_before_the_op_that_raises_without_the_host
     and a call without the host assigned them only after the whole program."""
     changed = _skip_a_bad_batch(_by_keyword(_keeping_the_features), {"without_host": True})
     assert "host_free_calls" in changed[4] and changed[5] == set(), changed
+
+
+PER_ELEMENT = {  # Tensor methods that run Python on every element and dispatch no op
+    "apply_": lambda t: t.apply_(lambda v: v * 2 + 1),
+    "map_": lambda t: t.map_(t.flip(0), lambda a, b: a - b),
+    "map2_": lambda t: t.map2_(t.flip(0), t * 3, lambda a, b, c: a + b * c),
+}
+
+
+@pytest.mark.parametrize("method", list(PER_ELEMENT))
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_per_element_python_write_is_refused_by_name(method, without_host):
+    """`y.apply_(fn)`, `x.map_(other, fn)`, `map2_` write without an op: the trace lost the write of
+    an intermediate, read a stand-in's garbage at the API level, and dropped the write of an input
+    without the host. Every call that would record or replay one raises, naming it and its line."""
+    def f(x):
+        y = x * 2
+        PER_ELEMENT[method](y)
+        return y + 1
+
+    traced = tracejit.trace(f, backend="aten", without_host=without_host)
+    for _ in range(2):  # nothing is recorded: the next call raises again
+        with pytest.raises(NotImplementedError, match=rf"f\(\): Tensor\.{method}\(\) at test_robustness.py:\d+ .*"
+                                                      rf"runs a Python function on every element.*exclude_from_trace"):
+            traced(torch.arange(6.0).view(2, 3))
+    assert traced.records == [] and not tracejit.is_tracing()
+
+
+def test_a_per_element_python_write_runs_inside_an_excluded_block():
+    def f(x):
+        y = x * 2
+        with tracejit.exclude_from_trace():
+            y.apply_(lambda v: v * v)
+        return y + 1
+
+    traced = tracejit.trace(f, backend="aten")
+    with pytest.warns(tracejit.ReplayLevelWarning, match="exclude_from_trace"):
+        for i in range(4):
+            x = torch.arange(6.0).view(2, 3) + i
+            assert torch.equal(traced(x), f(x.clone())), f"call {i}"
+    assert traced.stats.records == 1 and traced.stats.checked_replays == 3
+
+
+def test_a_per_element_python_write_on_a_new_path_is_refused_at_the_api_level():
+    """A branch the recorded call did not take: the API-level checker sees an unrecorded call, and
+    the aten-level run of the call raises at it."""
+    branch = {"apply": False}
+
+    def f(x):
+        y = x * 2
+        if branch["apply"]:
+            y.apply_(lambda v: -v)
+        return y + 1
+
+    traced = tracejit.trace(f, backend="aten")
+    for i in range(4):
+        x = torch.arange(6.0) + i
+        assert torch.equal(traced(x), x * 2 + 1)
+    assert traced.stats.api_replays == 2
+    branch["apply"] = True
+    with pytest.raises(NotImplementedError, match=r"Tensor\.apply_\(\) at test_robustness.py"):
+        traced(torch.arange(6.0))
+    assert traced.stats.api_fallbacks == 1

@@ -32,7 +32,7 @@ from .calls import data_dependent_size
 from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
 from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
-from .record import Kind, Record
+from .record import Flag, HostRead, Kind, Record
 from .source import SourceLocation, user_location
 
 # Values an answer may hold as recorded (anything else is run for real, or refused).
@@ -130,7 +130,38 @@ def record_refusal(record: Record) -> str | None:
     if check is not None:  # an overflow moves the call to another variant mid-call (runtime/replay.py)
         return (f"GradScaler checks for inf on the host at {check.source}, so the optimizer step may be skipped "
                 f"mid-call (an optimizer taking the scaler on the device, such as Adam(fused=True), has no such check)")
+    array = next((r for r in record.host_reads if _array_in_use(record, r)), None)
+    if array is not None:
+        return (f"the host takes {array.what} of t{array.handle} at {array.source}, an array over its memory, which "
+                f"the program reads, returns or keeps after the function ran: a write through the array would not "
+                f"reach the program")
     return None
+
+
+ARRAY_READS = frozenset({"numpy()", "numpy.asarray()"})  # host reads that hand out the tensor's own memory
+
+
+def _array_in_use(record: Record, read: HostRead) -> bool:
+    """Whether a write through the array a host read hands out (`y.numpy()[0] = 1`) would be lost at
+    the API level: the array is over the value the read computed on its own, and over the real
+    memory of an input or external only while the function runs, before the program. It matters
+    where an op after the read uses that memory (any op, for memory from outside the call, which
+    the program reads after the function ran) or the call returns or keeps it."""
+    if read.what not in ARRAY_READS:
+        return False
+    tensors = record.tensors
+    root = _storage_root(tensors, read.handle)
+    sharing = {info.handle for info in tensors if _storage_root(tensors, info.handle) == root}
+    if tensors[root].kind is Kind.INTERNAL and any(tensors[h].flags & (Flag.RETURNED | Flag.ESCAPED) for h in sharing):
+        return True
+    after = read.position if tensors[root].kind is Kind.INTERNAL else 0
+    return any(sharing.intersection(op.inputs) or sharing.intersection(op.mutated) for op in record.ops[after:])
+
+
+def _storage_root(tensors: list, handle: int) -> int:
+    while tensors[handle].base is not None:
+        handle = tensors[handle].base
+    return handle
 
 
 def function_name(func: Any) -> str:

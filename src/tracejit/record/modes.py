@@ -45,6 +45,10 @@ HOST_READ_METHODS = {
 }
 
 
+# Methods that run a Python function on every element and write the tensor's memory themselves:
+# no aten op is dispatched, so a trace can neither hold the write nor replay it. Refused by name.
+PER_ELEMENT_METHODS = ("apply_", "map_", "map2_")
+
 # Shape reads never reach the dispatcher either. They are hooked only while a call is recorded
 # (to set the SHAPE_READ flag): torch's own Python code reads shapes often, and a replay needs no flag.
 SHAPE_READ_METHODS = ("size", "dim", "numel", "stride", "__len__")
@@ -152,6 +156,22 @@ def _host_read_hook(original: Any, what: str) -> Any:
     return hook
 
 
+def _per_element_hook(original: Any, name: str) -> Any:
+    def hook(self, *args, **kwargs):
+        context = current_context()
+        if context is None or context.excluded:
+            return original(self, *args, **kwargs)
+        raise NotImplementedError(
+            f"tracejit: {context.function_name}(): Tensor.{name}() at {user_location()} runs a Python "
+            f"function on every element and writes the tensor without a torch op, which a trace can neither "
+            f"record nor replay. Write it with torch ops (arithmetic on whole tensors, torch.where), or run it "
+            f"inside tracejit.exclude_from_trace() (checked calls only: without_host=True refuses such a block).")
+
+    hook.__name__ = name
+    hook.__doc__ = getattr(original, "__doc__", None)
+    return hook
+
+
 def _notify_shape_read(tensor: torch.Tensor) -> None:
     context = current_context()
     if context is not None and not context.excluded:
@@ -224,6 +244,7 @@ def _set_grad(tensor: torch.Tensor, value: Any) -> None:
 
 _HOST_READ_HOOKS = _Hooks({name: _host_read_hook(getattr(torch.Tensor, name), what)
                            for name, what in HOST_READ_METHODS.items()})
+_PER_ELEMENT_HOOKS = _Hooks({name: _per_element_hook(getattr(torch.Tensor, name), name) for name in PER_ELEMENT_METHODS})
 _SHAPE_READ_HOOKS = _Hooks({
     **{name: _shape_read_hook(getattr(torch.Tensor, name)) for name in SHAPE_READ_METHODS},
     "shape": _shape_property(torch.Tensor.shape),
@@ -273,7 +294,7 @@ def traced_call(context: CallContext) -> Iterator[CallContext]:
     outer = check_not_nested(context.function_name)
     _local.context = context
     try:
-        with _HOST_READ_HOOKS.installed(), _handler_hooks(context.handler), \
+        with _HOST_READ_HOOKS.installed(), _PER_ELEMENT_HOOKS.installed(), _handler_hooks(context.handler), \
                 rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), _DispatchMode(context):
             context.generator.begin()
             yield context
