@@ -414,6 +414,33 @@ def test_outputs_that_require_grad_keep_the_aten_level():
     assert forward.stats.checked_replays == 3 and forward.stats.api_replays == 0
 
 
+def _drop_first_row(x):
+    x.set_(x[1:])  # x now lives in its own memory past the first row
+    return x * 2
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_tensor_set_to_other_memory_keeps_the_aten_level(without_host):
+    """`x.set_(x[1:])` reaches no torch function mode: the API level answered `x[1:]` with a
+    stand-in and let set_ run on it, so from the third call the input pointed into scratch memory
+    and the result was garbage of the wrong shape. Its aten op in the record keeps the checked
+    calls at the aten level, saying why once; without the host the program runs set_ itself."""
+    traced = tracejit.trace(_drop_first_row, backend="aten", without_host=without_host)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for i in range(5):
+            x, twin = torch.arange(12.0).view(3, 4) + i, torch.arange(12.0).view(3, 4) + i
+            out, expected = traced(x), _drop_first_row(twin)
+            assert torch.equal(out, expected) and torch.equal(x, twin) and x.shape == (2, 4), f"call {i}"
+    refusals = [str(w.message) for w in warned if issubclass(w.category, tracejit.ReplayLevelWarning)]
+    if without_host:
+        assert traced.stats.host_free_calls == 4 and refusals == []
+    else:
+        assert traced.stats.checked_replays == 4 and traced.stats.api_replays == 0
+        assert len(refusals) == 1 and "aten.set_.source_Tensor" in refusals[0], refusals
+        assert "makes a tensor use other memory (Tensor.set_)" in refusals[0]
+
+
 def test_replay_env_switch_keeps_the_aten_level(monkeypatch):
     monkeypatch.setenv("TRACEJIT_REPLAY", "aten")
     traced = tracejit.trace(lambda x: x * 2)

@@ -263,11 +263,14 @@ def test_integer_indexing_is_not_data_dependent(without_host, monkeypatch):
         assert f.stats.host_free_calls >= 3
     else:  # each of the two records (before and after .grad exists) replays at the aten level once
         assert f.stats.api_replays == f.stats.checked_replays - 2 >= 2 and f.stats.api_fallbacks == 0
-    # an index out of range raises torch's IndexError, as eager does, and changes nothing
+    # an index out of range raises torch's IndexError, as eager does, at the lookup: the parameters
+    # are untouched, and the zero_grad() before it has cleared every gradient
     before = [p.clone() for p in model.parameters()]
-    with pytest.raises(IndexError, match="out of bounds"):
-        call(f, model, opt, torch.tensor([0, 1, 2, 3, 4, 10]))
+    for function, m, o in ((f, model, opt), (_gather_step, reference, opt_eager)):
+        with pytest.raises(IndexError, match="out of bounds"):
+            call(function, m, o, torch.tensor([0, 1, 2, 3, 4, 10]))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None and q.grad is None for p, q in zip(model.parameters(), reference.parameters()))
     idx = torch.randint(0, 10, (6,))
     torch.manual_seed(9)
     got = call(f, model, opt, idx)

@@ -70,6 +70,53 @@ def test_host_reads_of_every_kind_see_the_values_of_each_call(trace, read):
     assert {r.position for r in record.host_reads} == {len(record.ops) - 1}  # before the last op, y * 2
 
 
+def _write_into_an_intermediate(x):
+    y = x * 2
+    y.numpy()[0] = 100.0  # numpy() shares the tensor's memory: a later op reads the write
+    return y + 1
+
+
+def _write_into_the_input(x):
+    y = x * 2  # eager reads x before the write below
+    x.numpy()[0] = -1.0
+    return y + x
+
+
+def _read_a_copy(x):
+    y = x * 2
+    y.clone().numpy()[0] = 100.0  # a copy of its own, which no op reads
+    return y + 1
+
+
+def _run_as_eager(function, calls=5, **options):
+    """Call `function` traced and eagerly on the same inputs; both results and inputs agree."""
+    traced = tracejit.trace(function, backend="aten", **options)
+    for i in range(calls):
+        x = torch.arange(6.0) + i
+        twin = x.clone()
+        assert torch.equal(traced(x), function(twin)) and torch.equal(x, twin), f"call {i}"
+    return traced
+
+
+@pytest.mark.parametrize("function", [_write_into_an_intermediate, _write_into_the_input])
+def test_a_write_through_numpy_keeps_checked_calls_at_the_aten_level(function):
+    """At the API level the array of `y.numpy()` was over the value its read computed alone (and an
+    input's over its memory while the function ran, before the program): the write was lost from the
+    third call on, or reached ops that eager ran before it. A numpy() of memory the program reads,
+    returns or keeps after the function ran keeps checked calls at the aten level, saying why once."""
+    with pytest.warns(tracejit.ReplayLevelWarning, match=r"the host takes numpy\(\) of t\d+ at test_host_and_exclude.py:\d+ "
+                                                         r".*a write through the array would not reach the program"):
+        traced = _run_as_eager(function)
+    assert traced.stats.checked_replays == 4 and traced.stats.api_replays == 0
+    with pytest.raises(tracejit.HostDependencyError, match=r"numpy\(\) of t\d+ at test_host_and_exclude.py"):
+        _run_as_eager(function, without_host=True)  # the read itself: values read would be frozen
+
+
+def test_a_write_through_numpy_of_a_copy_keeps_the_api_level():
+    traced = _run_as_eager(_read_a_copy)
+    assert traced.stats.api_replays == 3 and traced.stats.api_fallbacks == 0
+
+
 @REFUSED_READ
 def test_data_dependent_python_branch_is_caught(trace):
     @trace

@@ -30,9 +30,8 @@ from .ir import build_graph
 from .ir.to_fx import to_fx
 from .methods import bound_trace
 from .options import TraceOptions
-from .record.amp import ScalerStages, is_inf_check
-from .record.api import ApiTracer
-from .record.calls import data_dependent_size
+from .record.amp import ScalerStages
+from .record.api import ApiTracer, record_refusal
 from .record.ddp_calls import is_ddp
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
@@ -864,20 +863,9 @@ class trace(ProfileAccess):
             return None
         if entry.shape_trace is not None and entry.replays == 0:
             return None  # a size's first call: noting it pays only if the size comes back (cheaper new sizes)
-        if entry.record.excluded_blocks:  # it runs the whole program at once; a block cuts the trace
-            self._refuse_api(entry, f"an exclude_from_trace() block at {entry.record.excluded_blocks[0].source} "
-                                    f"runs eager code in the middle of the call")
-            return None
-        dynamic = next((op for op in entry.record.ops if data_dependent_size(op, entry.record)), None)
-        if dynamic is not None:  # its program has one output size per op; variants switch mid-call
-            self._refuse_api(entry, f"op #{dynamic.index} {dynamic.name} at {dynamic.source} has a data-dependent "
-                                    f"output shape")
-            return None
-        check = next((r for r in entry.record.host_reads if is_inf_check(r.what)), None)
-        if check is not None:  # an overflow moves the call to another variant mid-call (runtime/replay.py)
-            self._refuse_api(entry, f"GradScaler checks for inf on the host at {check.source}, so the optimizer "
-                                    f"step may be skipped mid-call (an optimizer taking the scaler on the device, "
-                                    f"such as Adam(fused=True), has no such check)")
+        refusal = record_refusal(entry.record)
+        if refusal is not None:
+            self._refuse_api(entry, refusal)
             return None
         return ApiTracer(replayer, entry.record, args, kwargs)
 

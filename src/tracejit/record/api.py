@@ -27,10 +27,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..signature import autocast_state
+from .amp import is_inf_check
+from .calls import data_dependent_size
 from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
 from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
-from .record import Kind, Record
+from .record import Flag, HostRead, Kind, Record
 from .source import SourceLocation, user_location
 
 # Values an answer may hold as recorded (anything else is run for real, or refused).
@@ -38,10 +40,11 @@ PLAIN_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.de
                torch.memory_format, slice, type(Ellipsis))
 
 # Calls that change state outside the tensors the program computes: replaying them virtually would
-# lose the change, running them for real would change it before the check is done.
+# lose the change, running them for real would change it before the check is done. (`Tensor.set_`
+# reaches no torch function mode: trace.py refuses a record with its aten op.)
 STATE_CHANGES = frozenset({
     "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "share_memory_",
-    "_fix_weakref", "__setstate__", "set_", "resize_", "__set_name__",
+    "_fix_weakref", "__setstate__", "resize_", "__set_name__",
 })
 # Calls without tensor effects that must happen when the function runs (grad mode, profiler ranges).
 RUN_FOR_REAL = frozenset({"_set_grad_enabled", "_record_function_enter_new", "_record_function_exit",
@@ -109,6 +112,56 @@ class ApiTrace:
     def refuse(self, reason: str) -> None:
         if self.refused is None:
             self.refused = reason
+
+
+def record_refusal(record: Record) -> str | None:
+    """Why the API level cannot check the calls of `record`, as its ops and host reads tell; None
+    if they do not. (The calls the tracer notes tell the rest.)"""
+    if record.excluded_blocks:  # it runs the whole program at once; a block cuts the trace
+        return f"an exclude_from_trace() block at {record.excluded_blocks[0].source} runs eager code in the middle of the call"
+    dynamic = next((op for op in record.ops if data_dependent_size(op, record)), None)
+    if dynamic is not None:  # its program has one output size per op; variants switch mid-call
+        return f"op #{dynamic.index} {dynamic.name} at {dynamic.source} has a data-dependent output shape"
+    swap = next((op for op in record.ops if op.op.overloadpacket is torch.ops.aten.set_), None)
+    if swap is not None:  # Tensor.set_ reaches no torch function mode: the checker would not see it
+        return (f"op #{swap.index} {swap.name} at {swap.source} makes a tensor use other memory (Tensor.set_), "
+                f"which the API level cannot follow")
+    check = next((r for r in record.host_reads if is_inf_check(r.what)), None)
+    if check is not None:  # an overflow moves the call to another variant mid-call (runtime/replay.py)
+        return (f"GradScaler checks for inf on the host at {check.source}, so the optimizer step may be skipped "
+                f"mid-call (an optimizer taking the scaler on the device, such as Adam(fused=True), has no such check)")
+    array = next((r for r in record.host_reads if _array_in_use(record, r)), None)
+    if array is not None:
+        return (f"the host takes {array.what} of t{array.handle} at {array.source}, an array over its memory, which "
+                f"the program reads, returns or keeps after the function ran: a write through the array would not "
+                f"reach the program")
+    return None
+
+
+ARRAY_READS = frozenset({"numpy()", "numpy.asarray()"})  # host reads that hand out the tensor's own memory
+
+
+def _array_in_use(record: Record, read: HostRead) -> bool:
+    """Whether a write through the array a host read hands out (`y.numpy()[0] = 1`) would be lost at
+    the API level: the array is over the value the read computed on its own, and over the real
+    memory of an input or external only while the function runs, before the program. It matters
+    where an op after the read uses that memory (any op, for memory from outside the call, which
+    the program reads after the function ran) or the call returns or keeps it."""
+    if read.what not in ARRAY_READS:
+        return False
+    tensors = record.tensors
+    root = _storage_root(tensors, read.handle)
+    sharing = {info.handle for info in tensors if _storage_root(tensors, info.handle) == root}
+    if tensors[root].kind is Kind.INTERNAL and any(tensors[h].flags & (Flag.RETURNED | Flag.ESCAPED) for h in sharing):
+        return True
+    after = read.position if tensors[root].kind is Kind.INTERNAL else 0
+    return any(sharing.intersection(op.inputs) or sharing.intersection(op.mutated) for op in record.ops[after:])
+
+
+def _storage_root(tensors: list, handle: int) -> int:
+    while tensors[handle].base is not None:
+        handle = tensors[handle].base
+    return handle
 
 
 def function_name(func: Any) -> str:

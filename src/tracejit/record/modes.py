@@ -45,6 +45,10 @@ HOST_READ_METHODS = {
 }
 
 
+# Methods that run a Python function on every element and write the tensor's memory themselves:
+# no aten op is dispatched, so a trace can neither hold the write nor replay it. Refused by name.
+PER_ELEMENT_METHODS = ("apply_", "map_", "map2_")
+
 # Shape reads never reach the dispatcher either. They are hooked only while a call is recorded
 # (to set the SHAPE_READ flag): torch's own Python code reads shapes often, and a replay needs no flag.
 SHAPE_READ_METHODS = ("size", "dim", "numel", "stride", "__len__")
@@ -52,7 +56,8 @@ SHAPE_READ_METHODS = ("size", "dim", "numel", "stride", "__len__")
 
 class Handler(Protocol):
     """A recorder or a replayer. A handler with `records_shape_reads = True` also gets
-    `on_shape_read(tensor)` calls; the attribute is optional and false by default."""
+    `on_shape_read(tensor)` calls, and one with `notes_grad_clears = True` gets
+    `on_grad_cleared(tensor)` calls; both attributes are optional and false by default."""
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
 
@@ -151,6 +156,22 @@ def _host_read_hook(original: Any, what: str) -> Any:
     return hook
 
 
+def _per_element_hook(original: Any, name: str) -> Any:
+    def hook(self, *args, **kwargs):
+        context = current_context()
+        if context is None or context.excluded:
+            return original(self, *args, **kwargs)
+        raise NotImplementedError(
+            f"tracejit: {context.function_name}(): Tensor.{name}() at {user_location()} runs a Python "
+            f"function on every element and writes the tensor without a torch op, which a trace can neither "
+            f"record nor replay. Write it with torch ops (arithmetic on whole tensors, torch.where), or run it "
+            f"inside tracejit.exclude_from_trace() (checked calls only: without_host=True refuses such a block).")
+
+    hook.__name__ = name
+    hook.__doc__ = getattr(original, "__doc__", None)
+    return hook
+
+
 def _notify_shape_read(tensor: torch.Tensor) -> None:
     context = current_context()
     if context is not None and not context.excluded:
@@ -206,12 +227,30 @@ class TensorHooks:
                             setattr(torch.Tensor, name, original)
 
 
+_GRAD = torch._C.TensorBase.grad
+
+
+def _set_grad(tensor: torch.Tensor, value: Any) -> None:
+    # `p.grad = None` (opt.zero_grad()) dispatches nothing: the handler notes where in the op
+    # sequence it happened, so a program that raises after that point leaves `.grad` None as eager
+    # does (runtime/hostfree.py, FailureEffects)
+    if value is None:
+        context = current_context()
+        notify = getattr(context.handler, "on_grad_cleared", None) if context is not None and not context.excluded else None
+        if notify is not None:  # None: another thread's call that does not note them
+            notify(tensor)
+    _GRAD.__set__(tensor, value)
+
+
 _HOST_READ_HOOKS = TensorHooks({name: _host_read_hook(getattr(torch.Tensor, name), what)
-                                for name, what in HOST_READ_METHODS.items()})
+                           for name, what in HOST_READ_METHODS.items()})
+_PER_ELEMENT_HOOKS = TensorHooks({name: _per_element_hook(getattr(torch.Tensor, name), name) for name in PER_ELEMENT_METHODS})
 _SHAPE_READ_HOOKS = TensorHooks({
     **{name: _shape_read_hook(getattr(torch.Tensor, name)) for name in SHAPE_READ_METHODS},
     "shape": _shape_property(torch.Tensor.shape),
 })
+# the getter stays torch's own C function: only the setter runs Python
+_GRAD_CLEAR_HOOKS = TensorHooks({"grad": property(_GRAD.__get__, _set_grad, _GRAD.__delete__, _GRAD.__doc__)})
 
 
 class CallContext:
@@ -239,15 +278,24 @@ def current_context() -> CallContext | None:
 
 
 @contextlib.contextmanager
+def _handler_hooks(handler: Handler) -> Iterator[None]:
+    """The hooks a handler asks for besides the host reads' (see Handler): shape reads, `.grad` clears."""
+    with contextlib.ExitStack() as hooks:
+        if getattr(handler, "records_shape_reads", False):
+            hooks.enter_context(_SHAPE_READ_HOOKS.installed())
+        if getattr(handler, "notes_grad_clears", False):
+            hooks.enter_context(_GRAD_CLEAR_HOOKS.installed())
+        yield
+
+
+@contextlib.contextmanager
 def traced_call(context: CallContext) -> Iterator[CallContext]:
     """Run a block as a traced call: install both modes and the thread's call context."""
     outer = check_not_nested(context.function_name)
     _local.context = context
-    records_shapes = getattr(context.handler, "records_shape_reads", False)
-    shape_hooks = _SHAPE_READ_HOOKS.installed() if records_shapes else contextlib.nullcontext()
     try:
-        with _HOST_READ_HOOKS.installed(), shape_hooks, rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), \
-                _DispatchMode(context):
+        with _HOST_READ_HOOKS.installed(), _PER_ELEMENT_HOOKS.installed(), _handler_hooks(context.handler), \
+                rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), _DispatchMode(context):
             context.generator.begin()
             yield context
             context.generator.end()

@@ -174,6 +174,9 @@ class Record:
     optimizers_stepped: tuple = ()  # likewise the optimizers whose step() ran (noted without the host only)
     scalers_updated: tuple = ()  # and the torch.amp.GradScalers whose update() ran (without the host only)
     inference_mode: bool = False  # the call began under torch.inference_mode() (part of its signature)
+    # (ops before it, handle): a `.grad` set to None by Python (`opt.zero_grad()`), which no op shows;
+    # a program that raises after that point clears it too (runtime/hostfree.py)
+    grad_clears: tuple[tuple[int, int], ...] = ()
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]

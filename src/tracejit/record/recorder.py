@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -58,6 +59,7 @@ class Recorder:
     """
 
     records_shape_reads = True
+    notes_grad_clears = True
 
     def __init__(self, function_name: str, *, capture_as_const: bool, external_names: ExternalNames):
         self.function_name = function_name
@@ -68,6 +70,9 @@ class Recorder:
         self.handles = HandleMap()
         self.host_reads: list[HostRead] = []
         self.excluded_blocks: list[ExcludedBlock] = []
+        # (ops before it, the tensor whose `.grad` Python set to None: its handle, or a weak
+        # reference while no op has used it yet)
+        self.grad_clears: list[tuple[int, int | weakref.ref]] = []
         self.constants: dict[int, torch.Tensor] = {}
         self.constant_versions: dict[int, int] = {}
         self.constant_storage: dict[int, int] = {}
@@ -118,9 +123,12 @@ class Recorder:
     @classmethod
     def resume(cls, record: Record, position: int, handles: HandleMap, external_names: ExternalNames,
                capture_as_const: bool, regions: RegionTracker, scalars: list,
-               literal_values: dict[int, torch.Tensor] | None = None) -> Recorder:
+               literal_values: dict[int, torch.Tensor] | None = None,
+               grad_clears: list | None = None) -> Recorder:
         """Continue `record` from op `position`, with the handles a replay bound so far and the
-        dynamic scalars it saw (`scalars`, flat): the matched ops keep this call's values."""
+        dynamic scalars it saw (`scalars`, flat): the matched ops keep this call's values, and the
+        `.grad` clears the replay noted (`grad_clears`; None: it did not note them, the record's
+        before `position` stand)."""
         recorder = cls(record.function_name, capture_as_const=capture_as_const, external_names=external_names)
         first_dropped = _first_handle_created_from(record, position)
         recorder.tensors = [_copy_info(info) for info in record.tensors[:first_dropped]]
@@ -134,6 +142,8 @@ class Recorder:
         recorder.handles = handles
         recorder.host_reads = [r for r in record.host_reads if r.position <= position]
         recorder.excluded_blocks = [b for b in record.excluded_blocks if b.position <= position]
+        recorder.grad_clears = list(grad_clears) if grad_clears is not None else [
+            clear for clear in record.grad_clears if clear[0] <= position]
         recorder.cut_below = recorder.excluded_blocks[-1].handles if recorder.excluded_blocks else 0
         recorder.constants = {h: t for h, t in record.constants.items() if h < first_dropped}
         recorder.constant_versions = {h: v for h, v in record.constant_versions.items() if h < first_dropped}
@@ -286,6 +296,9 @@ class Recorder:
             what += INF_CHECK
         self.host_reads.append(HostRead(len(self.ops), handle, what, user_location()))
 
+    def on_grad_cleared(self, tensor: torch.Tensor) -> None:
+        self.grad_clears.append(note_grad_clear(len(self.ops), tensor, self.handles))
+
     def on_excluded_block(self) -> None:
         self.excluded_blocks.append(ExcludedBlock(len(self.ops), user_location(), len(self.tensors)))
         self.cut_below = len(self.tensors)
@@ -394,6 +407,7 @@ class Recorder:
             kwarg_handles=self.kwarg_handles,
             rerecorded=self.rerecorded,
             inference_mode=self.inference_mode,
+            grad_clears=resolve_grad_clears(self.grad_clears, self.handles),
         )
         held = autograd_saved(result) | self.held_storages()
         mark_escapes(record, self.handles, held, self.storages, _storages_of(result))
@@ -403,6 +417,26 @@ class Recorder:
     def held_storages(self) -> set[int]:
         """Storage pointers the recorder itself keeps alive past the call (not the call's state)."""
         return set()
+
+
+def note_grad_clear(position: int, tensor: torch.Tensor, handles: HandleMap) -> tuple[int, int | weakref.ref]:
+    """A `.grad` cleared after `position` ops; the tensor by handle once an op has used it (a
+    parameter is an external only from its first use, often after `zero_grad()`)."""
+    handle = handles.get(tensor)
+    return position, handle if handle is not None else weakref.ref(tensor)
+
+
+def resolve_grad_clears(clears: list[tuple[int, int | weakref.ref]], handles: HandleMap) -> tuple[tuple[int, int], ...]:
+    """The clears by handle. A tensor no op used has none: the program cannot reach it (a
+    parameter the call does not use keeps its `.grad` when a call without the function raises)."""
+    resolved = []
+    for position, tensor in clears:
+        if not isinstance(tensor, int):
+            tensor = tensor()
+            tensor = handles.get(tensor) if tensor is not None else None
+        if tensor is not None:
+            resolved.append((position, tensor))
+    return tuple(resolved)
 
 
 def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int] = frozenset(),

@@ -175,6 +175,7 @@ class RunParts:
     loads: tuple[int, ...]  # handles `run` reads from env, in order
     body: tuple[str, ...]  # the node calls and dels, over the locals h<handle>
     stores: tuple[int, ...]  # handles `run` writes back to env: returned and escaped values
+    origins: tuple[int, ...] = ()  # per line of `body`, the index of the graph node it belongs to
 
 
 def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
@@ -187,7 +188,7 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
     hoisted_handles = tuple(graph.values[v].handle for n in hoisted for v in n.outputs if v is not None)
     last_use = _last_uses(graph)
     keep = {graph.values[v].handle for v in graph.outputs} | set(graph.escaped)
-    body = []
+    body, origins = [], []
     flipped = False  # inside a `with` block of the other inference mode (graph.inference_flipped)
     if graph.inference_flipped:
         emitter.namespace["INFERENCE_MODE"] = torch._C._InferenceMode
@@ -211,12 +212,14 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
         if bool(node.positions) and max(node.positions) in graph.inference_flipped:
             if not flipped:
                 body.append(f"with INFERENCE_MODE({not graph.inference_mode}):")
+                origins.append(index)
                 flipped = True
             body += [f"    {line}" for line in lines]
         else:
             flipped = False
             body += lines
-    parts = RunParts(_loaded_handles(graph, hoisted_handles), tuple(body), tuple(sorted(keep)))
+        origins += [index] * len(lines)
+    parts = RunParts(_loaded_handles(graph, hoisted_handles), tuple(body), tuple(sorted(keep)), tuple(origins))
     run_lines = [f"h{h} = env[{h}]" for h in parts.loads] + body + [f"env[{h}] = h{h}" for h in parts.stores]
     hoisted_inputs = _inputs_of(graph, hoisted)
     init_lines = [f"h{h} = env[{h}]" for h in _loaded_handles(graph, ()) if h in hoisted_inputs]

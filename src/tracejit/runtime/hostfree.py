@@ -24,6 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import HostDependencyError
+from ..ir.graph import Graph
 from ..record.amp import is_inf_check
 from ..record.calls import data_dependent_size
 from ..record.ddp_calls import is_ddp
@@ -49,6 +50,7 @@ from ..signature import (
     requires_grad_bits,
     shared_memory,
 )
+from .codegen import RunParts
 from .meta_guard import MetaGuard
 from .module_guards import guarded_modules, module_guards
 from .optimizer_settings import (
@@ -372,6 +374,7 @@ class HostFreeRunner:
         # A checked call at the API level passes the numbers the function just used (S).
         own = "list(SCALARS)" if bindings else "SCALARS"
         self._names = names
+        self._bound = objects
         self._escape_guards: list[str] = []  # filled by the epilogue: checks before the program runs
         self.unplaced: list[str] = []  # and the tensors it kept where tracejit cannot find them
         program = self._program_lines(objects, kwargs, src)
@@ -380,6 +383,7 @@ class HostFreeRunner:
                   "except (KeyError, AttributeError, IndexError, TypeError):",
                   "    return MISS  # a module, optimizer or global no longer has what it had"]
         lines += program
+        self.failure_point.first_line += len(lines) - len(program) + 2  # `def call` is line 1, lines[k] line k + 2
         self.sources["call"], self.call = src.function("call", "args, kw, S=None, E=None", lines)
         self.sources["admit"], self.admit = src.function("admit", "args, kw", [*admit, "return True"])
 
@@ -432,9 +436,28 @@ class HostFreeRunner:
                 loads += [f"with INFERENCE_MODE({not graph.inference_mode}):", f"    {load}.clone()"]
             else:
                 loads.append(f"{load}.clone()")
-        return [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)", "try:",
-                *(f"    {line}" for line in (*run.parts.body, *self._epilogue(objects, kwargs, src))),
+        epilogue = self._epilogue(objects, kwargs, src)
+        failure = FailureEffects(self.record, graph, run.parts, self.stores, self._clear_target, src)
+        lines = [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)", "try:"]
+        # the program's first line among these; `bind` adds where these begin in `call`
+        self.failure_point = failure.point
+        failure.point.first_line = len(lines)
+        return [*lines, *(f"    {line}" for line in (*run.parts.body, *epilogue)), *failure.handler(),
                 "finally:", "    if grad: SET_GRAD(True)"]
+
+    def _clear_target(self, handle: int, src: _Source) -> str | None:
+        """An expression for the tensor whose `.grad` the function cleared (Record.grad_clears), good
+        anywhere in the program (the program drops its locals at their last use)."""
+        info = self.record.tensors[handle]
+        if info.kind is Kind.ARG:
+            return f"a{self.record.arg_handles.index(handle)}"
+        if info.kind is Kind.KWARG:
+            return f"kw[{info.name!r}]"
+        if info.kind is not Kind.EXTERNAL or self._bound.get(handle) is None:
+            return None  # made by the call: nothing held it before
+        if handle in self.external_slots:  # the object the checked call matched
+            return f"E[{self.external_slots[handle]}]"
+        return f"{src.constant(weakref.ref(self._bound[handle]), 'r')}()"  # guarded: the one bound
 
     def _signature_checks(self, args: tuple, kwargs: dict, grad_state: tuple | None, src: _Source) -> list[str]:
         """The input signature of this trace (see signature.py), checked on the call's inputs."""
@@ -620,8 +643,10 @@ class HostFreeRunner:
                 f"    {guard}.learn({tensors})"]
 
     def _epilogue(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
-        """Leave escaped values where the function would have put them; return fresh outputs."""
-        body = []
+        """Leave escaped values where the function would have put them; return fresh outputs. The
+        lines that leave each value are also kept per handle (`self.stores`), for a program that
+        raises (FailureEffects)."""
+        self.stores: list[tuple[int, list[str]]] = []  # (handle, the lines that leave its value)
         self.escaped_objects = {}  # handle -> the object Python holds (weakly): also for runtime/api_replay.py
         self.assigned_holders: dict[int, Holder] = {}  # handle -> where it is assigned anew: also for api_replay
         # A returned tensor, and the base of a returned view, belong to the caller of an earlier
@@ -647,6 +672,8 @@ class HostFreeRunner:
             obj = objects.get(handle)
             if obj is None:
                 continue
+            body: list[str] = []
+            self.stores.append((handle, body))
             if id(obj) in self._input_grads:  # this call's input gets its own gradient
                 body.append(f"{self._input_grads[id(obj)]}.grad = h{handle}")
                 continue
@@ -694,6 +721,7 @@ class HostFreeRunner:
                     self._escape_guards.append(_fail("True", f"t{handle}, {what}, is kept where tracejit cannot find it"))
                     self.unplaced.append(f"t{handle}, {what},")
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
+        body = [line for _, lines in self.stores for line in lines]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
         # no_sync() say (`_post_forward`): whether the next forward broadcasts the buffers. The
@@ -712,6 +740,72 @@ class HostFreeRunner:
                  and obj.is_leaf and obj.requires_grad]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
+
+
+class FailurePoint:
+    """Where the program of a call raised, told by the line of the generated `call` the exception
+    left (nothing is counted while the program runs): the record position of the first op of the
+    node that raised, and that node's index in the graph."""
+
+    def __init__(self, graph: Graph, origins: tuple[int, ...]):
+        self.first_line = 0  # the line of `call` with the program's first line (HostFreeRunner.bind)
+        self.origins = origins
+        self.graph = graph
+
+    def __call__(self, error: BaseException) -> tuple[int, int] | None:
+        traceback = error.__traceback__  # its first entry is the frame of `call`, which caught it
+        line = traceback.tb_lineno - self.first_line if traceback is not None else -1
+        if not 0 <= line < len(self.origins):
+            return None  # after the program (the epilogue): nothing of it is owed
+        node = self.origins[line]
+        return min(self.graph.nodes[node].positions, default=-1), node
+
+
+class FailureEffects:
+    """What a call whose program raises leaves in Python state: what an eager call that raised at
+    that op leaves. The epilogue leaves the escaped values after the whole program, and Python's
+    `.grad = None` (`opt.zero_grad()` before the forward) is no op of it at all; when an op raises
+    (an index out of range, a bad label), the `.grad` clears made before it (Record.grad_clears)
+    and the values of the nodes that ran before it (a gradient backward made, a module attribute)
+    are left in eager's order. DistributedDataParallel's sync flag is left alone: every call sets
+    it to the same value."""
+
+    def __init__(self, record: Record, graph: Graph, parts: RunParts, stores: list[tuple[int, list[str]]],
+                 clear_target: Callable[[int, _Source], str | None], src: _Source):
+        self.point = FailurePoint(graph, parts.origins)
+        made_by: dict[int, int] = {}  # handle -> the first node whose line binds its local
+        for node in dict.fromkeys(parts.origins):
+            for vid in graph.nodes[node].outputs:
+                if vid is not None:
+                    made_by.setdefault(graph.values[vid].handle, node)
+        effects = []  # ((eager position, values before clears), lines)
+        for position, handle in record.grad_clears:
+            target = clear_target(handle, src)
+            if target is not None:
+                effects.append(((position, 1), [f"if failed_op >= {position}: CLEAR_GRAD({target})"]))
+        for handle, lines in stores:
+            if not lines:
+                continue
+            producer = record.tensors[handle].producer
+            position = (producer if producer is not None else _made_at(record, handle)) + 1
+            # a value bound before the program (a literal's copy) is there whatever ran
+            effects.append(((position, 0), [f"if failed_node > {made_by.get(handle, -1)}:",
+                                            *(f"    {line}" for line in lines)]))
+        self.lines = [line for _, lines in sorted(effects, key=lambda effect: effect[0]) for line in lines]
+        if self.lines:
+            src.namespace.update(FAILED_AT=self.point, CLEAR_GRAD=_clear_grad)
+
+    def handler(self) -> list[str]:
+        """The `except` clause of the program's `try` (free while nothing raises)."""
+        if not self.lines:
+            return []
+        return ["except BaseException as error:", "    at = FAILED_AT(error)", "    if at is not None:",
+                "        failed_op, failed_node = at", *(f"        {line}" for line in self.lines), "    raise"]
+
+
+def _clear_grad(tensor: torch.Tensor | None) -> None:
+    if tensor is not None:
+        tensor.grad = None
 
 
 def _made_at(record: Record, handle: int) -> int:

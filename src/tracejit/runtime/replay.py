@@ -25,7 +25,7 @@ from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, s
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
-from ..record.recorder import Recorder, refuse_lazy, snapshot_literal, storage_address, version_of
+from ..record.recorder import Recorder, note_grad_clear, refuse_lazy, snapshot_literal, storage_address, version_of
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
@@ -63,6 +63,9 @@ class Replayer:
         self.state = program.new_state()
         self.scalars = list(program.initial_scalars)
         self.may_rerecord = may_rerecord
+        # a replay that may turn into a re-record notes the `.grad` clears of its matched part
+        self.notes_grad_clears = may_rerecord
+        self.grad_clears: list = []
         self.names = external_names
         self.capture_as_const = capture_as_const
         self.recorder: Recorder | None = None  # set when the replay turned into a re-record
@@ -197,6 +200,12 @@ class Replayer:
             if in_grad_scaler():
                 self.inf_check_at = self.position
 
+    def on_grad_cleared(self, tensor: torch.Tensor) -> None:
+        if self.recorder is not None:
+            self.recorder.on_grad_cleared(tensor)
+        else:
+            self.grad_clears.append(note_grad_clear(self.position, tensor, self.handles))
+
     def on_excluded_block(self) -> None:
         if self.recorder is not None:
             return self.recorder.on_excluded_block()
@@ -316,7 +325,8 @@ class Replayer:
         # the rest of the call runs eagerly on the tensors the host holds: make them all real
         self.program.complete(self.state, self.scalars)
         self.recorder = Recorder.resume(self.record, self.position, self.handles, self.names,
-                                        self.capture_as_const, self.regions, self.scalars, self.literal_values)
+                                        self.capture_as_const, self.regions, self.scalars, self.literal_values,
+                                        self.grad_clears if self.notes_grad_clears else None)
 
     def abandon(self) -> None:
         """The function raised: run the fused members it was handed, so tensors it kept are real and
