@@ -341,6 +341,32 @@ def ddp_no_sync(rank: int, world: int) -> dict:
     return facts
 
 
+def ddp_micro_bucket_views(rank: int, world: int) -> dict:
+    """gradient_as_bucket_view=True, the traced step only forward and backward, opt.step() and
+    zero_grad() outside: DDP's backward sets each `.grad` to its bucket view again after
+    zero_grad(), which calls without the aten-level backward left None (the step did nothing)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    facts: dict = {"failures": [], "runs": {}}
+    data = batches(rank, steps=8)
+    for label, options in (("checked aten", {"backend": "aten"}), ("checked c", {"backend": "c"}),
+                           ("without_host", {"backend": "aten", "without_host": True})):
+        models = [DistributedDataParallel(mlp(), gradient_as_bucket_view=True) for _ in range(2)]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+        traced = tracejit.trace(micro_step, **options)
+        for i, (x, y) in enumerate(data):
+            for step, model, opt in ((micro_step, models[0], opts[0]), (traced, models[1], opts[1])):
+                step(x, y, model=model)
+                if any(p.grad is None for p in model.parameters()):
+                    facts["failures"].append(f"{label} call {i}: a .grad is None after {step.__name__}()")
+                opt.step()
+                opt.zero_grad()
+            facts["failures"] += [f"{label} call {i}: {d}" for d in differences(
+                state_of(models[0].module, opts[0]), state_of(models[1].module, opts[1]), exact=options["backend"] == "aten")]
+        facts["runs"][label] = {"api_replays": traced.stats.api_replays, "host_free_calls": traced.stats.host_free_calls}
+    return facts
+
+
 def ddp_forward(x, *, model):
     return model(x)
 
@@ -727,6 +753,7 @@ SCENARIOS = {
     "ddp": ddp,
     "ddp_options": ddp_options,
     "ddp_no_sync": ddp_no_sync,
+    "ddp_micro_bucket_views": ddp_micro_bucket_views,
     "ddp_forward_sync": ddp_forward_sync,
     "ddp_api_level": ddp_api_level,
     "ddp_api_no_sync": ddp_api_no_sync,

@@ -169,6 +169,13 @@ def test_ddp_no_sync_selects_its_own_trace(ranks):
         assert run["all_reduces"][0] == 0 and run["all_reduces"][-1] >= 1, run
 
 
+def test_a_traced_micro_step_leaves_ddps_bucket_views_as_gradients(ranks):
+    for facts in facts_of(ranks, "ddp_micro_bucket_views"):  # every .grad set and bitwise after every step
+        runs = facts["runs"]
+        assert runs["checked aten"]["api_replays"] >= 3 and runs["checked c"]["api_replays"] >= 3, runs
+        assert runs["without_host"]["host_free_calls"] >= 4, runs
+
+
 def test_a_host_free_ddp_forward_leaves_the_forward_sync_flag_as_eager(ranks):
     for facts in facts_of(ranks, "ddp_forward_sync"):
         assert facts["runs"]["traced"]["host_free_calls"] >= 4

@@ -41,6 +41,7 @@ from ..record.names import (
     same_value,
 )
 from ..record.record import Flag, Kind, OutputSpec, Record
+from ..record.recorder import storage_address
 from ..record.rng import rng_dependency
 from ..signature import (
     any_gradient_hooks,
@@ -63,7 +64,7 @@ from .optimizer_settings import (
     stepped_optimizers,
 )
 from .program import HostFreeProgram, scalar_layout
-from .state_holders import Holder, Place, find_holders
+from .state_holders import Holder, Place, find_holders, parameters_of
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 
@@ -303,13 +304,14 @@ class HostFreeRunner:
         self._cleared_grads: list[str] = []  # parameters whose `.grad` the call leaves None
         self._meta: list[tuple[str, str]] = []  # (local, its layout check)
         self._bound_by_locator = {names.locator_of(t): t for t in objects.values() if t is not None}
+        self._handle_of = {id(t): handle for handle, t in objects.items() if t is not None}
         # A gradient the call found and then freed (`zero_grad()` after the step) while something
         # else keeps it alive (`held = p.grad`): setting `.grad` is Python, no op the program has,
         # so the epilogue repeats it. Binding follows a call that ran the function: a parameter's
         # `.grad` now is where such a call leaves it.
         for grad, param in (grad_owners or {}).items():
             if (objects.get(grad) is not None and objects.get(param) is not None and objects[param].grad is None
-                    and param in self.external_slots):
+                    and param in self.external_slots and self._call_clears(param, grad)):
                 self._cleared_grads.append(f"E[{self.external_slots[param]}]")  # the program reuses h<param>
         self._unconfirmed: list[int] = []  # unlocated externals this binding reached for the first time
         self._kwargs = kwargs
@@ -445,6 +447,17 @@ class HostFreeRunner:
         return [*lines, *(f"    {line}" for line in (*run.parts.body, *epilogue)), *failure.handler(),
                 "finally:", "    if grad: SET_GRAD(True)"]
 
+    def _call_clears(self, param: int | None, grad: int) -> bool:
+        """Whether the recorded call set `param.grad = None` after it made or last wrote `grad`.
+        A `.grad` found None at binding may have been cleared by the caller between calls
+        (`zero_grad()` after a traced forward and backward), while something else keeps the
+        gradient alive (DDP's reducer, whose bucket views are the gradients): the program
+        must leave it set then."""
+        producer = self.record.tensors[grad].producer
+        last_write = max((op.index for op in self.record.ops if grad in op.mutated), default=-1)
+        after = max(-1 if producer is None else producer, last_write)
+        return any(handle == param and position > after for position, handle in self.record.grad_clears)
+
     def _clear_target(self, handle: int, src: _Source) -> str | None:
         """An expression for the tensor whose `.grad` the function cleared (Record.grad_clears), good
         anywhere in the program (the program drops its locals at their last use)."""
@@ -534,7 +547,8 @@ class HostFreeRunner:
                 self._located_grads.append(local)
                 # one the call frees (see bind), found where it is
                 param = self._bound_by_locator.get(Locator(locator.root, locator.steps[:-1]))
-                if param is not None and param.grad is None and expr.endswith(".grad"):
+                if (param is not None and param.grad is None and expr.endswith(".grad")
+                        and self._call_clears(self._handle_of.get(id(param)), info.handle)):
                     self._cleared_grads.append(expr[:-len(".grad")])
         else:
             if (not self.checked and info.base is None and id(obj) not in self._found_through_inputs
@@ -668,6 +682,7 @@ class HostFreeRunner:
         # this call's literal gets this call's gradient
         literal_grads = {id(obj.grad): handle for handle, obj in objects.items()
                          if handle in self.program.graph.fresh and obj.is_leaf and obj.grad is not None}
+        written: set[int] = set()  # the memory of the views held where tracejit cannot find them
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
             if obj is None:
@@ -721,8 +736,10 @@ class HostFreeRunner:
                     self._escape_guards.append(_fail("True", f"t{handle}, {what}, is kept where tracejit cannot find it"))
                     self.unplaced.append(f"t{handle}, {what},")
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
+                written.add(storage_address(obj))
         body = [line for _, lines in self.stores for line in lines]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
+        body += self._bucket_gradients(kwargs, written, src)
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
         # no_sync() say (`_post_forward`): whether the next forward broadcasts the buffers. The
         # signature fixes both, so the recorded call's value is every call's
@@ -740,6 +757,20 @@ class HostFreeRunner:
                  and obj.is_leaf and obj.requires_grad]
         body.append(f"return {_output_expr(self.record.output)}")
         return body
+
+
+    def _bucket_gradients(self, kwargs: dict, written: set[int], src: _Source) -> list[str]:
+        """DistributedDataParallel with `gradient_as_bucket_view=True`: a parameter's `.grad` is a
+        view of a bucket that the reducer holds, and that its backward sets as `.grad` again after
+        `zero_grad()`. The program writes the bucket (the views held where tracejit cannot find
+        them); the `.grad` of each such parameter is put back as the function's call left it."""
+        lines = []
+        for param in parameters_of(kwargs):
+            grad = param.grad
+            if grad is not None and grad._base is not None and storage_address(grad) in written:
+                param_ref, grad_ref = src.constant(weakref.ref(param), "bp"), src.constant(weakref.ref(grad), "bg")
+                lines += [f"p = {param_ref}()", f"if p is not None and p.grad is None: p.grad = {grad_ref}()"]
+        return lines
 
 
 class FailurePoint:

@@ -85,6 +85,17 @@ class Place:
         return [f"{target} = {value}"]
 
 
+def parameters_of(kwargs: dict) -> list[torch.Tensor]:
+    """The parameters of the keyword modules and optimizers, each once."""
+    found: dict[int, torch.Tensor] = {}
+    for value in kwargs.values():
+        if isinstance(value, torch.nn.Module):
+            found.update((id(p), p) for p in value.parameters())
+        elif isinstance(value, torch.optim.Optimizer):
+            found.update((id(p), p) for group in value.param_groups for p in group["params"])
+    return list(found.values())
+
+
 def find_holders(kwargs: dict) -> dict[int, Holder]:
     """id(tensor) -> where keyword modules and optimizers hold it: `.grad` of a parameter, a module
     attribute or buffer, an optimizer state entry."""
