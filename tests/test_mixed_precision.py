@@ -149,6 +149,29 @@ def test_reading_the_scale_is_not_the_inf_check():
     assert "item() of t" in str(info.value) and "inf check" not in str(info.value)
 
 
+def _train_under(outer, train, make_opt, without_host):
+    """Train twin MLPs eagerly and traced, each call under a fresh `outer()` context, comparing
+    every step; the traced calls must take the fast path."""
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = make_opt(model_a.parameters()), make_opt(model_b.parameters())
+    traced = tracejit.trace(train, without_host=without_host, backend="aten")
+    for i in range(6):
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        with outer():
+            want = train(x, y, model=model_a, opt=opt_a)
+        with outer():
+            got = traced(x, y, model=model_b, opt=opt_b)
+        assert got.dtype == want.dtype and torch.equal(got, want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    stats = traced.stats
+    if without_host:
+        assert stats.host_free_calls >= 4 and stats.host_free_misses == 0, stats
+    else:
+        assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
+
+
 @pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
 def test_autocast_entered_around_each_step(without_host):
     # the guide recommends autocast inside the step; around it, autocast caches its casts of the
@@ -161,25 +184,8 @@ def test_autocast_entered_around_each_step(without_host):
         opt.zero_grad()
         return loss
 
-    torch.manual_seed(0)
-    model_a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model_b = copy.deepcopy(model_a)
-    opt_a = torch.optim.Adam(model_a.parameters(), lr=1e-2, fused=True)
-    opt_b = torch.optim.Adam(model_b.parameters(), lr=1e-2, fused=True)
-    traced = tracejit.trace(train, without_host=without_host, backend="aten")
-    for i in range(6):
-        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            want = train(x, y, model=model_a, opt=opt_a)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = traced(x, y, model=model_b, opt=opt_b)
-        assert got.dtype == want.dtype and torch.equal(got, want), i
-        assert_same_state(model_a, opt_a, model_b, opt_b)
-    stats = traced.stats
-    if without_host:
-        assert stats.host_free_calls >= 4 and stats.host_free_misses == 0, stats
-    else:
-        assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
+    _train_under(lambda: torch.autocast("cpu", dtype=torch.bfloat16), train,
+                 lambda params: torch.optim.Adam(params, lr=1e-2, fused=True), without_host)
 
 
 @pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
@@ -195,25 +201,8 @@ def test_autocast_inside_the_step_under_the_callers_disabled_autocast(without_ho
         opt.zero_grad()
         return loss
 
-    torch.manual_seed(0)
-    model_a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model_b = copy.deepcopy(model_a)
-    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1, momentum=0.9)
-    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9)
-    traced = tracejit.trace(train, without_host=without_host, backend="aten")
-    for i in range(6):
-        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
-        with torch.autocast("cpu", enabled=False):
-            want = train(x, y, model=model_a, opt=opt_a)
-        with torch.autocast("cpu", enabled=False):
-            got = traced(x, y, model=model_b, opt=opt_b)
-        assert torch.equal(got, want), i
-        assert_same_state(model_a, opt_a, model_b, opt_b)
-    stats = traced.stats
-    if without_host:
-        assert stats.host_free_calls >= 4 and stats.host_free_misses == 0, stats
-    else:
-        assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
+    _train_under(lambda: torch.autocast("cpu", enabled=False), train,
+                 lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), without_host)
 
 
 _SETTINGS_CHANGES = {
