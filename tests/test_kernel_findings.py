@@ -5,11 +5,14 @@ backend over several calls and compared with eager exactly:
 - `log2`/`log10`, computed as log(x) / ln b, one ulp short of the integer at powers of the base;
 - `gelu(+inf)` in float32, which eager's CPU kernel makes NaN;
 - a dynamic scalar out of range for the tensor's type, which eager refuses and the kernel wrapped;
-- a write the caller sees, held back in a group past a gather that raised.
+- a write the caller sees, held back in a group past a gather that raised;
+- a tensor made from Python data (`torch.tensor(v)`) with another dtype or shape than recorded,
+  read by kernels built for the recorded one (also with Triton and without the host).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -20,6 +23,7 @@ from triton_cases import CASES as TRITON_CASES
 
 import tracejit
 from tracejit.backends import resolve_backend
+from tracejit.errors import TraceMismatchError
 
 pytestmark = pytest.mark.skipif(resolve_backend("c") is None, reason="no C compiler for the C backend")
 
@@ -251,6 +255,8 @@ def test_triton_half_precision_scalar_beyond_float16_raises_as_eager_does(functi
         assert same(traced(x.clone(), k=4.0), function(x.clone(), k=4.0))
 
 
+# -- 7. a write the caller sees, before an op that raises ------------------------------------------------
+
 _counter = torch.zeros(())
 
 
@@ -292,3 +298,60 @@ def test_a_write_before_an_op_that_raises_happens_as_in_eager(without_host, func
     traced = tracejit.trace(function, backend="c", without_host=without_host)
     assert run(traced) == run(function) == [2.0, 4.0, ("raised", 5.0), 7.0, 9.0]
     assert traced.stats.host_free_calls if without_host else traced.stats.checked_replays
+
+
+# -- 8. a tensor made from Python data with another dtype or shape ------------------------------------------
+
+_data = {"v": 2}  # a global the function reads: without the host, a change runs the function
+
+
+def times_a_number_tensor(x):
+    return x * torch.tensor(_data["v"]) + 1
+
+
+def plus_a_list_tensor(x):
+    return x * 2 + torch.tensor(_data["v"])
+
+
+# function -> (its input, data of the recorded dtype and shape (values change), data of another dtype or shape)
+LITERAL_CASES = {
+    "number": (times_a_number_tensor, torch.tensor([1, 2, 3], dtype=torch.int32), [2, 2, 2, 3, 2, 2], [2.5, True]),
+    "list": (plus_a_list_tensor, torch.tensor([1.0, 2.0, 3.0]), [[5.0], [5.0], [5.0], [6.0], [5.0], [5.0]],
+             [[1.0, 2.0, 3.0]]),
+}
+
+
+def backend_context(backend: str):
+    return ts.interpreter() if backend == "triton" else contextlib.nullcontext()
+
+
+def compiled_kernels(traced, backend: str) -> list:
+    """The fused kernels the backend compiled for the trace (none for aten)."""
+    return ts.triton_launchers(traced) if backend == "triton" else list(traced.kernel_sources().values())
+
+
+@pytest.mark.filterwarnings("ignore::tracejit.ReplayLevelWarning")  # new values leave the API level
+@pytest.mark.parametrize("backend", ["aten", "c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("case", list(LITERAL_CASES))
+def test_a_tensor_of_python_data_with_another_dtype_or_shape_is_a_mismatch(case, without_host, backend):
+    """`torch.tensor(v)` is bound anew on every call with the values it holds, but the kernels were
+    built for the recorded dtype and shape: `v` going from 2 to 2.5 returned int32 garbage (the
+    float's bytes read as int64), to True read a bool's byte as an int64, and a list grown from one
+    element to three was read as the broadcast one. Such a change is a mismatch in every mode;
+    new values of the recorded dtype and shape still follow the data."""
+    function, x, same_kind, other_kind = LITERAL_CASES[case]
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for v in same_kind:
+            _data["v"] = v
+            assert same(traced(x.clone()), function(x.clone())), v
+        assert traced.stats.host_free_calls if without_host else traced.stats.api_replays
+        assert bool(compiled_kernels(traced, backend)) == (backend != "aten")
+        for v in other_kind:
+            _data["v"] = v
+            with pytest.raises(TraceMismatchError, match=r"lift_fresh.* created from Python data of another dtype "
+                                                         r"or shape than recorded \(cpu"):
+                traced(x.clone())
+        _data["v"] = same_kind[0]
+        assert same(traced(x.clone()), function(x.clone()))
