@@ -7,7 +7,9 @@ backend over several calls and compared with eager exactly:
 - a dynamic scalar out of range for the tensor's type, which eager refuses and the kernel wrapped;
 - a write the caller sees, held back in a group past a gather that raised;
 - a tensor made from Python data (`torch.tensor(v)`) with another dtype or shape than recorded,
-  read by kernels built for the recorded one (also with Triton and without the host).
+  read by kernels built for the recorded one (also with Triton and without the host);
+- a tensor with PyTorch's negation bit (`z.conj().imag`), an input, an external or made inside,
+  whose memory a kernel read without negating it.
 """
 
 from __future__ import annotations
@@ -355,3 +357,109 @@ def test_a_tensor_of_python_data_with_another_dtype_or_shape_is_a_mismatch(case,
                 traced(x.clone())
         _data["v"] = same_kind[0]
         assert same(traced(x.clone()), function(x.clone()))
+
+
+# -- 9. tensors with PyTorch's negation or conjugation bit -------------------------------------------------
+
+_complex = torch.tensor([1 + 1j, 2 - 3j, -1 + 0.5j, 4 + 2j, -2 - 1j], dtype=torch.complex64)
+
+
+def plain_imag():
+    return _complex.clone().imag
+
+
+def negated_imag():
+    return _complex.clone().conj().imag  # is_neg(): the memory holds the imaginary parts unnegated
+
+
+def affine(x):
+    return x * 2 + 1
+
+
+def scaled_in_place(x):
+    x.mul_(2).add_(1)
+    return x.sum()
+
+
+def shifted_difference(x):
+    return x[1:] * 3 - x[:-1]
+
+
+# the inputs of each call, recorded first: without the bit then with it, with it throughout, with it then without
+BIT_ORDERS = {
+    "plain_then_negated": [plain_imag] * 3 + [negated_imag] * 3 + [plain_imag, negated_imag],
+    "negated": [negated_imag] * 5,
+    "negated_then_plain": [negated_imag] * 3 + [plain_imag] * 3 + [negated_imag],
+}
+
+
+@pytest.mark.parametrize("backend", ["aten", "c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("order", list(BIT_ORDERS))
+@pytest.mark.parametrize("function", [affine, scaled_in_place, shifted_difference], ids=lambda f: f.__name__)
+def test_an_input_with_a_negation_bit_is_read_as_eager_reads_it(function, order, without_host, backend):
+    """`z.conj().imag` has the shape, strides and dtype of `z.imag`, so it shared its trace, and the
+    fused kernel read its memory through data_ptr(): every value came out with the wrong sign (and
+    a trace recorded with such an input was wrong from its first replay on). The bit is part of the
+    input signature now, and no kernel reads or writes a tensor that has one."""
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for call, make in enumerate(BIT_ORDERS[order]):
+            mine, eager = make(), make()
+            assert same(traced(mine), function(eager)), (call, make.__name__)
+            assert torch.equal(mine, eager), f"call {call}: the input was written otherwise than eager writes it"
+        assert traced.stats.records == (1 if order == "negated" else 2)
+        assert traced.stats.host_free_calls >= 4 if without_host else traced.stats.api_replays >= 3
+        if backend != "aten" and function is not scaled_in_place:  # whose neg-view record has single ops
+            assert len(compiled_kernels(traced, backend)) == traced.stats.records
+
+
+def negated_inside(z):
+    return z.conj().imag * 2 + 1
+
+
+def neg_view_inside(x):
+    return torch._neg_view(x * 3)[1:] * 2 + 1
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("function, make", [(negated_inside, lambda: _complex.clone()),
+                                            (neg_view_inside, plain_imag)], ids=["conj_imag", "neg_view"])
+def test_a_negative_view_made_inside_the_function_is_read_as_eager_reads_it(function, make, without_host, backend):
+    """The clone eager makes of a negative view before `* 2` was a kernel member reading the view's
+    memory: `z.conj().imag * 2 + 1` came out as `z.imag * 2 + 1` from the first replay on."""
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for call in range(4):
+            assert same(traced(make()), function(make())), call
+        assert traced.stats.host_free_calls >= 2 if without_host else traced.stats.api_replays >= 1
+        assert compiled_kernels(traced, backend), "the ops after the resolving clone no longer fuse"
+
+
+_weights = {"w": plain_imag()}
+
+
+def plus_a_cloned_global(x):
+    return _weights["w"].clone() * 2 + x
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_an_external_that_becomes_a_negative_view_is_a_mismatch(without_host):
+    """The clone of a global whose tensor became `z.conj().imag` dispatches the same ops, and the
+    kernel read the new tensor's memory unnegated (checked and host-free calls alike)."""
+    _weights["w"] = plain_imag()
+    traced = trace_c(plus_a_cloned_global) if not without_host else tracejit.trace(
+        plus_a_cloned_global, backend="c", without_host=True)
+    x = torch.arange(5.0)
+    for _ in range(4):
+        assert same(traced(x), plus_a_cloned_global(x))
+    assert traced.kernel_sources() and (traced.stats.host_free_calls if without_host else traced.stats.api_replays)
+    _weights["w"] = negated_imag()
+    with pytest.raises(TraceMismatchError, match=r"aten.clone.default is a negative or conjugate view where the "
+                                                 r"recorded one was not, or the reverse \(recorded cpu float32\[5\]\)"
+                                                 r"\n  expected: t1 \(external _weights\['w'\], cpu float32\[5\]\)"
+                                                 r"\n  got:      cpu float32\[5\], a negative view\n"):
+        traced(x)
+    _weights["w"] = plain_imag()
+    assert same(traced(x), plus_a_cloned_global(x))

@@ -241,13 +241,15 @@ class Replayer:
             return self._check_constant(tensor, handle, position)
         if info.literal:
             return self._literal_error(tensor, handle, position, slot)
-        if TensorMeta.of(tensor) != info.meta:
-            now, recorded = _describe(tensor), str(info.meta)
+        meta = TensorMeta.of(tensor)
+        if meta != info.meta:
+            now, recorded = str(meta), str(info.meta)
             if now == recorded:  # only the layout differs: say so, or the two look the same
                 now = f"{now} with strides {tuple(tensor.stride())}"
                 recorded = f"{recorded} with strides {info.meta.stride}"
-            return self._input_error(position, slot, handle, now,
-                                     f"changed shape, stride, dtype or device (recorded {recorded})")
+            changed = ("changed shape, stride, dtype or device" if meta.math_bits == info.meta.math_bits else
+                       "is a negative or conjugate view where the recorded one was not, or the reverse")
+            return self._input_error(position, slot, handle, now, f"{changed} (recorded {recorded})")
         return None
 
     def _literal_error(self, tensor: torch.Tensor, handle: int, position: int, slot: int):
