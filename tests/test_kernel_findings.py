@@ -9,7 +9,9 @@ backend over several calls and compared with eager exactly:
 - a tensor made from Python data (`torch.tensor(v)`) with another dtype or shape than recorded,
   read by kernels built for the recorded one (also with Triton and without the host);
 - a tensor with PyTorch's negation bit (`z.conj().imag`), an input, an external or made inside,
-  whose memory a kernel read without negating it.
+  whose memory a kernel read without negating it;
+- an in-place write by a kernel (or by a `_foreach_` op under the dispatch mode) that left the
+  tensor's version counter where it was: autograd and capture_as_const missed the write.
 """
 
 from __future__ import annotations
@@ -463,3 +465,99 @@ def test_an_external_that_becomes_a_negative_view_is_a_mismatch(without_host):
         traced(x)
     _weights["w"] = plain_imag()
     assert same(traced(x), plus_a_cloned_global(x))
+
+
+# -- 10. version counters of the tensors a kernel writes in place ------------------------------------------
+
+def scale_and_shift(a):
+    a.mul_(2).add_(1)  # one kernel, two in-place writes: eager bumps the version twice
+    return a.sum()
+
+
+def scale_and_shift_a_slice(a):
+    a[1:].mul_(2).add_(1)  # through a view: the version counter is the base's
+    return a.sum()
+
+
+def scale_and_shift_lanes(a, b):
+    torch._foreach_mul_([a, b], 2)
+    torch._foreach_add_([a, b], 1)
+    return a.sum()
+
+
+@pytest.mark.parametrize("backend", ["aten", "c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("function", [scale_and_shift, scale_and_shift_a_slice, scale_and_shift_lanes],
+                         ids=lambda f: f.__name__)
+def test_in_place_writes_move_the_version_counter_as_in_eager(function, without_host, backend):
+    """A kernel writes through data pointers, which no version counter sees: from the first call
+    without the function (and the first checked call at the torch API level) on, an input the
+    kernel wrote kept its version. And eager's `_foreach_` ops bump nothing when they reach the
+    kernels through a dispatch mode, so the recorded call and checked calls at the aten level left
+    the lanes' versions as they were too."""
+    lanes = 2 if function is scale_and_shift_lanes else 1
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for call in range(5):
+            mine, eager = [torch.arange(6.0) for _ in range(lanes)], [torch.arange(6.0) for _ in range(lanes)]
+            assert same(traced(*mine), function(*eager))
+            assert [t._version for t in mine] == [t._version for t in eager] == [2] * lanes, call
+            assert all(torch.equal(m, e) for m, e in zip(mine, eager))
+        assert traced.stats.host_free_calls >= 3 if without_host else traced.stats.api_replays >= 2
+        assert bool(compiled_kernels(traced, backend)) == (backend != "aten")
+
+
+def saved_then_traced(traced):
+    """Eager's outcome of a backward through a graph that saved the input a (traced) call then
+    modified in place: the call's result, the input's version change, and the backward's error."""
+    weight = torch.ones(3, requires_grad=True)
+    a = torch.tensor([1.0, 2.0, 3.0])
+    out = (weight * a).sum()  # saves `a` for weight's gradient
+    before = a._version
+    traced(a)
+    try:
+        out.backward()
+        raised = None
+    except RuntimeError as error:
+        raised = "modified by an inplace operation" in str(error)
+    return a._version - before, raised, weight.grad
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_a_backward_through_an_input_a_kernel_wrote_raises_as_in_eager(without_host):
+    """The caller's graph saved `a`; the traced call wrote it in place; eager's backward raises
+    "modified by an inplace operation". Through the kernel the version stayed: backward ran and
+    returned the modified values as the gradient, silently."""
+    traced = tracejit.trace(scale_and_shift, backend="c", without_host=without_host)
+    for call in range(5):
+        assert saved_then_traced(traced) == saved_then_traced(scale_and_shift) == (2, True, None), call
+    assert traced.kernel_sources() and (traced.stats.host_free_calls if without_host else traced.stats.api_replays)
+
+
+_captured = torch.arange(4.0)
+
+
+def read_captured(x):
+    return x * (_captured * 2)
+
+
+def write_captured(x):
+    _captured.mul_(2).add_(1)
+    return x.sum()
+
+
+def test_capture_as_const_sees_a_write_by_another_traces_kernel():
+    """capture_as_const raises when a captured tensor was modified in place since (its version
+    moved). A host-free kernel of another traced function wrote it without moving the version."""
+    writer = tracejit.trace(write_captured, backend="c", without_host=True)
+    x = torch.ones(4)
+    for _ in range(3):
+        writer(x)
+    reader = tracejit.trace(read_captured, capture_as_const=True, backend="c")
+    for _ in range(3):
+        assert same(reader(x), read_captured(x))
+    served = writer.stats.host_free_calls
+    writer(x)
+    assert writer.stats.host_free_calls == served + 1 and writer.kernel_sources()  # the kernel wrote it
+    with pytest.raises(TraceMismatchError, match=r"captured constant t1 \(_captured\) was modified in place"):
+        reader(x)
