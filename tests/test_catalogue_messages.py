@@ -238,6 +238,27 @@ def test_structural_argument_and_scalar_type(trace):
     assert "op #1: aten.mul.Tensor got different non-tensor arguments (argument 1: a scalar of another type" in message
 
 
+def test_python_data_of_another_type_names_the_literal(trace):
+    config = {"offset": 2}
+
+    def f(x):
+        return x + torch.tensor(config["offset"])
+
+    traced = trace(f)
+    x = torch.arange(3)
+    traced(x)
+    config["offset"] = 3  # another value of the same type: followed, not a mismatch
+    assert torch.equal(traced(x), x + 3)
+    config["offset"] = 2.5
+    message = raised(traced, x)
+    assert message.startswith("f() diverged from its trace at op #0: tensor input 0 of aten.lift_fresh.default is "
+                              "created from Python data of another dtype or shape than recorded (cpu int64[]); the "
+                              "program was compiled for the recorded one")
+    assert "expected: t1 (a tensor created from Python data, cpu int64[])\n" in message
+    assert "got:      a tensor created from Python data, cpu float32[]\n" in message
+    assert "replayed at " + where(f, "torch.tensor(config") in message
+
+
 def test_positional_non_tensor_names_the_index(trace):
     @trace
     def f(x, lengths):

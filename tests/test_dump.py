@@ -442,6 +442,34 @@ def test_a_loaded_graph_starts_every_call_from_its_constants():
         got[0].mul_(10)  # the caller's to change
 
 
+def _negated_inside(x):
+    return torch._neg_view(x * 3)[1:] * 2 + 1
+
+
+def _affine(x):
+    return x * 2 + 1
+
+
+@pytest.mark.skipif(tracejit.backends.resolve_backend("c") is None, reason="no C compiler")
+@pytest.mark.parametrize("function", [_negated_inside, _affine])
+def test_negative_views_load_and_run_as_eager(function):
+    """A negative view (`torch._neg_view`, `z.conj().imag`) is a value whose memory holds the values
+    before the negation. The file did not say so: the loaded graph fused the clone that resolves it
+    and returned `x * 6 + 1` for `-x * 6 + 1`; and an input given as such a view was read unnegated.
+    Values keep their `math_bits`, and an input with a bit is copied into the traced layout."""
+    z = torch.complex(torch.tensor([1.0, -2.0, 3.0, 0.5]), torch.tensor([4.0, 1.0, -1.0, 2.0]))
+    traced = tracejit.trace(function, capture_as_const=True, backend="c")
+    traced(z.imag)
+    buffer = io.BytesIO()
+    traced.dump(buffer)
+    graph = tracejit.load(buffer.getvalue(), backend="c")
+    for x in (z.imag, z.conj().imag, z.imag):
+        assert torch.equal(graph(x)[0], function(x)), x.is_neg()
+    assert any(getattr(k, "source", None) for k in graph.program.kernels.values()), "nothing fused"
+    values = read_graphs(buffer.getvalue())[0].values
+    assert any(v.meta.math_bits for v in values) == (function is _negated_inside)
+
+
 @pytest.mark.parametrize("norm", ["layer", "batch", "group"])
 def test_a_normalization_under_bf16_autocast_dumps_and_loads(norm):
     # Found by an adversarial review: the CPU kernels keep the statistics of a bf16 input with

@@ -5,11 +5,18 @@ backend over several calls and compared with eager exactly:
 - `log2`/`log10`, computed as log(x) / ln b, one ulp short of the integer at powers of the base;
 - `gelu(+inf)` in float32, which eager's CPU kernel makes NaN;
 - a dynamic scalar out of range for the tensor's type, which eager refuses and the kernel wrapped;
-- a write the caller sees, held back in a group past a gather that raised.
+- a write the caller sees, held back in a group past a gather that raised;
+- a tensor made from Python data (`torch.tensor(v)`) with another dtype or shape than recorded,
+  read by kernels built for the recorded one (also with Triton and without the host);
+- a tensor with PyTorch's negation bit (`z.conj().imag`), an input, an external or made inside,
+  whose memory a kernel read without negating it;
+- an in-place write by a kernel (or by a `_foreach_` op under the dispatch mode) that left the
+  tensor's version counter where it was: autograd and capture_as_const missed the write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -20,6 +27,7 @@ from triton_cases import CASES as TRITON_CASES
 
 import tracejit
 from tracejit.backends import resolve_backend
+from tracejit.errors import TraceMismatchError
 
 pytestmark = pytest.mark.skipif(resolve_backend("c") is None, reason="no C compiler for the C backend")
 
@@ -251,6 +259,8 @@ def test_triton_half_precision_scalar_beyond_float16_raises_as_eager_does(functi
         assert same(traced(x.clone(), k=4.0), function(x.clone(), k=4.0))
 
 
+# -- 7. a write the caller sees, before an op that raises ------------------------------------------------
+
 _counter = torch.zeros(())
 
 
@@ -292,3 +302,262 @@ def test_a_write_before_an_op_that_raises_happens_as_in_eager(without_host, func
     traced = tracejit.trace(function, backend="c", without_host=without_host)
     assert run(traced) == run(function) == [2.0, 4.0, ("raised", 5.0), 7.0, 9.0]
     assert traced.stats.host_free_calls if without_host else traced.stats.checked_replays
+
+
+# -- 8. a tensor made from Python data with another dtype or shape ------------------------------------------
+
+_data = {"v": 2}  # a global the function reads: without the host, a change runs the function
+
+
+def times_a_number_tensor(x):
+    return x * torch.tensor(_data["v"]) + 1
+
+
+def plus_a_list_tensor(x):
+    return x * 2 + torch.tensor(_data["v"])
+
+
+# function -> (its input, data of the recorded dtype and shape (values change), data of another dtype or shape)
+LITERAL_CASES = {
+    "number": (times_a_number_tensor, torch.tensor([1, 2, 3], dtype=torch.int32), [2, 2, 2, 3, 2, 2], [2.5, True]),
+    "list": (plus_a_list_tensor, torch.tensor([1.0, 2.0, 3.0]), [[5.0], [5.0], [5.0], [6.0], [5.0], [5.0]],
+             [[1.0, 2.0, 3.0]]),
+}
+
+
+def backend_context(backend: str):
+    return ts.interpreter() if backend == "triton" else contextlib.nullcontext()
+
+
+def compiled_kernels(traced, backend: str) -> list:
+    """The fused kernels the backend compiled for the trace (none for aten)."""
+    return ts.triton_launchers(traced) if backend == "triton" else list(traced.kernel_sources().values())
+
+
+@pytest.mark.filterwarnings("ignore::tracejit.ReplayLevelWarning")  # new values leave the API level
+@pytest.mark.parametrize("backend", ["aten", "c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("case", list(LITERAL_CASES))
+def test_a_tensor_of_python_data_with_another_dtype_or_shape_is_a_mismatch(case, without_host, backend):
+    """`torch.tensor(v)` is bound anew on every call with the values it holds, but the kernels were
+    built for the recorded dtype and shape: `v` going from 2 to 2.5 returned int32 garbage (the
+    float's bytes read as int64), to True read a bool's byte as an int64, and a list grown from one
+    element to three was read as the broadcast one. Such a change is a mismatch in every mode;
+    new values of the recorded dtype and shape still follow the data."""
+    function, x, same_kind, other_kind = LITERAL_CASES[case]
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for v in same_kind:
+            _data["v"] = v
+            assert same(traced(x.clone()), function(x.clone())), v
+        assert traced.stats.host_free_calls if without_host else traced.stats.api_replays
+        assert bool(compiled_kernels(traced, backend)) == (backend != "aten")
+        for v in other_kind:
+            _data["v"] = v
+            with pytest.raises(TraceMismatchError, match=r"lift_fresh.* created from Python data of another dtype "
+                                                         r"or shape than recorded \(cpu"):
+                traced(x.clone())
+        _data["v"] = same_kind[0]
+        assert same(traced(x.clone()), function(x.clone()))
+
+
+# -- 9. tensors with PyTorch's negation or conjugation bit -------------------------------------------------
+
+_complex = torch.tensor([1 + 1j, 2 - 3j, -1 + 0.5j, 4 + 2j, -2 - 1j], dtype=torch.complex64)
+
+
+def plain_imag():
+    return _complex.clone().imag
+
+
+def negated_imag():
+    return _complex.clone().conj().imag  # is_neg(): the memory holds the imaginary parts unnegated
+
+
+def affine(x):
+    return x * 2 + 1
+
+
+def scaled_in_place(x):
+    x.mul_(2).add_(1)
+    return x.sum()
+
+
+def shifted_difference(x):
+    return x[1:] * 3 - x[:-1]
+
+
+# the inputs of each call, recorded first: without the bit then with it, with it throughout, with it then without
+BIT_ORDERS = {
+    "plain_then_negated": [plain_imag] * 3 + [negated_imag] * 3 + [plain_imag, negated_imag],
+    "negated": [negated_imag] * 5,
+    "negated_then_plain": [negated_imag] * 3 + [plain_imag] * 3 + [negated_imag],
+}
+
+
+@pytest.mark.parametrize("backend", ["aten", "c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("order", list(BIT_ORDERS))
+@pytest.mark.parametrize("function", [affine, scaled_in_place, shifted_difference], ids=lambda f: f.__name__)
+def test_an_input_with_a_negation_bit_is_read_as_eager_reads_it(function, order, without_host, backend):
+    """`z.conj().imag` has the shape, strides and dtype of `z.imag`, so it shared its trace, and the
+    fused kernel read its memory through data_ptr(): every value came out with the wrong sign (and
+    a trace recorded with such an input was wrong from its first replay on). The bit is part of the
+    input signature now, and no kernel reads or writes a tensor that has one."""
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for call, make in enumerate(BIT_ORDERS[order]):
+            mine, eager = make(), make()
+            assert same(traced(mine), function(eager)), (call, make.__name__)
+            assert torch.equal(mine, eager), f"call {call}: the input was written otherwise than eager writes it"
+        assert traced.stats.records == (1 if order == "negated" else 2)
+        assert traced.stats.host_free_calls >= 4 if without_host else traced.stats.api_replays >= 3
+        if backend != "aten" and function is not scaled_in_place:  # whose neg-view record has single ops
+            assert len(compiled_kernels(traced, backend)) == traced.stats.records
+
+
+def negated_inside(z):
+    return z.conj().imag * 2 + 1
+
+
+def neg_view_inside(x):
+    return torch._neg_view(x * 3)[1:] * 2 + 1
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("function, make", [(negated_inside, lambda: _complex.clone()),
+                                            (neg_view_inside, plain_imag)], ids=["conj_imag", "neg_view"])
+def test_a_negative_view_made_inside_the_function_is_read_as_eager_reads_it(function, make, without_host, backend):
+    """The clone eager makes of a negative view before `* 2` was a kernel member reading the view's
+    memory: `z.conj().imag * 2 + 1` came out as `z.imag * 2 + 1` from the first replay on."""
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for call in range(4):
+            assert same(traced(make()), function(make())), call
+        assert traced.stats.host_free_calls >= 2 if without_host else traced.stats.api_replays >= 1
+        assert compiled_kernels(traced, backend), "the ops after the resolving clone no longer fuse"
+
+
+_weights = {"w": plain_imag()}
+
+
+def plus_a_cloned_global(x):
+    return _weights["w"].clone() * 2 + x
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_an_external_that_becomes_a_negative_view_is_a_mismatch(without_host):
+    """The clone of a global whose tensor became `z.conj().imag` dispatches the same ops, and the
+    kernel read the new tensor's memory unnegated (checked and host-free calls alike)."""
+    _weights["w"] = plain_imag()
+    traced = trace_c(plus_a_cloned_global) if not without_host else tracejit.trace(
+        plus_a_cloned_global, backend="c", without_host=True)
+    x = torch.arange(5.0)
+    for _ in range(4):
+        assert same(traced(x), plus_a_cloned_global(x))
+    assert traced.kernel_sources() and (traced.stats.host_free_calls if without_host else traced.stats.api_replays)
+    _weights["w"] = negated_imag()
+    with pytest.raises(TraceMismatchError, match=r"aten.clone.default is a negative or conjugate view where the "
+                                                 r"recorded one was not, or the reverse \(recorded cpu float32\[5\]\)"
+                                                 r"\n  expected: t1 \(external _weights\['w'\], cpu float32\[5\]\)"
+                                                 r"\n  got:      cpu float32\[5\], a negative view\n"):
+        traced(x)
+    _weights["w"] = plain_imag()
+    assert same(traced(x), plus_a_cloned_global(x))
+
+
+# -- 10. version counters of the tensors a kernel writes in place ------------------------------------------
+
+def scale_and_shift(a):
+    a.mul_(2).add_(1)  # one kernel, two in-place writes: eager bumps the version twice
+    return a.sum()
+
+
+def scale_and_shift_a_slice(a):
+    a[1:].mul_(2).add_(1)  # through a view: the version counter is the base's
+    return a.sum()
+
+
+def scale_and_shift_lanes(a, b):
+    torch._foreach_mul_([a, b], 2)
+    torch._foreach_add_([a, b], 1)
+    return a.sum()
+
+
+@pytest.mark.parametrize("backend", ["aten", "c", "triton"])
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("function", [scale_and_shift, scale_and_shift_a_slice, scale_and_shift_lanes],
+                         ids=lambda f: f.__name__)
+def test_in_place_writes_move_the_version_counter_as_in_eager(function, without_host, backend):
+    """A kernel writes through data pointers, which no version counter sees: from the first call
+    without the function (and the first checked call at the torch API level) on, an input the
+    kernel wrote kept its version. And eager's `_foreach_` ops bump nothing when they reach the
+    kernels through a dispatch mode, so the recorded call and checked calls at the aten level left
+    the lanes' versions as they were too."""
+    lanes = 2 if function is scale_and_shift_lanes else 1
+    with backend_context(backend):
+        traced = tracejit.trace(function, backend=backend, without_host=without_host)
+        for call in range(5):
+            mine, eager = [torch.arange(6.0) for _ in range(lanes)], [torch.arange(6.0) for _ in range(lanes)]
+            assert same(traced(*mine), function(*eager))
+            assert [t._version for t in mine] == [t._version for t in eager] == [2] * lanes, call
+            assert all(torch.equal(m, e) for m, e in zip(mine, eager))
+        assert traced.stats.host_free_calls >= 3 if without_host else traced.stats.api_replays >= 2
+        assert bool(compiled_kernels(traced, backend)) == (backend != "aten")
+
+
+def saved_then_traced(traced):
+    """Eager's outcome of a backward through a graph that saved the input a (traced) call then
+    modified in place: the call's result, the input's version change, and the backward's error."""
+    weight = torch.ones(3, requires_grad=True)
+    a = torch.tensor([1.0, 2.0, 3.0])
+    out = (weight * a).sum()  # saves `a` for weight's gradient
+    before = a._version
+    traced(a)
+    try:
+        out.backward()
+        raised = None
+    except RuntimeError as error:
+        raised = "modified by an inplace operation" in str(error)
+    return a._version - before, raised, weight.grad
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_a_backward_through_an_input_a_kernel_wrote_raises_as_in_eager(without_host):
+    """The caller's graph saved `a`; the traced call wrote it in place; eager's backward raises
+    "modified by an inplace operation". Through the kernel the version stayed: backward ran and
+    returned the modified values as the gradient, silently."""
+    traced = tracejit.trace(scale_and_shift, backend="c", without_host=without_host)
+    for call in range(5):
+        assert saved_then_traced(traced) == saved_then_traced(scale_and_shift) == (2, True, None), call
+    assert traced.kernel_sources() and (traced.stats.host_free_calls if without_host else traced.stats.api_replays)
+
+
+_captured = torch.arange(4.0)
+
+
+def read_captured(x):
+    return x * (_captured * 2)
+
+
+def write_captured(x):
+    _captured.mul_(2).add_(1)
+    return x.sum()
+
+
+def test_capture_as_const_sees_a_write_by_another_traces_kernel():
+    """capture_as_const raises when a captured tensor was modified in place since (its version
+    moved). A host-free kernel of another traced function wrote it without moving the version."""
+    writer = tracejit.trace(write_captured, backend="c", without_host=True)
+    x = torch.ones(4)
+    for _ in range(3):
+        writer(x)
+    reader = tracejit.trace(read_captured, capture_as_const=True, backend="c")
+    for _ in range(3):
+        assert same(reader(x), read_captured(x))
+    served = writer.stats.host_free_calls
+    writer(x)
+    assert writer.stats.host_free_calls == served + 1 and writer.kernel_sources()  # the kernel wrote it
+    with pytest.raises(TraceMismatchError, match=r"captured constant t1 \(_captured\) was modified in place"):
+        reader(x)

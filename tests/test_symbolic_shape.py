@@ -271,15 +271,18 @@ def test_refusals(case):
         traced(torch.randn(6))
 
 
-@pytest.mark.parametrize("case", ["repeated", "shared", "requires_grad"])
+@pytest.mark.parametrize("case", ["repeated", "shared", "requires_grad", "negative_view"])
 def test_inputs_that_cannot_have_stand_ins(case):
-    """True refuses; the automatic mode keeps one trace per shape, exact as before."""
+    """True refuses; the automatic mode keeps one trace per shape, exact as before. A negative view
+    (`z.conj().imag`) would have had a stand-in without its bit: the recording saw no negation."""
     def inputs(n):
         x = torch.randn(n, 4)
         if case == "repeated":
             return x, x
         if case == "shared":
             return x[:, :2], x[:, 2:]
+        if case == "negative_view":
+            return torch.complex(torch.randn(n, 4), x).conj().imag, torch.randn(n, 4)
         return x.requires_grad_(), torch.randn(n, 4)
 
     def function(a, b):

@@ -9,15 +9,20 @@ from collections.abc import Sequence
 
 import torch
 
+from .record.record import describe_math_bits, math_bits
+
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
     # an inference tensor (made under torch.inference_mode()) cannot be saved for backward: a
-    # training step given one raises in eager, so it is another trace, whose recording raises too
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.is_inference())
+    # training step given one raises in eager, so it is another trace, whose recording raises too.
+    # A negative or conjugate view (record.math_bits) is another trace too: the program of a plain
+    # input would hand its memory to a fused kernel, which does not negate or conjugate.
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.is_inference(),
+            math_bits(tensor))
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
-    """Shapes, strides, dtypes, devices and requires_grad of the tensor inputs; which tensor inputs are
+    """Shapes, strides, dtypes, devices, requires_grad and math bits of the tensor inputs; which tensor inputs are
     the same object (`step(x, x)` for an autoencoder dispatches other handles than `step(x, y)`);
     which lie in one another's memory (see shared_memory); and the training flags of keyword
     modules and all their submodules (`model.eval()`, or only `model.bn.eval()`, selects a trace of
@@ -216,10 +221,10 @@ def gradient_snapshot(kwargs: dict) -> list[tuple]:
 
 def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | None = None) -> str:
     def one(k: tuple) -> str:
-        shape, _, dtype, device, requires_grad, inference = k
+        shape, _, dtype, device, requires_grad, inference, bits = k
         grad = ", requires_grad" if requires_grad else ""
         made = ", an inference tensor" if inference else ""
-        return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}"
+        return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}{describe_math_bits(bits)}"
 
     positional, keyword, training, repeated, shared, flags, context = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]

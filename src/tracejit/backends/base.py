@@ -39,21 +39,19 @@ class Backend(abc.ABC):
         return frozenset({self.device_type})
 
     def can_fuse(self, graph: Graph, node: Node) -> bool:
-        if entry_for(node.target) is None:
-            return False
-        metas = [graph.values[v].meta for v in (*node.inputs, *(o for o in node.outputs if o is not None))]
-        if any(m.device.type not in self.device_types or m.dtype not in self.dtypes for m in metas):
-            return False
-        return _lowers_alone(graph, node)
+        return entry_for(node.target) is not None and self._addresses(graph, node) and _lowers_alone(graph, node)
 
     def can_fuse_row(self, graph: Graph, node: Node) -> bool:
         """Whether a row op (rows.py: softmax and friends over the last dim) may head a row kernel."""
-        if not is_row_op(node.target):
-            return False
+        return is_row_op(node.target) and self._addresses(graph, node) and _lowers_alone(graph, node)
+
+    def _addresses(self, graph: Graph, node: Node) -> bool:
+        """Whether a kernel may read and write the node's tensors through their memory: of a device and
+        dtype it takes, and without a negation or conjugation bit (`z.conj().imag`), which aten applies
+        when it reads the tensor (eager resolves it into a copy first: the op stays aten's)."""
         metas = [graph.values[v].meta for v in (*node.inputs, *(o for o in node.outputs if o is not None))]
-        if any(m.device.type not in self.device_types or m.dtype not in self.dtypes for m in metas):
-            return False
-        return _lowers_alone(graph, node)
+        return not any(m.device.type not in self.device_types or m.dtype not in self.dtypes or m.math_bits
+                       for m in metas)
 
     @abc.abstractmethod
     def compile(self, graph: Graph, fused: list[tuple[int, Node]]) -> dict[int, Kernel]:

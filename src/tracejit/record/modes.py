@@ -81,15 +81,41 @@ class _DispatchMode(TorchDispatchMode):
         # torch.distributed: recorded as tracejit's own collective ops (a higher-order op has no _namespace)
         if getattr(func, "_namespace", None) == "c10d":
             return run_collective(self.context.handler, func, args, kwargs or {})
-        seeded = _SEEDED.get(func)
-        if seeded is None:
-            seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        traits = _TRAITS.get(func)
+        if traits is None:
+            traits = _TRAITS[func] = _traits(func)
+        seeded, written_lists = traits
         if seeded:
             return self.context.generator.draw(func, args, kwargs or {}, self.context)
-        return self.context.handler.on_op(func, args, kwargs or {})
+        result = self.context.handler.on_op(func, args, kwargs or {})
+        if written_lists:
+            _bump_versions(args, written_lists)
+        return result
 
 
-_SEEDED: dict[Any, bool] = {}  # op -> draws random numbers
+# op -> (draws random numbers, positions of the tensor lists it writes that need a version bump)
+_TRAITS: dict[Any, tuple[bool, tuple[int, ...]]] = {}
+
+
+def _traits(func: Any) -> tuple[bool, tuple[int, ...]]:
+    seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    schema = getattr(func, "_schema", None)
+    written = ()
+    if schema is not None and schema.name.startswith("aten::_foreach_"):
+        # Eager's `_foreach_` kernels bump the version counter of every tensor they write, but
+        # not when the op reaches them through a dispatch mode (torch 2.13): the recorded call,
+        # checked calls at the aten level and the kernels of their fused groups would leave an
+        # input's version as it was, and a caller's autograd graph that saved it would not see
+        # the write. (`_fused_adam_` and friends bump nothing in eager either: left alone.)
+        written = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None
+                        and a.alias_info.is_write and isinstance(a.type, torch.ListType) and not a.kwarg_only)
+    return seeded, written
+
+
+def _bump_versions(args: tuple, positions: tuple[int, ...]) -> None:
+    for i in positions:
+        if i < len(args):
+            torch._C._increment_version(tuple(args[i]))
 
 
 class GeneratorWatch:

@@ -40,20 +40,36 @@ class Flag(enum.Flag):
     SAVED = enum.auto()
 
 
+NEG_BIT, CONJ_BIT = 1, 2  # TensorMeta.math_bits
+
+
+def math_bits(t: torch.Tensor) -> int:
+    """PyTorch's lazy negation and conjugation bits (`z.conj().imag`, `torch._neg_view(x)`,
+    `z.conj()`): the tensor's memory holds the values before the negation or conjugation, which
+    aten applies when an op reads it and a kernel reading the memory would not."""
+    return t.is_neg() * NEG_BIT | t.is_conj() * CONJ_BIT
+
+
+def describe_math_bits(bits: int) -> str:
+    """`bits` as words for messages: "" for none, else ", a negative view" or ", a conjugate view"."""
+    return "".join(f", a {name} view" for bit, name in ((NEG_BIT, "negative"), (CONJ_BIT, "conjugate")) if bits & bit)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    math_bits: int = 0  # NEG_BIT | CONJ_BIT (see math_bits): no fused kernel reads such a tensor's memory
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, math_bits(t))
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.device.type} {dtype}{list(self.shape)}"
+        return f"{self.device.type} {dtype}{list(self.shape)}{describe_math_bits(self.math_bits)}"
 
 
 @dataclass

@@ -62,7 +62,7 @@ class _Evaluator:
     def meta(self, meta: TensorMeta | None) -> TensorMeta | None:
         if meta is None:
             return None
-        return TensorMeta(self.value(meta.shape), self.value(meta.stride), meta.dtype, meta.device)
+        return TensorMeta(self.value(meta.shape), self.value(meta.stride), meta.dtype, meta.device, meta.math_bits)
 
 
 def specialize(record: Record, values: dict[sympy.Symbol, int]) -> Record:

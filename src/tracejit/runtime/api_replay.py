@@ -46,7 +46,7 @@ from ..record.api import (
 )
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
-from ..record.record import Kind, Record
+from ..record.record import Kind, Record, math_bits
 from ..record.recorder import version_of
 from ..signature import autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
@@ -212,7 +212,8 @@ class ApiProgram:
         handle, meta, inference = self.rebind_meta[slot]
         if (type(tensor) is not torch.Tensor or tensor.requires_grad or tensor._base is not None
                 or tensor.shape != meta.shape or tensor.stride() != meta.stride or tensor.dtype != meta.dtype
-                or tensor.device != meta.device or tensor.is_inference() is not inference):
+                or tensor.device != meta.device or tensor.is_inference() is not inference
+                or math_bits(tensor) != meta.math_bits):
             return False
         memory = tensor.untyped_storage().data_ptr()
         for other in (*inputs, *externals):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..backends.reference import ReferenceKernel
 from ..ir.graph import INPUT_OPS, Graph, Node, Op
 from ..passes.plan_memory import out_overload
 from ..record.callables import resolve_callable
@@ -188,6 +189,7 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
     hoisted_handles = tuple(graph.values[v].handle for n in hoisted for v in n.outputs if v is not None)
     last_use = _last_uses(graph)
     keep = {graph.values[v].handle for v in graph.outputs} | set(graph.escaped)
+    visible = _visible_roots(graph)
     body, origins = [], []
     flipped = False  # inside a `with` block of the other inference mode (graph.inference_flipped)
     if graph.inference_flipped:
@@ -204,6 +206,8 @@ def generate_straight_line(graph: Graph, profiler: Profiler | None = None,
             else:
                 line = emitter.call(node, arena)
             lines += _profiled(emitter, profiler, node, line, "without_host")
+            if node.op is Op.FUSED and not isinstance(kernels[index], ReferenceKernel):
+                lines += _version_bumps(emitter, node, visible)
         dead = sorted(h for h, last in last_use.items() if last == index and h not in keep)
         if dead:
             lines.append("del " + ", ".join(f"h{h}" for h in dead))
@@ -251,6 +255,33 @@ def _fused_call(emitter: _Emitter, node: Node, kernel_object: Any, arena: torch.
         handed = f", {emitter.constant(tuple(buffers), 'bufs')}"
     call = f"{kernel}(({ins}{',' if len(node.inputs) == 1 else ''}), s{handed})  # {node.name}"
     return f"{', '.join(outs)}{',' if len(outs) == 1 else ''} = {call}" if outs else call
+
+
+def _visible_roots(graph: Graph) -> frozenset[int]:
+    """Handles of the storage the caller sees: the inputs, externals and captured constants (not
+    a literal the program makes anew on every call)."""
+    inputs = {graph.values[n.outputs[0]].handle for n in graph.nodes if n.op in INPUT_OPS}
+    return frozenset(inputs - graph.fresh)
+
+
+def _version_bumps(emitter: _Emitter, node: Node, visible: frozenset[int]) -> list[str]:
+    """After a compiled kernel: one version bump per in-place member write into storage the caller
+    sees, as eager's ADInplaceOrView makes for each op. A kernel writes through data pointers, so
+    without them autograd's "modified by an inplace operation" check (a caller's graph that saved
+    the tensor) and capture_as_const's check of captured tensors would miss the write. Aten ops of
+    the program (and the reference kernel's members) are dispatched and bump themselves; in checked
+    replay at the aten level each member is dispatched by the host (program._as_dispatched)."""
+    values = emitter.graph.values
+    written = []
+    for member in node.members:
+        handed = {values[v].handle for v in member.inputs}
+        # `writes` holds a new version of every alias of the written storage: the op wrote the
+        # tensors it was handed
+        written += [emitter.local(w) for w in member.writes if values[w].handle in handed and values[w].root in visible]
+    if not written:
+        return []
+    emitter.namespace["BUMP"] = torch._C._increment_version  # takes a tuple: one C call for all
+    return [f"BUMP(({', '.join(written)},))"]
 
 
 def _function(name: str, params: str, lines: list[str]) -> str:

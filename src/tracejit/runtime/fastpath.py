@@ -54,7 +54,8 @@ def _tensor_check(w: _Writer, expr: str, handle: int, external: TensorMeta | Non
     if external is not None:
         r = w.name("r")
         meta_differs = (f"{t}.shape != {w.constant(external.shape)} or {t}.stride() != {w.constant(external.stride)}"
-                        f" or {t}.dtype is not {w.constant(external.dtype)} or {_other_device(w, t, external.device)}")
+                        f" or {t}.dtype is not {w.constant(external.dtype)} or {_other_device(w, t, external.device)}"
+                        f" or {t}.is_neg() or {t}.is_conj()")
         # a Python number where the record had a tensor (LBFGS's state["t"]): the generic path says so
         unknown = [f"if {handle} in B or not isinstance({t}, TENSOR) or {meta_differs}: return MISS",
                    f"{r} = REF({t})", f"E[id({t})] = ({handle}, {r})", f"B[{handle}] = {r}"]
@@ -104,8 +105,9 @@ def _other_device(w: _Writer, expr: str, device: Any) -> str:
 
 def _inline_binding(info: Any) -> TensorMeta | None:
     """The metadata a first-seen tensor must have to be bound as this external inline (see
-    Replayer._first_seen_error); None where binding needs the replayer (constants, literals)."""
-    return info.meta if info.kind is Kind.EXTERNAL and not info.literal else None
+    Replayer._first_seen_error); None where binding needs the replayer (constants, literals, and
+    the rare negative or conjugate view)."""
+    return info.meta if info.kind is Kind.EXTERNAL and not info.literal and not info.meta.math_bits else None
 
 
 def _step_source(w: _Writer, record: Record, op: OpRecord, function: Callable, profile_row: int | None,

@@ -40,7 +40,7 @@ from ..record.names import (
     root_expression,
     same_value,
 )
-from ..record.record import Flag, Kind, OutputSpec, Record
+from ..record.record import Flag, Kind, OutputSpec, Record, math_bits
 from ..record.recorder import storage_address
 from ..record.rng import rng_dependency
 from ..signature import (
@@ -175,6 +175,15 @@ def _other_device(expr: str, device: torch.device, src: _Source) -> str:
     if device.type == "cpu":
         return f"not {expr}.is_cpu"
     return f"{expr}.device != {src.constant(device, 'v')}"
+
+
+def _other_math_bits(expr: str, bits: int, src: _Source) -> str:
+    """A condition true when the tensor `expr` has other negation and conjugation bits than `bits`
+    (record.math_bits): the program's kernels read the memory of tensors recorded without them."""
+    if not bits:
+        return f"{expr}.is_neg() or {expr}.is_conj()"
+    src.namespace["MATH_BITS"] = math_bits
+    return f"MATH_BITS({expr}) != {bits}"
 
 
 def _training_flags_differ(expr: str, module: torch.nn.Module, src: _Source) -> str:
@@ -489,7 +498,8 @@ class HostFreeRunner:
                 f"not isinstance({expr}, TENSOR) or {expr}.shape != {src.constant(torch.Size(meta.shape), 's')} or "
                 f"{expr}.stride() != {src.constant(meta.stride, 'st')} or {expr}.dtype is not "
                 f"{src.constant(meta.dtype, 'd')} or {_other_device(expr, meta.device, src)} or "
-                f"{grad}{expr}.requires_grad or {inference}{expr}.is_inference()", "another tensor signature"))
+                f"{grad}{expr}.requires_grad or {inference}{expr}.is_inference() or "
+                f"{_other_math_bits(expr, meta.math_bits, src)}", "another tensor signature"))
         lines += _same_object_checks([expr for expr, _, _ in tensors], [t for _, t, _ in tensors])
         if len(tensors) > 1:  # inputs in one another's memory: see signature.shared_memory
             shared = shared_memory([t for _, t, _ in tensors])
@@ -580,9 +590,11 @@ class HostFreeRunner:
             what += ", or has new storage"
         if checks:
             lines.append(_fail(" or ".join(checks), what))
-        # its layout: checked for all externals at once (see _meta_checks)
+        # its layout: checked for all externals at once (see _meta_checks; the guard's dispatch keys
+        # hold the math bits, so a negative view fails it and meets the precise check)
         self._meta.append((local, _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.dtype is not "
-                                        f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)}",
+                                        f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)} "
+                                        f"or {_other_math_bits(local, meta.math_bits, src)}",
                                         f"{info.name} is not {meta} anymore")))
         return lines
 

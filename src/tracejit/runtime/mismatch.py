@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..errors import TraceMismatchError
-from ..record.record import KwargStatic, OpRecord, Record, ScalarSlot, render_statics
+from ..record.record import KwargStatic, OpRecord, Record, ScalarSlot, TensorMeta, render_statics
 from ..record.source import SourceLocation
 
 
@@ -181,5 +181,4 @@ def shape_changed(record: Record, position: int, got: list, source: SourceLocati
 
 
 def describe_tensor(tensor: torch.Tensor) -> str:
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    return f"{tensor.device.type} {dtype}{list(tensor.shape)}"
+    return str(TensorMeta.of(tensor))

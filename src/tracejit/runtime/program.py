@@ -208,7 +208,9 @@ def _as_dispatched() -> torch._C._AutoDispatchBelowADInplaceOrView:
     members were handed out in: an exception (a TraceMismatchError) has left the user's
     `no_grad()` block before the replay settles its pending groups, and `p.mul_()` on a
     parameter would then refuse to write into a leaf that requires grad. Autograd and the
-    version counters saw each member when the host called it, so nothing is owed to them."""
+    version counters saw each member when the host called it (a `_foreach_` member's bump comes
+    from the dispatch mode, record/modes.py), so nothing is owed to them. The host-free program
+    dispatches no member: it bumps after its kernels (codegen._version_bumps)."""
     return torch._C._AutoDispatchBelowADInplaceOrView()
 
 

@@ -248,14 +248,30 @@ class Replayer:
                                      "earlier in the call")
         if info.kind is Kind.CONST and not info.literal:
             return self._check_constant(tensor, handle, position)
-        if not info.literal and TensorMeta.of(tensor) != info.meta:
-            now, recorded = _describe(tensor), str(info.meta)
+        if info.literal:
+            return self._literal_error(tensor, handle, position, slot)
+        meta = TensorMeta.of(tensor)
+        if meta != info.meta:
+            now, recorded = str(meta), str(info.meta)
             if now == recorded:  # only the layout differs: say so, or the two look the same
                 now = f"{now} with strides {tuple(tensor.stride())}"
                 recorded = f"{recorded} with strides {info.meta.stride}"
-            return self._input_error(position, slot, handle, now,
-                                     f"changed shape, stride, dtype or device (recorded {recorded})")
+            changed = ("changed shape, stride, dtype or device" if meta.math_bits == info.meta.math_bits else
+                       "is a negative or conjugate view where the recorded one was not, or the reverse")
+            return self._input_error(position, slot, handle, now, f"{changed} (recorded {recorded})")
         return None
+
+    def _literal_error(self, tensor: torch.Tensor, handle: int, position: int, slot: int):
+        """A literal (`torch.tensor(data)`) may hold other values than recorded (bound as this call's,
+        see `other_literals`), but not another dtype or shape: the program's kernels and the ops
+        after it were built for the recorded ones (a bool read as int64, a list grown past its
+        recorded length read out of bounds). Like a Python number that changes type, a mismatch."""
+        recorded = self.record.tensors[handle].meta
+        if TensorMeta.of(tensor) == recorded:
+            return None
+        return self._input_error(position, slot, handle, f"a tensor created from Python data, {_describe(tensor)}",
+                                 f"is created from Python data of another dtype or shape than recorded ({recorded}); "
+                                 f"the program was compiled for the recorded one")
 
     def _bind_first_seen(self, tensor: torch.Tensor, handle: int) -> bool:
         """Binding hook of the generated steps: True if `tensor` may be bound as external `handle`."""

@@ -17,7 +17,7 @@ import torch
 
 from ..ir.meta_check import MIXED_PRECISION_STATISTICS, REDUCED_PRECISION
 from ..record.calls import data_dependent_size
-from ..record.record import Record
+from ..record.record import Record, describe_math_bits
 from ..record.symbolic_shapes import ShapeGuards
 
 # Concrete programs kept per symbolic-shape trace: each may hold a planned memory arena, so a
@@ -33,8 +33,8 @@ def family(key: tuple) -> tuple:
 
 
 def _shape_free(tensor_key: tuple) -> tuple:
-    shape, _, dtype, device, requires_grad, inference = tensor_key
-    return (len(shape), dtype, device, requires_grad, inference)
+    shape, _, dtype, device, requires_grad, inference, bits = tensor_key
+    return (len(shape), dtype, device, requires_grad, inference, bits)
 
 
 def input_shapes(key: tuple) -> list[tuple[int, ...]]:
@@ -61,6 +61,8 @@ def why_static_inputs(key: tuple, arg_names: list[str]) -> str | None:
     for i, tensor_key in enumerate([*positional, *(k for _, k in keyword)]):
         if tensor_key[4]:
             return f"input {names[i]} requires grad (its .grad would be set on a stand-in)"
+        if tensor_key[6]:
+            return f"input {names[i]} is{describe_math_bits(tensor_key[6])[1:]} (a stand-in would have no such bit)"
     return None
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import LoadError
 from ..ir.graph import Value
-from ..record.record import TensorMeta
+from ..record.record import CONJ_BIT, NEG_BIT, TensorMeta
 from ..record.source import SourceLocation
 from . import schema
 from .limits import MAX_GRAPHS, MAX_OPS, MAX_TESTCASES, MAX_VALUES
@@ -49,8 +49,11 @@ def encode(graphs: list[PortableGraph]) -> tuple[bytes, dict[str, torch.Tensor]]
 
 
 def _meta_form(meta: TensorMeta) -> dict:
-    return {"shape": list(meta.shape), "stride": list(meta.stride), "dtype": dtype_name(meta.dtype),
+    form = {"shape": list(meta.shape), "stride": list(meta.stride), "dtype": dtype_name(meta.dtype),
             "device": str(meta.device)}
+    if meta.math_bits:  # only where set: a value no kernel may read through its memory
+        form["math_bits"] = meta.math_bits
+    return form
 
 
 def _encode_graph(graph: PortableGraph, tensors: dict[str, torch.Tensor]) -> dict:
@@ -192,11 +195,13 @@ class _GraphReader:
             dtype = parse_dtype(form["dtype"])
         except TaggedValueError as error:
             raise LoadError(f"{where}.dtype: {error}") from None
-        return TensorMeta(shape, stride, dtype, torch.device(device))
+        bits = schema.integer(form.get("math_bits", 0), f"{where}.math_bits", 0, NEG_BIT | CONJ_BIT)
+        return TensorMeta(shape, stride, dtype, torch.device(device), bits)
 
     def _value(self, index: int, form: Any, names: dict[int, str]) -> Value:
         where = f"{self.where}.values[{index}]"
-        schema.mapping(form, where, {"handle", "version", "root", "shape", "stride", "dtype", "device"}, {"name"})
+        schema.mapping(form, where, {"handle", "version", "root", "shape", "stride", "dtype", "device"},
+                       {"name", "math_bits"})
         handle = schema.integer(form["handle"], f"{where}.handle", 0, MAX_VALUES)
         version = schema.integer(form["version"], f"{where}.version", 0, MAX_VALUES)
         root = schema.integer(form["root"], f"{where}.root", 0, MAX_VALUES)
@@ -209,7 +214,7 @@ class _GraphReader:
 
     def _input(self, index: int, form: Any) -> PortableInput:
         where = f"{self.where}.inputs[{index}]"
-        schema.mapping(form, where, {"name", "value", "shape", "stride", "dtype", "device"})
+        schema.mapping(form, where, {"name", "value", "shape", "stride", "dtype", "device"}, {"math_bits"})
         value = None if form["value"] is None else self._value_id(form["value"], f"{where}.value")
         meta = self._meta(form, where)
         if value is not None and self.values[value].meta != meta:

@@ -17,7 +17,7 @@ from ..backends import resolve_backend
 from ..ir.graph import Graph
 from ..ir.printer import format_graph
 from ..options import GraphOptimizationConfig
-from ..record.record import TensorMeta
+from ..record.record import TensorMeta, math_bits
 from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
 from .portable import PortableGraph, TestCase, to_graph
@@ -110,7 +110,9 @@ class LoadedGraph(ProfileAccess):
             got = f"{value.device.type} {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
             raise ValueError(f"{self.name}(): input {name!r} must be {meta} (the signature it was traced with), "
                              f"got {got}")
-        if tuple(value.stride()) != meta.stride:  # another layout of the same values: copy into the traced one
+        # another layout of the same values, or a negative or conjugate view (whose memory a kernel
+        # would read without the negation): copy into the traced layout, which applies the bits
+        if tuple(value.stride()) != meta.stride or math_bits(value):
             value = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device).copy_(value)
         return value
 
