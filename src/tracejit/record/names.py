@@ -131,7 +131,7 @@ class ExternalNames:
             if _rearranged(items, self._now(locator, _items)):
                 changes.append(f"{name} has other items")
         for locator in self._places:
-            entry = self._found.get(id(self._now(locator, _identity)))
+            entry = self._found.entry(self._now(locator, _identity))
             if entry is not None and entry[1] is not None and entry[1] != locator:
                 changes.append(f"{entry[0]} moved to {locator.describe()}")
         return changes
@@ -144,11 +144,11 @@ class ExternalNames:
             return None
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
-        entry = self._found.get(id(tensor))
+        entry = self._found.entry(tensor)
         return entry[0] if entry else None
 
     def locator_of(self, tensor: torch.Tensor) -> Locator | None:
-        entry = self._found.get(id(tensor))
+        entry = self._found.entry(tensor)
         return entry[1] if entry else None
 
     def place_of(self, tensor: torch.Tensor) -> Locator | None:
@@ -219,11 +219,24 @@ class _Found(dict):
         self.tensors: list[tuple[torch.Tensor, str]] = []
         self.holders: list[tuple[Any, str, str]] = []
         self.contents: list[tuple[Locator, str, Any]] = []  # (locator, name, _items) of each container
+        self.refs: dict[int, weakref.ref] = {}  # id -> the tensor found, weakly
 
     def add(self, tensor: torch.Tensor, name: str, locator: Locator | None) -> None:
         if id(tensor) not in self:
             self[id(tensor)] = (name, locator)
             self.tensors.append((tensor, name))
+            try:
+                self.refs[id(tensor)] = weakref.ref(tensor)
+            except TypeError:
+                pass
+
+    def entry(self, tensor: Any) -> tuple[str, Locator | None] | None:
+        """Where `tensor` was found, if it is the object found there: once a found tensor is freed
+        (zero_grad() drops the old gradients), a tensor the call makes may get its id."""
+        ref = self.refs.get(id(tensor))
+        if ref is not None and ref() is not tensor:
+            return None
+        return self.get(id(tensor))
 
 
 def _storage_address(tensor: torch.Tensor) -> int:
