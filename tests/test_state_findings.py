@@ -834,6 +834,60 @@ def test_without_the_host_a_key_added_once_costs_one_call():
     assert traced.stats.host_free_calls == 4
 
 
+def _step_logging_metrics(x, *, model, opt, metrics):
+    out = model(x)
+    loss = (out * out).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    metrics["loss"] = loss.detach()  # frees the last call's: a tensor made next may get its id
+    metrics["mean"] = out.mean().detach()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("slots", ["filled", "none"])
+def test_without_the_host_metrics_assigned_to_the_same_keys_keep_the_fast_path(slots):
+    """Items were compared by id(): the freed tensor's id, taken by the next value, looked like an
+    item moved to another key, and calls at random ran the function. Slots that hold None before
+    are no object that could move."""
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(40)]
+    runs = []
+    for traced in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        metrics = {"loss": None, "mean": None} if slots == "none" else {}
+        step = tracejit.trace(_step_logging_metrics, without_host=True, backend="aten") if traced else _step_logging_metrics
+        runs.append([(step(x, model=model, opt=opt, metrics=metrics), dict(metrics)) for x in xs])
+    for i, ((want, wanted), (got, found)) in enumerate(zip(*runs)):
+        assert torch.equal(got, want) and all(torch.equal(found[k], v) for k, v in wanted.items()), i
+    assert step.stats.host_free_calls == 37, step.stats
+
+
+def test_an_item_freed_in_the_call_whose_id_a_new_item_takes_did_not_move():
+    # Deterministic form of the above: the new value under "mean" takes the id of the "loss" freed
+    # by the call; nothing moved.
+    from tracejit.record.names import _items, _rearranged
+
+    metrics = {"loss": torch.ones(1), "mean": torch.ones(1)}
+    before = _items(metrics)
+    freed = id(metrics["loss"])
+    metrics["loss"] = None
+    reused = None
+    for _ in range(1000):  # CPython hands a freed object's memory to the next one of its size
+        candidate = torch.zeros(1)
+        if id(candidate) == freed:
+            reused = candidate
+            break
+    if reused is None:
+        pytest.skip("no new tensor took the freed one's id")
+    metrics["loss"], metrics["mean"] = torch.zeros(1), reused
+    assert not _rearranged(before, _items(metrics))
+    metrics["loss"], metrics["mean"] = metrics["mean"], metrics["loss"]  # a real move still counts
+    moved = _items(metrics)
+    assert _rearranged(_items({"loss": metrics["mean"], "mean": metrics["loss"]}), moved)
+
+
 def _scaled_step(x, y, *, m, opt, cfg):
     loss = F.mse_loss(m(x) * cfg["s"], y)
     loss.backward()

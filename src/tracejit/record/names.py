@@ -495,18 +495,36 @@ def _items(container: Any) -> tuple[int, dict] | None:
         pairs = enumerate(itertools.islice(container, _PLAIN_ITEMS))
     else:
         return None
-    return len(container), {key: id(item) for key, item in pairs}
+    return len(container), {key: _token(item) for key, item in pairs}
+
+
+def _token(item: Any) -> tuple[int, weakref.ref | None]:
+    """An item's identity: its id, and a weak reference where it takes one. A freed item's id
+    may go to an object the call makes (`metrics["loss"] = loss.detach()` frees the old loss)."""
+    try:
+        return id(item), weakref.ref(item)
+    except TypeError:  # a number, a string, None: its id is all there is
+        return id(item), None
+
+
+def _alive(token: tuple[int, weakref.ref | None]) -> bool:
+    """The item is still the object with that id (not told for items without weak references)."""
+    return token[1] is None or token[1]() is not None
 
 
 def _rearranged(before: tuple[int, dict] | None, after: tuple[int, dict] | None) -> bool:
     """Whether a call that found a container's items as `before` and left them as `after` added,
     removed or moved items. A position or key given a new object is not such a change (a call
     without the function leaves its new tensor there too, see place_of), unless the object it held
-    is still in the container: `[x0] * 2` left as `[x0, y]` was shifted as much as assigned to."""
+    is still in the container: `[x0] * 2` left as `[x0, y]` was shifted as much as assigned to.
+    None is no object of its own (`{"loss": None, "acc": None}` with one slot filled)."""
     if before is None or after is None or before[0] != after[0] or before[1].keys() != after[1].keys():
         return True
-    old, new = set(before[1].values()), set(after[1].values())
-    return any(after[1][key] != item and (after[1][key] in old or item in new) for key, item in before[1].items())
+    nothing = id(None)
+    old = {token[0] for token in before[1].values() if token[0] != nothing and _alive(token)}
+    new = {token[0] for token in after[1].values() if token[0] != nothing}
+    return any(after[1][key][0] != item[0] and (after[1][key][0] in old or (item[0] in new and _alive(item)))
+               for key, item in before[1].items())
 
 
 def _identity(value: Any) -> Any:
