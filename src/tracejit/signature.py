@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from torch.utils._device import DeviceContext
 
 from .record.record import describe_math_bits, math_bits
 
@@ -81,6 +82,37 @@ def autocast_state() -> tuple | None:
 
 _anomaly = torch.is_anomaly_enabled
 _anomaly_nan = torch.is_anomaly_check_nan_enabled
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _entered_modes() -> list:
+    """The TorchFunctionMode and TorchDispatchMode objects on the stacks, innermost last, without
+    tracejit's own (an exclude_from_trace() block inside a traced call)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [torch._C._get_function_stack_at(i) for i in range(_function_modes())]
+    modes += _get_current_dispatch_mode_stack()
+    return [mode for mode in modes if type(mode).__module__.split(".")[0] != "tracejit"]
+
+
+def modes_key() -> tuple:
+    """The caller's torch modes as part of the call context: `torch.device(...)` as a context
+    manager, or `torch.set_default_device`, by its device (it only decides where factory calls
+    put their results), any other mode by identity (see user_modes)."""
+    if not (_function_modes() or _dispatch_modes()):
+        return ()
+    return tuple((type(m), str(m.device)) if isinstance(m, DeviceContext) else (type(m), id(m))
+                 for m in _entered_modes())
+
+
+def user_modes() -> list[str]:
+    """The modes the caller entered that see the calls of the function (a FlopCounterMode, a
+    mode of its own): their Python code runs on every torch call or aten op, changes results as
+    it likes and keeps its own state, which no trace can replay. Such calls run eagerly."""
+    if not (_function_modes() or _dispatch_modes()):
+        return []
+    return [type(m).__qualname__ for m in _entered_modes() if not isinstance(m, DeviceContext)]
 
 
 def call_context_key() -> tuple:
@@ -88,13 +120,15 @@ def call_context_key() -> tuple:
     autocast state and dtype, default dtype, deterministic algorithms, anomaly detection and its
     NaN check, whose backward reads every gradient on the host and raises on a NaN): a call made
     under another one may dispatch other ops than the trace holds."""
+    modes = modes_key() if _function_modes() or _dispatch_modes() else ()
     if not _any_autocast():  # the usual case, in one call (the cpu dtype matters only under autocast)
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, None, False,
-                torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan())
+                torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan(),
+                modes)
     cpu = torch.is_autocast_enabled("cpu")
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cpu,
             torch.get_autocast_dtype("cpu") if cpu else None, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
-            torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan())
+            torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan(), modes)
 
 
 def _repeated_inputs(tensors: list[torch.Tensor]) -> tuple[int, ...]:

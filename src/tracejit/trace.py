@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import inspect
@@ -11,7 +12,7 @@ import traceback
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +46,7 @@ from .record.source import user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
-from .runtime.api_replay import ApiProgram, NotReplayable, gradient_owners, run_checked
+from .runtime.api_replay import ApiInterrupted, ApiProgram, NotReplayable, gradient_owners, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
@@ -65,6 +66,7 @@ from .signature import (
     gradient_state,
     requires_grad_bits,
     signature,
+    user_modes,
 )
 
 
@@ -195,6 +197,7 @@ class trace(ProfileAccess):
         # per input signature, the lazy modules a call found not materialized and left so (the
         # function did not run them): they do not keep the next calls from recording (see _run_materializing)
         self._lazy_left: dict[tuple, weakref.WeakSet] = {}
+        self._warned_modes = False  # the warning of _run_under_modes, once
         self._no_lazy_modules: set[tuple] = set()  # (signature, ids of the keywords) found without lazy modules
         # A trace's program reuses its buffers, and its checker and stand-ins hold one call's state:
         # calls from several threads take turns (see __call__)
@@ -212,6 +215,21 @@ class trace(ProfileAccess):
         if instance is None:
             return self
         return bound_trace(self, instance)
+
+    # -- copying ------------------------------------------------------------------------------
+    # A trace's records hold the tensors of the calls that made them: a copy is the same function
+    # with the same options and no traces yet (as a copied model's traced methods, methods.py).
+    # Pickling stores a reference, as for a plain function: a module-level decorated function
+    # unpickles as that module's trace.
+
+    def __copy__(self) -> trace:
+        return type(self)(self._function, **dataclasses.asdict(self.options))
+
+    def __deepcopy__(self, memo: dict) -> trace:
+        return self.__copy__()
+
+    def __reduce__(self) -> str:
+        return self.__qualname__
 
     # -- calling --------------------------------------------------------------------------------
 
@@ -268,6 +286,9 @@ class trace(ProfileAccess):
     def _run_call(self, args: tuple, kwargs: dict) -> Any:
         check_not_nested(self.__name__)
         self._check_arguments(args, kwargs)
+        modes = user_modes()
+        if modes:
+            return self._run_under_modes(modes, args, kwargs)
         if self.options.without_host:  # what the function changes that a host-free call would not
             self._state_before = python_state(self._function, kwargs)
             self._seen_in_call = None
@@ -305,7 +326,15 @@ class trace(ProfileAccess):
         if names is None:
             names = entry.tensor_kwargs = tuple(k for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
         inputs = [*args, *map(kwargs.__getitem__, names)] if names else list(args)
-        result, fallback = run_checked(entry.api, self, args, kwargs, inputs)
+        interrupted = None
+        try:
+            result, fallback = run_checked(entry.api, self, args, kwargs, inputs)
+        except ApiInterrupted as stop:
+            # Eager's effects up to the raise (the update before a KeyboardInterrupt) are owed:
+            # the aten level runs the call, raising the function's exception again where it does.
+            # One that came from outside the function's logic (Ctrl-C) may not come again: it is
+            # raised once that call completes, so it is never lost.
+            result, fallback, interrupted = None, str(stop), stop.raised
         if fallback is None:
             if self._profiler is None and not entry.api.autocast:  # autocast calls need _call's cache switch
                 self._fast_api = entry
@@ -319,6 +348,8 @@ class trace(ProfileAccess):
         # An exception the aten level raises too is the function's own (bad data, a retried call):
         # it says nothing against the API level. One that only the API level raised counts.
         result = self._replay(entry, args, kwargs)
+        if interrupted is not None:
+            raise interrupted
         entry.api_fallbacks += 1
         if not entry.warned_ran_twice:
             entry.warned_ran_twice = True
@@ -438,6 +469,20 @@ class trace(ProfileAccess):
         left = [module for module in lazy if has_lazy_tensors(module)]
         if left:
             self._lazy_left.setdefault(key, weakref.WeakSet()).update(left)
+        self.stats.eager_calls += 1
+        return result
+
+    def _run_under_modes(self, modes: list[str], args: tuple, kwargs: dict) -> Any:
+        """A call made inside the caller's TorchFunctionMode or TorchDispatchMode runs eagerly: the
+        mode's code must see every torch call and aten op as it does in eager, and may compute
+        what it likes from its own state (see signature.user_modes)."""
+        if not self._warned_modes:
+            self._warned_modes = True
+            self._warn_replay_level(
+                f"{self.__name__}() was called inside {', '.join(modes)} (a torch function or dispatch mode): "
+                f"such calls run eagerly, untraced, so that the mode sees every call and op as in eager. "
+                f"Said once; traced.stats.eager_calls counts them.")
+        result = self._function(*args, **kwargs)
         self.stats.eager_calls += 1
         return result
 
@@ -1136,10 +1181,20 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
 _STATIC = object()  # _record_symbolic: record this call static instead
 
 
+def _keyword_optimizers(kwargs: dict) -> Iterator[tuple[str, torch.optim.Optimizer]]:
+    """The keyword optimizers, and those a keyword module holds as an attribute (`model.opt`), by name."""
+    for name, value in kwargs.items():
+        if isinstance(value, torch.optim.Optimizer):
+            yield name, value
+        elif isinstance(value, torch.nn.Module):
+            for attribute, held in vars(value).items():
+                if isinstance(held, torch.optim.Optimizer):
+                    yield f"{name}.{attribute}", held
+
+
 def _stateful_optimizers(kwargs: dict) -> frozenset:
     """The keyword optimizers that hold state (after a call that ran the function)."""
-    return frozenset(name for name, v in kwargs.items()
-                     if isinstance(v, torch.optim.Optimizer) and any(v.state.values()))  # a look up leaves {} behind
+    return frozenset(name for name, v in _keyword_optimizers(kwargs) if any(v.state.values()))  # a look up leaves {}
 
 
 def _optimizers_without_state(kwargs: dict) -> frozenset:
@@ -1147,8 +1202,7 @@ def _optimizers_without_state(kwargs: dict) -> frozenset:
     holds none now (another model's optimizer than the one recorded with, one whose state was
     cleared) creates its state lazily in this call, as the recorded call did: the replay may
     record again from where it differs."""
-    return frozenset(name for name, v in kwargs.items()
-                     if isinstance(v, torch.optim.Optimizer) and not any(v.state.values()))
+    return frozenset(name for name, v in _keyword_optimizers(kwargs) if not any(v.state.values()))
 
 
 def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,

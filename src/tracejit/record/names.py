@@ -197,6 +197,10 @@ def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
             optimizers.append((name, Locator(root, ()), value))
         elif not isinstance(value, (torch.nn.Module, torch.Tensor)):
             _walk_plain(value, name, Locator(root, ()), found, optimizers, visited, _PLAIN_DEPTH)
+    # what modules hold besides tensors and submodules (`self.opt`, `self.cache = {"h": h}`), as
+    # deep as a root's plain values; a module found there appends its own
+    for value, name, locator in found.module_attributes:
+        _walk_plain(value, name, locator, found, optimizers, visited, _PLAIN_DEPTH - 1)
     for name, locator, optimizer in optimizers:
         found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
         for param, state in optimizer.state.items():
@@ -220,6 +224,7 @@ class _Found(dict):
         self.holders: list[tuple[Any, str, str]] = []
         self.contents: list[tuple[Locator, str, Any]] = []  # (locator, name, _items) of each container
         self.refs: dict[int, weakref.ref] = {}  # id -> the tensor found, weakly
+        self.module_attributes: list[tuple[Any, str, Locator]] = []  # modules' plain values, walked last
 
     def add(self, tensor: torch.Tensor, name: str, locator: Locator | None) -> None:
         if id(tensor) not in self:
@@ -543,13 +548,18 @@ def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: 
         if buffer is not None:
             found.add(buffer, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("buffer", name))))
     users_own = not type(module).__module__.startswith("torch.")
-    for name, value in vars(module).items():  # a plain tensor attribute (`self.h = h`)
-        if isinstance(value, torch.Tensor) and name.isidentifier():
-            found.add(value, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("attr", name))))
-        elif ((isinstance(value, _SEQUENCES) or type(value) is dict) and name not in _MODULE_INTERNALS
-              and (users_own or name[0] != "_")):  # a history it keeps (`self.hist.append(y)`), not torch's bookkeeping
-            found.contents.append((Locator(locator.root, (*locator.steps, ("attr", name))), f"{prefix}.{name}",
-                                   _items(value)))
+    for name, value in vars(module).items():
+        if not name.isidentifier():
+            continue
+        where = Locator(locator.root, (*locator.steps, ("attr", name)))
+        if isinstance(value, torch.Tensor):  # a plain tensor attribute (`self.h = h`)
+            found.add(value, f"{prefix}.{name}", where)
+        elif isinstance(value, (torch.optim.Optimizer, torch.amp.GradScaler)) or (
+                (isinstance(value, _SEQUENCES) or type(value) is dict or (users_own and _plain_object(value)))
+                and name not in _MODULE_INTERNALS and (users_own or name[0] != "_")):
+            # an optimizer it owns (`self.opt`), a history it keeps (`self.hist.append(y)`), a
+            # cache (`self.cache["h"]`), not torch's bookkeeping: searched as a root's values are
+            found.module_attributes.append((value, f"{prefix}.{name}", where))
     for name, child in module._modules.items():
         if child is not None:
             _walk_module(child, f"{prefix}.{name}", Locator(locator.root, (*locator.steps, ("module", name))), found)

@@ -103,6 +103,7 @@ class Seen:
                              f"{now[index, key]!r}, written after its step()"
                              for (index, key), before in settings.items()
                              if (index, key) in now and _differs(now[index, key], before)]
+        self._settings_at_step.clear()  # the optimizers themselves: the Seen of a call may be kept
 
     def _stepping(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != self._thread:

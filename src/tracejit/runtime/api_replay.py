@@ -63,6 +63,16 @@ class ApiDiverged(BaseException):  # noqa: N818 - control flow, not an error the
     A BaseException, so that `except Exception` in the function does not swallow it."""
 
 
+class ApiInterrupted(Exception):  # noqa: N818 - carries the function's own exception
+    """The function raised a BaseException that is not an Exception (KeyboardInterrupt, SystemExit)
+    during a checked call at the API level, where nothing was computed yet: the call runs at the
+    aten level for eager's effects, and `raised` goes on (see trace._replay_api)."""
+
+    def __init__(self, raised: BaseException, why: str):
+        super().__init__(why)
+        self.raised = raised
+
+
 class ApiProgram:
     """The generated checks and answers of one trace's torch-level calls, and its placeholders."""
 
@@ -730,7 +740,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if context is None or context.trace is not trace:
         context = program.call_context = CallContext(trace, checker, trace.options.capture_as_const)
     context.excluded = 0
-    outer = pushed = failure = None
+    outer = pushed = failure = interrupted = None
     handlers = _install_fast_paths()
     try:
         outer = enter_api_checked_call(context)
@@ -741,9 +751,13 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         failure = checker.diverged or "the call diverged"
     except Exception as error:  # noqa: BLE001 - the aten level reruns the call and raises it for real
         failure = f"the function raised {type(error).__name__}"
+    except BaseException as error:  # KeyboardInterrupt, SystemExit, the user's own: as above, and it goes on
+        failure = f"the function raised {type(error).__name__}"
+        interrupted = error
     finally:
         if pushed is not None:
             POP_MODE()
+        checker.inputs = checker.externals = ()  # the call's tensors: the checker outlives the call
         _remove_fast_paths(handlers)
         leave_api_checked_call(outer)
         if stand_ins:
@@ -770,6 +784,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if failure is not None:
         if scaler_stages:  # the aten level runs the function again, from the scalers' stages before this run
             ScalerStages.restore(scaler_stages)
+        if interrupted is not None:
+            raise ApiInterrupted(interrupted, failure) from None
         return None, failure
     del result
     kept = program.kept_placeholders()
@@ -852,4 +868,4 @@ def _output_value(spec: Any, env: list) -> Any:
 
 NotReplayable = _NotReplayable
 
-__all__ = ["ApiChecker", "ApiDiverged", "ApiProgram", "NotReplayable", "RecordedNode", "call_context_key", "run_checked"]
+__all__ = ["ApiChecker", "ApiDiverged", "ApiInterrupted", "ApiProgram", "NotReplayable", "RecordedNode", "call_context_key", "run_checked"]

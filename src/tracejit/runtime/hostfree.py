@@ -330,6 +330,8 @@ class HostFreeRunner:
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
+        # binding's own lookups: kept, they would keep the call's model and optimizer alive
+        self._kwargs = self._bound_by_locator = None
         if self._unconfirmed:  # the next call runs the function, which tells whether it reaches them again
             raise GuardFailure(f"t{self._unconfirmed[0]} was reached for the first time")
         guards += self._meta_checks(src)
@@ -389,6 +391,7 @@ class HostFreeRunner:
         self._escape_guards: list[str] = []  # filled by the epilogue: checks before the program runs
         self.unplaced: list[str] = []  # and the tensors it kept where tracejit cannot find them
         program = self._program_lines(objects, kwargs, src)
+        self._names = self._bound = self._handle_of = None  # binding's own: they hold the call's tensors
         guards += self._escape_guards
         lines += [f"s = {own} if S is None else S", "try:", *(f"    {line}" for line in guards),
                   "except (KeyError, AttributeError, IndexError, TypeError):",
@@ -541,7 +544,7 @@ class HostFreeRunner:
         elif locator is not None:
             lengths = self._list_lengths(locator, src)
             expr = src.locator(locator)
-            lines = [*src.pending, *lengths, f"{local} = {expr}"]
+            lines = [*lengths, *src.pending, f"{local} = {expr}"]  # the lengths' lookups come first
             src.pending.clear()
             src.resolved[locator] = local
             # a freed object's reference returns None, which the located tensor is not either
