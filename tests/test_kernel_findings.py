@@ -11,7 +11,10 @@ backend over several calls and compared with eager exactly:
 - a tensor with PyTorch's negation bit (`z.conj().imag`), an input, an external or made inside,
   whose memory a kernel read without negating it;
 - an in-place write by a kernel (or by a `_foreach_` op under the dispatch mode) that left the
-  tensor's version counter where it was: autograd and capture_as_const missed the write.
+  tensor's version counter where it was: autograd and capture_as_const missed the write;
+- `hardtanh`/`relu6` at a bound equal to the input, where the kernel took the bound's sign of zero;
+- `round(decimals=309)`, whose scale overflowed a Python float while the trace compiled;
+- a Python int from 2**63 on, bound as an int64 that wrapped to a negative number.
 """
 
 from __future__ import annotations
@@ -561,3 +564,67 @@ def test_capture_as_const_sees_a_write_by_another_traces_kernel():
     assert writer.stats.host_free_calls == served + 1 and writer.kernel_sources()  # the kernel wrote it
     with pytest.raises(TraceMismatchError, match=r"captured constant t1 \(_captured\) was modified in place"):
         reader(x)
+
+
+# -- hardtanh, round and int scalars at the edges --------------------------------------------------------
+
+def clipped(x):
+    y = x * 1
+    return F.relu6(y), F.hardtanh(y, -0.0, 1.0), F.hardtanh(y, 0.0, 0.5)
+
+
+def _signed_zero_edges(call):
+    return (torch.tensor([-0.0, 0.0, -0.5, 2.0, 0.5, 6.0, float("nan"), -3.0]) * (1 + call),)
+
+
+def _same_bits(got, want):
+    for g, w in zip(got, want):
+        assert same(g, w) and torch.equal(torch.signbit(g), torch.signbit(w)), (g, w)
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+def test_hardtanh_keeps_the_input_at_a_bound_as_eager_does(backend):
+    """Eager's hardtanh is clamp with number bounds: `relu6(-0.0)` is -0.0, `hardtanh(0.0, -0.0, 1)`
+    is 0.0. The kernels took the bound's sign where the two are equal."""
+    with ts.interpreter() if backend == "triton" else contextlib.nullcontext():
+        traced = tracejit.trace(clipped, backend=backend)
+        for call in range(3):
+            (x,) = _signed_zero_edges(call)
+            _same_bits(traced(x.clone()), clipped(x.clone()))
+        assert fused_nodes(traced) if backend == "c" else ts.triton_launchers(traced)
+
+
+def rounded_far(x):
+    return torch.round(x * 2, decimals=309) + 1, torch.round(x * 2, decimals=-309) + 1
+
+
+def test_round_with_more_decimals_than_a_float_holds_is_eagers():
+    """`10.0 ** 309` raised OverflowError while the trace compiled; eager's scale is inf (NaN results)."""
+    assert_matches_eager(rounded_far, lambda call: (torch.tensor([1.5, -2.25, 0.0]) + call,))
+
+
+def shifted(x, *, s):
+    return (x * 1 + s) * 2
+
+
+def test_an_int_beyond_int64_reaches_a_float_kernel_as_eager_takes_it():
+    """A float tensor takes 2**63 (eager computes 1.8447e+19); the kernel bound it as an int64 that
+    wrapped to -2**63."""
+    x = torch.zeros(3)
+    traced = trace_c(shifted)
+    for s in (5, 5, 5, 2 ** 63, 2 ** 64 - 1, 7):
+        assert same(traced(x.clone(), s=s), shifted(x.clone(), s=s)), s
+    assert fused_nodes(traced)
+
+
+@pytest.mark.parametrize("function", [clamped, masked], ids=["clamp", "masked_fill"])
+def test_an_int_beyond_int64_for_an_int64_tensor_raises_as_eager_does(function):
+    x = torch.arange(4)
+    traced = trace_c(function)
+    for _ in range(3):
+        assert same(traced(x.clone(), k=3), function(x.clone(), k=3))
+    assert "without overflow" in eager_outcome(function, x, 2 ** 63)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        traced(x.clone(), k=2 ** 63)
+    assert same(traced(x.clone(), k=3), function(x.clone(), k=3))
+    assert fused_nodes(traced)

@@ -62,6 +62,11 @@ def _scalar_range_checks(spec: KernelSpec) -> list[str]:
     # slower: that call runs through aten.
     tensor_floats = [d for d in (*spec.load_dtypes, *(d for _, d in spec.store_exprs)) if d.is_floating_point]
     conditions = []
+    # every int is bound as int64: one beyond it (2**63, a float tensor takes it) would wrap
+    for k, kind in enumerate(spec.scalar_types):
+        if kind is int:
+            slots = sorted({lane.scalars[k] for lane in spec.lanes})
+            conditions += [f"not ({-2 ** 63} <= s[{slot}] < {2 ** 63})" for slot in slots]
     for k, targets in sorted(narrowed.items()):
         slots = sorted({lane.scalars[k] for lane in spec.lanes})  # a list-wide scalar is one slot
         if any(t.is_floating_point for t in targets):

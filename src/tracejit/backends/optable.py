@@ -75,6 +75,8 @@ def _round(c: Compute, x, decimals=0):
         return c.round(x)
     if not c.dtype.is_floating_point:
         raise Unsupported("round(decimals=...) of integers")
+    if abs(decimals) > 308:  # 10 ** 309 overflows a Python float; eager's std::pow gives inf (NaN results)
+        raise Unsupported(f"round(decimals={decimals})")
     # eager's rule: round(x * 10^d) / 10^d, with 10^-d for negative d (the same roundings)
     scale = 10.0 ** abs(decimals)
     if decimals > 0:
@@ -325,7 +327,7 @@ def _leaky_relu_backward(c: Compute, grad, x, negative_slope, self_is_result):
 
 @_op("hardtanh", example=lambda x, y, z: F.hardtanh(x * 2, -1.5, 1.25))
 def _hardtanh(c: Compute, x, min_val=-1, max_val=1):
-    return c.minimum(c.maximum(x, min_val), max_val)
+    return _at_most(c, _at_least(c, x, min_val), max_val)  # eager's is clamp: x kept at a tie (relu6(-0.0) is -0.0)
 
 
 @_op("hardtanh_backward", example=lambda x, y, z: torch.ops.aten.hardtanh_backward(x, y * 2, -1.5, 1.25))
