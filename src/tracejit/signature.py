@@ -118,8 +118,9 @@ def user_modes() -> list[str]:
 def call_context_key() -> tuple:
     """The global state that decides which ops a torch call dispatches (grad and inference mode,
     autocast state and dtype, default dtype, deterministic algorithms, anomaly detection and its
-    NaN check, whose backward reads every gradient on the host and raises on a NaN): a call made
-    under another one may dispatch other ops than the trace holds."""
+    NaN check, whose backward reads every gradient on the host and raises on a NaN, and the
+    caller's torch modes, see modes_key): a call made under another one may dispatch other ops
+    than the trace holds."""
     modes = modes_key() if _function_modes() or _dispatch_modes() else ()
     if not _any_autocast():  # the usual case, in one call (the cpu dtype matters only under autocast)
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, None, False,
@@ -275,7 +276,7 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
 
 def describe_context(context: tuple) -> list[str]:
     """The parts of a call context that differ from torch's defaults, readably."""
-    grad, inference, cpu_autocast, cpu_dtype, cuda_autocast, default_dtype, deterministic, anomaly = context
+    grad, inference, cpu_autocast, cpu_dtype, cuda_autocast, default_dtype, deterministic, anomaly, modes = context
     parts = [] if grad else ["no_grad"]
     parts += ["inference_mode"] if inference else []
     parts += [f"autocast cpu {str(cpu_dtype).removeprefix('torch.')}"] if cpu_autocast else []
@@ -283,6 +284,7 @@ def describe_context(context: tuple) -> list[str]:
     parts += [f"default dtype {str(default_dtype).removeprefix('torch.')}"] if default_dtype != torch.float32 else []
     parts += ["deterministic algorithms"] if deterministic else []
     parts += ["anomaly detection"] if anomaly else []
+    parts += [f"default device {mode[1]}" if mode[0] is DeviceContext else f"inside {mode[0].__qualname__}" for mode in modes]
     return parts
 
 
