@@ -24,6 +24,7 @@ from .ranks import agree_on_collectives
 from .record import (
     ExcludedBlock,
     Flag,
+    HiddenRead,
     HostRead,
     Kind,
     OpRecord,
@@ -69,6 +70,7 @@ class Recorder:
         self.ops: list[OpRecord] = []
         self.handles = HandleMap()
         self.host_reads: list[HostRead] = []
+        self.hidden_reads: list[HiddenRead] = []
         self.excluded_blocks: list[ExcludedBlock] = []
         # (ops before it, the tensor whose `.grad` Python set to None: its handle, or a weak
         # reference while no op has used it yet)
@@ -141,6 +143,7 @@ class Recorder:
         handles.drop_from(first_dropped)
         recorder.handles = handles
         recorder.host_reads = [r for r in record.host_reads if r.position <= position]
+        recorder.hidden_reads = [r for r in record.hidden_reads if r.position <= position]
         recorder.excluded_blocks = [b for b in record.excluded_blocks if b.position <= position]
         recorder.grad_clears = list(grad_clears) if grad_clears is not None else [
             clear for clear in record.grad_clears if clear[0] <= position]
@@ -296,6 +299,16 @@ class Recorder:
             what += INF_CHECK
         self.host_reads.append(HostRead(len(self.ops), handle, what, user_location()))
 
+    def on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
+        self._busy += 1
+        try:
+            self._on_hidden_read(tensor, what)
+        finally:
+            self._busy -= 1
+
+    def _on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
+        self.hidden_reads.append(HiddenRead(len(self.ops), self.handles.get(tensor), what, user_location()))
+
     def on_grad_cleared(self, tensor: torch.Tensor) -> None:
         self.grad_clears.append(note_grad_clear(len(self.ops), tensor, self.handles))
 
@@ -399,6 +412,7 @@ class Recorder:
             ops=self.ops,
             output=output,
             host_reads=self.host_reads,
+            hidden_reads=self.hidden_reads,
             excluded_blocks=self.excluded_blocks,
             constants=self.constants,
             constant_versions=self.constant_versions,
