@@ -83,7 +83,7 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         nodes.append(Node(Op.CALL, op.op, inputs, outputs, writes=writes, positions=(op.index,), source=op.source,
                           statics=op.statics, scalars=op.scalars, out_kind=op.out_kind, scalar_base=scalar_base,
                           input_metas=tuple(versions.values[v].meta for v in inputs),
-                          backward_of=op.backward_of))
+                          backward_of=op.backward_of, grad_enabled=op.grad_enabled))
         scalar_base += len(op.scalars)
     for handle in record.output.handles():
         if handle not in versions.current:  # returned without being used by any op

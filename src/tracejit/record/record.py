@@ -114,6 +114,8 @@ class OpRecord:
     regions: tuple[str, ...] = ()  # enclosing profiler ranges, e.g. "Optimizer.step#Adam.step"
     backward_of: str | None = None  # the autograd node running it ("ReluBackward0"); None: not backward
     inference: bool = False  # dispatched under torch.inference_mode() (its results are inference tensors)
+    # the grad mode a kernel that depends on it ran under (record/calls.py GRAD_MODE_KERNELS); None for the others
+    grad_enabled: bool | None = None
 
     @property
     def name(self) -> str:

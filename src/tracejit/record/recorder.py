@@ -14,6 +14,7 @@ from .amp import INF_CHECK, in_grad_scaler
 from .calls import (
     HOST_VALUE_OPS,
     aliases_its_input,
+    depends_on_grad_mode,
     is_ignored_op,
     mutated_tensors,
     split_call,
@@ -269,7 +270,7 @@ class Recorder:
         self.ops.append(
             OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source,
                      self.regions.current(), autograd_node.name() if autograd_node is not None else None,
-                     inference)
+                     inference, torch.is_grad_enabled() if depends_on_grad_mode(func) else None)
         )
         return result
 
