@@ -80,3 +80,58 @@ def test_recurrent_training_matches_eager_bitwise(cell, batch_first, mode, optim
         assert stats.checked_replays + stats.rerecords == 4 and stats.api_replays >= 2
     else:
         assert stats.host_free_calls >= 3
+
+
+def _infer(x, *, model):
+    return model(x)[0]
+
+
+@pytest.mark.parametrize("mode", ["checked", "without_host"])
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM], ids=["gru", "lstm"])
+def test_recurrent_inference_matches_eager_bitwise(cell, context, mode):
+    # the oneDNN LSTM layer recorded without gradients ran its inference primitive: the program ran
+    # it with gradients enabled (the training primitive, other rounding) and drifted by a few ulp
+    torch.manual_seed(0)
+    model_a = cell(6, 6, num_layers=2).eval()
+    model_b = copy.deepcopy(model_a)
+    traced = tracejit.trace(_infer, backend="aten", **MODES[mode])
+    for i in range(4):
+        x = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(i))
+        with context():
+            assert torch.equal(traced(x, model=model_b), _infer(x, model=model_a)), i
+    if mode == "checked":
+        assert traced.stats.checked_replays == 3 and traced.stats.api_replays >= 1
+    else:
+        assert traced.stats.host_free_calls >= 2
+
+
+def _distill_step(x, *, teacher, student, opt):
+    with torch.no_grad():  # the same kind of layer, once without and once with gradients
+        target = teacher(x)[0]
+    loss = nn.functional.mse_loss(student(x)[0], target)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, target
+
+
+@pytest.mark.parametrize("mode", ["checked", "without_host"])
+def test_lstm_without_and_with_gradients_in_one_step_matches_eager_bitwise(mode):
+    torch.manual_seed(0)
+    teacher, student = nn.LSTM(6, 6), nn.LSTM(6, 6)
+    kwargs_a = {"teacher": teacher, "student": student}
+    kwargs_b = copy.deepcopy(kwargs_a)
+    kwargs_a["opt"] = torch.optim.SGD(student.parameters(), lr=0.1)
+    kwargs_b["opt"] = torch.optim.SGD(kwargs_b["student"].parameters(), lr=0.1)
+    traced = tracejit.trace(_distill_step, backend="aten", **MODES[mode])
+    for i in range(4):
+        x = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(i))
+        got, want = traced(x, **kwargs_b), _distill_step(x, **kwargs_a)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+        for a, b in zip(student.parameters(), kwargs_b["student"].parameters()):
+            assert torch.equal(a, b), i
+    if mode == "checked":
+        assert traced.stats.api_replays >= 1
+    else:
+        assert traced.stats.host_free_calls >= 2

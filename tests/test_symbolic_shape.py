@@ -945,3 +945,34 @@ def test_a_refused_symbolic_recording_leaves_no_symbol_behind():
     with torch.no_grad():
         model(torch.randn(2, 4))
     assert model.n == 2
+
+
+def _rnn_step(x, *, rnn, opt):
+    loss = rnn(x)[0].square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("cell", [torch.nn.GRU, torch.nn.LSTM], ids=["gru", "lstm"])
+def test_recurrent_layers_refuse_symbolic_sizes_clearly_and_train_per_size_by_default(cell):
+    # torch's C++ needs concrete sizes there (at::native::lstm's numel(), the GRU gates' split of a
+    # storage of symbolic size): a raw RuntimeError from inside torch before
+    torch.manual_seed(0)
+    rnn_a = cell(4, 6, batch_first=True)
+    rnn_b = copy.deepcopy(rnn_a)
+    opt_a, opt_b = torch.optim.SGD(rnn_a.parameters(), lr=0.1), torch.optim.SGD(rnn_b.parameters(), lr=0.1)
+    refusing = tracejit.trace(_rnn_step, symbolic_shape=True)
+    with pytest.raises(SymbolicTraceError, match=r"symbolic_shape=True cannot record _rnn_step\(\) at "
+                                                 r"test_symbolic_shape.py:\d+ in _rnn_step: loss = rnn\(x\)"):
+        refusing(torch.randn(2, 5, 4), rnn=rnn_b, opt=opt_b)
+    for a, b in zip(rnn_a.parameters(), rnn_b.parameters()):  # the failed attempt changed nothing
+        assert torch.equal(a, b) and b.grad is None
+    traced = tracejit.trace(_rnn_step, backend="aten")  # automatic: a static trace per batch size
+    for i, batch in enumerate([2, 3, 2, 3, 2, 3]):
+        x = torch.randn(batch, 5, 4, generator=torch.Generator().manual_seed(i))
+        assert torch.equal(traced(x, rnn=rnn_b, opt=opt_b), _rnn_step(x, rnn=rnn_a, opt=opt_a)), i
+        for a, b in zip(rnn_a.parameters(), rnn_b.parameters()):
+            assert torch.equal(a, b), i
+    assert traced.stats.checked_replays == 4

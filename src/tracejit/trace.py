@@ -37,12 +37,13 @@ from .record.ddp_calls import is_ddp
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
 from .record.names import ExternalNames, has_lazy_tensors, lazy_modules, same_value
+from .record.placeholders import SYMBOLIC_LIMITS
 from .record.ranks import post_failure
 from .record.reached import Seen
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
-from .record.source import user_location
+from .record.source import traceback_location, user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
@@ -722,6 +723,16 @@ class trace(ProfileAccess):
                     f"symbolic_shape=False.") from error
             _abandon(recorder, error)  # run what was recorded, so side effects match an eager call
             before.restore_symbolic()  # no symbol or stand-in stays in the module or the globals
+            if isinstance(error, RuntimeError) and not isinstance(error, SymbolicTraceError) \
+                    and SYMBOLIC_LIMITS.search(str(error)):
+                # torch's C++ asked a symbolic size for a number (at::native::lstm's numel(), a split of
+                # GRU gates in a storage of symbolic size): a limit of the recording, not the user's error
+                where = traceback_location(error.__traceback__)
+                code = f": {where.code}" if where.code else ""
+                raise SymbolicTraceError(
+                    f"tracejit: symbolic_shape=True cannot record {self.__name__}() at {where}{code}: torch needs "
+                    f"a concrete size there ({str(error).splitlines()[0]}). Trace it with symbolic_shape=None (the "
+                    f"default: such calls record a trace per size) or symbolic_shape=False.") from error
             raise
         except BaseException as error:
             _abandon(recorder, error)

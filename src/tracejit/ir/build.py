@@ -83,7 +83,7 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         nodes.append(Node(Op.CALL, op.op, inputs, outputs, writes=writes, positions=(op.index,), source=op.source,
                           statics=op.statics, scalars=op.scalars, out_kind=op.out_kind, scalar_base=scalar_base,
                           input_metas=tuple(versions.values[v].meta for v in inputs),
-                          backward_of=op.backward_of))
+                          backward_of=op.backward_of, grad_enabled=op.grad_enabled))
         scalar_base += len(op.scalars)
     for handle in record.output.handles():
         if handle not in versions.current:  # returned without being used by any op
@@ -109,8 +109,10 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         fresh=frozenset(record.fresh_literals()),
         inference_mode=record.inference_mode,
         inference_flipped=frozenset(op.index for op in record.ops if op.inference != record.inference_mode),
-        host_reads=frozenset(r.handle for r in record.host_reads),
-        reads=tuple(sorted({(r.position, r.handle) for r in record.host_reads})),
+        # torch's C++ reads of a tensor (record/modes.py HIDDEN_READS) need its value as a host read does
+        host_reads=frozenset(r.handle for r in (*record.host_reads, *record.hidden_reads) if r.handle is not None),
+        reads=tuple(sorted({(r.position, r.handle) for r in (*record.host_reads, *record.hidden_reads)
+                            if r.handle is not None})),
         # host code of an excluded block runs before op `position`; other processes meet at a collective;
         # a data-dependent output size may move a checked call to another program (runtime/variants.py);
         # the function enters or leaves torch.inference_mode() (a fused kernel runs in one mode)

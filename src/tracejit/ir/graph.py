@@ -69,6 +69,8 @@ class Node:
     scalar_base: int = 0
     # the autograd node running it ("ReluBackward0"); None: not part of backward
     backward_of: str | None = None
+    # the grad mode a kernel that depends on it was recorded under (record/calls.py GRAD_MODE_KERNELS)
+    grad_enabled: bool | None = None
     # hoist_external_views: computed once per binding, not on every call
     hoisted: bool = False
     # plan_memory: (offset, bytes) of its output in the persistent arena

@@ -122,6 +122,10 @@ def record_refusal(record: Record) -> str | None:
     dynamic = next((op for op in record.ops if data_dependent_size(op, record)), None)
     if dynamic is not None:  # its program has one output size per op; variants switch mid-call
         return f"op #{dynamic.index} {dynamic.name} at {dynamic.source} has a data-dependent output shape"
+    if record.hidden_reads:  # the call is matched as a whole, by its arguments, never by their values
+        read = record.hidden_reads[0]
+        return (f"{read.describe()} inside torch's C++ code and chooses the ops it dispatches from those values, "
+                f"which the API level would not compare")
     swap = next((op for op in record.ops if op.op.overloadpacket is torch.ops.aten.set_), None)
     if swap is not None:  # Tensor.set_ reaches no torch function mode: the checker would not see it
         return (f"op #{swap.index} {swap.name} at {swap.source} makes a tensor use other memory (Tensor.set_), "

@@ -224,10 +224,26 @@ def is_view_op(op: Any) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
 
+# Kernels whose outputs depend on grad mode itself: the oneDNN LSTM layer runs its training primitive
+# and returns the workspace its backward reads only when gradients are enabled, and its inference
+# primitive (other rounding) otherwise. The recorder notes the grad mode each one ran under.
+GRAD_MODE_KERNELS = frozenset({"aten::mkldnn_rnn_layer"})
+
+
+def depends_on_grad_mode(op: Any) -> bool:
+    return getattr(getattr(op, "_schema", None), "name", "") in GRAD_MODE_KERNELS
+
+
+# Ops whose output size depends on tensor values that torch does not tag as such: pack_padded_sequence's
+# packed data has sum(lengths) rows
+_UNTAGGED_DYNAMIC_OUTPUT_OPS = frozenset({"aten::_pack_padded_sequence"})
+
+
 @functools.cache
 def has_dynamic_output_shape(op: Any) -> bool:
     """The op's schema says its output size may depend on tensor values (see data_dependent_size)."""
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.dynamic_output_shape in op.tags
+    return isinstance(op, torch._ops.OpOverload) and (torch.Tag.dynamic_output_shape in op.tags
+                                                       or op._schema.name in _UNTAGGED_DYNAMIC_OUTPUT_OPS)
 
 
 # Index tensors that select by mask: their number of True elements is the output size

@@ -57,7 +57,9 @@ SHAPE_READ_METHODS = ("size", "dim", "numel", "stride", "__len__")
 class Handler(Protocol):
     """A recorder or a replayer. A handler with `records_shape_reads = True` also gets
     `on_shape_read(tensor)` calls, and one with `notes_grad_clears = True` gets
-    `on_grad_cleared(tensor)` calls; both attributes are optional and false by default."""
+    `on_grad_cleared(tensor)` calls; both attributes are optional and false by default. A handler
+    with an `on_hidden_read(tensor, what)` method is told of the values torch reads in C++ (see
+    HIDDEN_READS); one without it is not."""
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
 
@@ -225,11 +227,13 @@ def _shape_property(original: Any) -> property:
 
 
 class TensorHooks:
-    """Methods of torch.Tensor replaced while at least one traced call on any thread needs them."""
+    """Methods of torch.Tensor (or attributes of another `owner`: the torch module, torch._VF)
+    replaced while at least one traced call on any thread needs them."""
 
-    def __init__(self, hooks: dict[str, Any]):
+    def __init__(self, hooks: dict[str, Any], owner: Any = torch.Tensor):
         self.hooks = hooks
-        self.originals = {name: torch.Tensor.__dict__.get(name) for name in hooks}
+        self.owner = owner
+        self.originals = {name: owner.__dict__.get(name) for name in hooks}
         self.lock = threading.Lock()
         self.users = 0
 
@@ -238,7 +242,7 @@ class TensorHooks:
         with self.lock:
             if self.users == 0:
                 for name, hook in self.hooks.items():
-                    setattr(torch.Tensor, name, hook)
+                    setattr(self.owner, name, hook)
             self.users += 1
         try:
             yield
@@ -248,9 +252,10 @@ class TensorHooks:
                 if self.users == 0:
                     for name, original in self.originals.items():
                         if original is None:
-                            delattr(torch.Tensor, name)  # it was inherited from TensorBase
+                            # inherited from TensorBase, or served by torch._VF's __getattr__
+                            delattr(self.owner, name)
                         else:
-                            setattr(torch.Tensor, name, original)
+                            setattr(self.owner, name, original)
 
 
 _GRAD = torch._C.TensorBase.grad
@@ -277,6 +282,62 @@ _SHAPE_READ_HOOKS = TensorHooks({
 })
 # the getter stays torch's own C function: only the setter runs Python
 _GRAD_CLEAR_HOOKS = TensorHooks({"grad": property(_GRAD.__get__, _set_grad, _GRAD.__delete__, _GRAD.__doc__)})
+
+
+# Hidden reads: torch functions whose C++ code reads the values of a CPU tensor argument through its
+# data pointer, with no op dispatched for the read, and decides from them which ops it dispatches
+# (the slices of `tensor_split`, the copies of `pad_packed_sequence`, the steps of an RNN over a
+# PackedSequence). A trace sees the ops but not the read: the API level, which matches the call as a
+# whole, and a program without the function would keep the recorded ops for other values. Each
+# entry: the function's name on its owner, what it reads, and which argument it reads (or None).
+def _tensor_indices(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    # tensor_split(input, tensor_indices_or_sections, dim=0); split points as ints read nothing
+    return next((a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+
+
+def _batch_sizes(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    # _pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_length)
+    return args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else kwargs.get("batch_sizes")
+
+
+def _packed_batch_sizes(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    # lstm/gru/rnn_*(data, batch_sizes, hx, params, ...) over a PackedSequence; the padded form
+    # (input, hx, params, ...) reads nothing: its hx is a tuple (lstm) or its params come third
+    if len(args) > 3 and isinstance(args[1], torch.Tensor) and isinstance(args[3], (list, tuple)):
+        return args[1]
+    return None
+
+
+HIDDEN_READS = {
+    torch: {"tensor_split": ("torch.tensor_split() reads its tensor of split points", _tensor_indices)},
+    torch.Tensor: {"tensor_split": ("Tensor.tensor_split() reads its tensor of split points", _tensor_indices)},
+    torch._VF: {
+        "_pad_packed_sequence": ("pad_packed_sequence() reads the PackedSequence's batch_sizes", _batch_sizes),
+        **{name: (f"nn.{module}() over a PackedSequence reads its batch_sizes", _packed_batch_sizes)
+           for name, module in (("lstm", "LSTM"), ("gru", "GRU"), ("rnn_tanh", "RNN"), ("rnn_relu", "RNN"))},
+    },
+}
+
+
+def _hidden_read_hook(original: Any, what: str, read_argument: Any) -> Any:
+    def hook(*args, **kwargs):
+        context = current_context()
+        if context is not None and not context.excluded:
+            tensor = read_argument(args, kwargs)
+            notify = getattr(context.handler, "on_hidden_read", None)
+            if tensor is not None and notify is not None:
+                notify(tensor, what)
+        return original(*args, **kwargs)
+
+    hook.__name__ = getattr(original, "__name__", what)
+    hook.__doc__ = getattr(original, "__doc__", None)
+    return hook
+
+
+_HIDDEN_READ_HOOKS = tuple(
+    TensorHooks({name: _hidden_read_hook(getattr(owner, name), what, read) for name, (what, read) in entries.items()},
+                owner=owner)
+    for owner, entries in HIDDEN_READS.items())
 
 
 class CallContext:
@@ -315,12 +376,21 @@ def _handler_hooks(handler: Handler) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _hidden_read_hooks() -> Iterator[None]:
+    with contextlib.ExitStack() as hooks:
+        for owner_hooks in _HIDDEN_READ_HOOKS:
+            hooks.enter_context(owner_hooks.installed())
+        yield
+
+
+@contextlib.contextmanager
 def traced_call(context: CallContext) -> Iterator[CallContext]:
     """Run a block as a traced call: install both modes and the thread's call context."""
     outer = check_not_nested(context.function_name)
     _local.context = context
     try:
-        with _HOST_READ_HOOKS.installed(), _PER_ELEMENT_HOOKS.installed(), _handler_hooks(context.handler), \
+        with _HOST_READ_HOOKS.installed(), _PER_ELEMENT_HOOKS.installed(), _hidden_read_hooks(), \
+                _handler_hooks(context.handler), \
                 rng_state_calls(context.rng_calls, lambda: _ops_so_far(context.handler)), _DispatchMode(context):
             context.generator.begin()
             yield context

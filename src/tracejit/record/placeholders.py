@@ -254,7 +254,7 @@ def _explain(func: Any, error: Exception, sizes: SymbolicSizes | None = None) ->
     where = f"{func} at {user_location()}"
     option, instead = (("symbolic_shape=True", "symbolic_shape=None (the default: such calls record their sizes)")
                        if symbolic_sizes else ("symbolic=True", "symbolic=False"))
-    if isinstance(error, ArithmeticError) or (isinstance(error, RuntimeError) and _SYMBOLIC_LIMITS.search(str(error))):
+    if isinstance(error, ArithmeticError) or (isinstance(error, RuntimeError) and SYMBOLIC_LIMITS.search(str(error))):
         # torch's Python decomposition or a kernel's size handling, not the op itself: eager computes it
         # (mse_loss's backward divides by the numel of an empty batch in Python; F.pad by a computed amount)
         return SymbolicTraceError(
@@ -287,4 +287,4 @@ def _explain(func: Any, error: Exception, sizes: SymbolicSizes | None = None) ->
 
 
 # What torch says when a kernel needs concrete sizes where the recording has symbols
-_SYMBOLIC_LIMITS = re.compile(r"SymInt|SymFloat|symbolic|concrete int")
+SYMBOLIC_LIMITS = re.compile(r"SymInt|SymFloat|symbolic|concrete int")

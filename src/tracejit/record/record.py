@@ -114,6 +114,8 @@ class OpRecord:
     regions: tuple[str, ...] = ()  # enclosing profiler ranges, e.g. "Optimizer.step#Adam.step"
     backward_of: str | None = None  # the autograd node running it ("ReluBackward0"); None: not backward
     inference: bool = False  # dispatched under torch.inference_mode() (its results are inference tensors)
+    # the grad mode a kernel that depends on it ran under (record/calls.py GRAD_MODE_KERNELS); None for the others
+    grad_enabled: bool | None = None
 
     @property
     def name(self) -> str:
@@ -126,6 +128,21 @@ class HostRead:
     handle: int
     what: str  # "item", "numpy", "repr", ...
     source: SourceLocation
+
+
+@dataclass(frozen=True)
+class HiddenRead:
+    """A torch function read tensor values on the host in C++ and chose its ops from them
+    (record/modes.py HIDDEN_READS): the recorded ops hold for those values only."""
+
+    position: int  # number of ops recorded before the call
+    handle: int | None  # the tensor read; None: one from outside the trace that no op used
+    what: str  # "torch.tensor_split() reads its tensor of split points"
+    source: SourceLocation
+
+    def describe(self) -> str:
+        tensor = f" (t{self.handle})" if self.handle is not None else ""
+        return f"{self.what}{tensor} at {self.source}"
 
 
 @dataclass(frozen=True)
@@ -168,6 +185,7 @@ class Record:
     ops: list[OpRecord]
     output: OutputSpec
     host_reads: list[HostRead] = field(default_factory=list)
+    hidden_reads: list[HiddenRead] = field(default_factory=list)
     excluded_blocks: list[ExcludedBlock] = field(default_factory=list)
     # Tensors the record must hold to be replayable: captured constants (with the version
     # counter they had), and a private copy of each Python-data literal as the call made it

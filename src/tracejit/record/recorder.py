@@ -14,6 +14,7 @@ from .amp import INF_CHECK, in_grad_scaler
 from .calls import (
     HOST_VALUE_OPS,
     aliases_its_input,
+    depends_on_grad_mode,
     is_ignored_op,
     mutated_tensors,
     split_call,
@@ -24,6 +25,7 @@ from .ranks import agree_on_collectives
 from .record import (
     ExcludedBlock,
     Flag,
+    HiddenRead,
     HostRead,
     Kind,
     OpRecord,
@@ -69,6 +71,7 @@ class Recorder:
         self.ops: list[OpRecord] = []
         self.handles = HandleMap()
         self.host_reads: list[HostRead] = []
+        self.hidden_reads: list[HiddenRead] = []
         self.excluded_blocks: list[ExcludedBlock] = []
         # (ops before it, the tensor whose `.grad` Python set to None: its handle, or a weak
         # reference while no op has used it yet)
@@ -141,6 +144,7 @@ class Recorder:
         handles.drop_from(first_dropped)
         recorder.handles = handles
         recorder.host_reads = [r for r in record.host_reads if r.position <= position]
+        recorder.hidden_reads = [r for r in record.hidden_reads if r.position <= position]
         recorder.excluded_blocks = [b for b in record.excluded_blocks if b.position <= position]
         recorder.grad_clears = list(grad_clears) if grad_clears is not None else [
             clear for clear in record.grad_clears if clear[0] <= position]
@@ -266,7 +270,7 @@ class Recorder:
         self.ops.append(
             OpRecord(index, func, statics, inputs, tuple(scalars), outputs, out_kind, out_metas, mutated, source,
                      self.regions.current(), autograd_node.name() if autograd_node is not None else None,
-                     inference)
+                     inference, torch.is_grad_enabled() if depends_on_grad_mode(func) else None)
         )
         return result
 
@@ -295,6 +299,16 @@ class Recorder:
         if in_grad_scaler():
             what += INF_CHECK
         self.host_reads.append(HostRead(len(self.ops), handle, what, user_location()))
+
+    def on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
+        self._busy += 1
+        try:
+            self._on_hidden_read(tensor, what)
+        finally:
+            self._busy -= 1
+
+    def _on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
+        self.hidden_reads.append(HiddenRead(len(self.ops), self.handles.get(tensor), what, user_location()))
 
     def on_grad_cleared(self, tensor: torch.Tensor) -> None:
         self.grad_clears.append(note_grad_clear(len(self.ops), tensor, self.handles))
@@ -399,6 +413,7 @@ class Recorder:
             ops=self.ops,
             output=output,
             host_reads=self.host_reads,
+            hidden_reads=self.hidden_reads,
             excluded_blocks=self.excluded_blocks,
             constants=self.constants,
             constant_versions=self.constant_versions,

@@ -58,6 +58,17 @@ def user_location(depth: int = 1) -> SourceLocation:
     return UNKNOWN
 
 
+def traceback_location(tb) -> SourceLocation:
+    """Location of the innermost user frame of an exception's traceback."""
+    where = UNKNOWN
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not _skipped(code.co_filename):
+            where = SourceLocation(code.co_filename, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    return where
+
+
 def warn_at_user_line(message: str, category: type[Warning]) -> None:
     """Warn as if from the innermost user frame: a fixed stacklevel would point at tracejit's own
     line, since how deep inside tracejit and torch a warning is raised depends on the caller."""

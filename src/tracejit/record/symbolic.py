@@ -220,6 +220,12 @@ class SymbolicRecorder(Recorder):
         self._check_readable(tensor, what)
         super()._on_host_read(tensor, what)
 
+    def _on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
+        # torch reads the value in C++: a stand-in without values or a placeholder not computed yet
+        # would give it garbage (or crash inside torch)
+        self._check_readable(tensor, what)
+        super()._on_hidden_read(tensor, what)
+
     def _check_readable(self, tensor: torch.Tensor, what: str) -> None:
         if isinstance(tensor, FakeTensor):
             raise SymbolicTraceError(self._fake_read_message(tensor, what))

@@ -841,7 +841,7 @@ def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
         for op in record.ops:
             values = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
             call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
-            _store_outputs(op, with_recorded_grad_mode(op.op, op.op)(*call_args, **call_kwargs), env)
+            _store_outputs(op, with_recorded_grad_mode(op.op, op.op, op.grad_enabled)(*call_args, **call_kwargs), env)
             for handle in op.outputs:
                 if handle in kept and record.tensors[handle].producer == op.index:
                     kept[handle].copy_(env[handle])

@@ -20,6 +20,7 @@ from ..backends.reference import ReferenceKernel
 from ..ir.graph import INPUT_OPS, Graph, Node, Op
 from ..passes.plan_memory import out_overload
 from ..record.callables import resolve_callable
+from ..record.calls import depends_on_grad_mode
 from ..record.record import TENSOR, KwargStatic, ScalarSlot, TensorMeta
 from .profile import CLOCK, Profiler, Row
 
@@ -28,26 +29,23 @@ _INLINE_TYPES = (int, bool, str, type(None))
 
 def callable_for(node: Node) -> Callable:
     function = resolve_callable(node.target, node.statics, node.input_metas, node.scalars)
-    return with_recorded_grad_mode(node.target, function)
+    return with_recorded_grad_mode(node.target, function, node.grad_enabled)
 
 
-# Kernels whose outputs depend on grad mode itself: the oneDNN LSTM layer returns its workspace
-# (which its backward reads) only when gradients are enabled.
-GRAD_MODE_KERNELS = frozenset({"mkldnn_rnn_layer"})
-
-
-def with_recorded_grad_mode(op: Callable, function: Callable) -> Callable:
-    """`function`, run with gradients enabled but below autograd (no graph is built) when `op` is a
-    kernel that behaves differently without gradients; the program itself runs without them."""
-    name = getattr(getattr(op, "_schema", None), "name", "").split("::")[-1]
-    if name not in GRAD_MODE_KERNELS:
+def with_recorded_grad_mode(op: Callable, function: Callable, grad_enabled: bool | None) -> Callable:
+    """`function`, run below autograd (no graph is built) in the grad mode `op` was recorded under
+    when it is a kernel that behaves differently without gradients (record/calls.py
+    GRAD_MODE_KERNELS); the program itself runs without them. The oneDNN LSTM layer recorded under
+    no_grad ran its inference primitive, whose rounding differs from the training one's."""
+    if not depends_on_grad_mode(op):
         return function
+    enabled = True if grad_enabled is None else grad_enabled  # None: a graph loaded from a file
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with torch.enable_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        with torch.set_grad_enabled(enabled), torch._C._AutoDispatchBelowADInplaceOrView():
             return function(*args, **kwargs)
 
-    run.__name__ = getattr(function, "__name__", name)
+    run.__name__ = getattr(function, "__name__", str(op))
     return run
 
 

@@ -90,6 +90,16 @@ def refuse_host_dependencies(record: Record) -> None:
             f"the call); pass changing values as tensors; for torch.optim use fused=True (Adam/AdamW "
             f"read step.item() otherwise) or capturable=True; or trace without without_host."
         )
+    if record.hidden_reads:
+        lines = "\n".join(f"    {r.describe()}: {r.source.code}" for r in record.hidden_reads[:5])
+        raise HostDependencyError(
+            f"without_host=True cannot skip {record.function_name}(): torch reads tensor values on the host "
+            f"inside these calls (in C++, with no op for the read) and chooses from them which ops to run, so a "
+            f"program run without the function would run the recorded ops whatever the values:\n{lines}\n"
+            f"Remedies: pass split points as Python ints (x.tensor_split([2, 5])), keep packing and padding "
+            f"of variable-length sequences outside the traced function, or trace without without_host: checked "
+            f"calls compare the ops each call runs."
+        )
     dynamic = [op for op in record.ops if data_dependent_size(op, record)]
     if dynamic:
         lines = "\n".join(f"    op #{op.index} {op.name} at {op.source}: {op.source.code}" for op in dynamic[:5])

@@ -200,6 +200,15 @@ class Replayer:
             if in_grad_scaler():
                 self.inf_check_at = self.position
 
+    def on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
+        """torch reads `tensor` in C++ (record/modes.py HIDDEN_READS): it must hold its value, as for a
+        host read. The record notes the read; the ops torch dispatches from it are checked as any."""
+        if self.recorder is not None:
+            return self.recorder.on_hidden_read(tensor, what)
+        handle = self.handles.get(tensor)
+        if handle is not None:
+            self.program.materialize(self.state, handle, self.scalars)
+
     def on_grad_cleared(self, tensor: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder.on_grad_cleared(tensor)

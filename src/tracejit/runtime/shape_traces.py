@@ -74,6 +74,8 @@ def why_static(record: Record) -> str | None:
     if record.host_reads:
         read = record.host_reads[0]
         return f"it reads a tensor value on the host ({read.what} at {read.source})"
+    if record.hidden_reads:
+        return f"torch reads a tensor value on the host: {record.hidden_reads[0].describe()}"
     if record.excluded_blocks:
         return f"it has an exclude_from_trace() block at {record.excluded_blocks[0].source}"
     dynamic = next((op for op in record.ops if data_dependent_size(op, record)), None)

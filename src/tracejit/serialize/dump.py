@@ -132,6 +132,10 @@ def _the_record(traced: Any) -> Record:
         read = record.host_reads[0]
         raise ValueError(f"dump(): {name}() reads tensor values on the host ({read.what} of t{read.handle} at "
                          f"{read.source}); a dumped graph would freeze the value read. Return the tensor instead")
+    if record.hidden_reads:
+        read = record.hidden_reads[0]
+        raise ValueError(f"dump(): in {name}(), {read.describe()} and chooses its ops from those values; a dumped "
+                         f"graph would keep the recorded ops for any values. Pass them as Python ints instead")
     return record
 
 
