@@ -44,8 +44,14 @@ class LoadedGraph(ProfileAccess):
         values = portable.values
         self._inputs = [(i.name, i.meta, None if i.value is None else values[i.value].handle) for i in portable.inputs]
         self._positions = {name: index for index, (name, _, _) in enumerate(self._inputs)}
-        constant_handles = {values[c.value].handle for c in portable.constants}
-        self._outputs = [(values[o.value].handle, values[o.value].handle in constant_handles) for o in portable.outputs]
+        # An output that shares memory with what the graph keeps between calls (a weight, a view of
+        # one: `w.t()`, `b[:2]`, hoisted or not) is handed out as a copy: eager returns fresh memory
+        # for a constant made by the call, and a caller writing into its result must not change the
+        # next call's (or the loaded weights). A fresh constant is this call's copy already.
+        kept = set(self.graph.constants) - set(self.graph.fresh)
+        compiled = self.graph.values
+        self._outputs = [(compiled[v].handle, compiled[v].root in kept or compiled[v].handle in self.program.hoisted)
+                         for v in self.graph.outputs]
         names = [o.name for o in portable.outputs]
         self._output_names = names if names and all(n is not None for n in names) else None
         self._lock = threading.Lock()
@@ -80,8 +86,11 @@ class LoadedGraph(ProfileAccess):
                 self.program.run(env, self._scalars)
         finally:
             torch._C._set_grad_enabled(previous)
-        # a returned constant is the graph's own tensor: the caller gets a copy it may modify
-        outputs = tuple(env[handle].clone() if constant else env[handle] for handle, constant in self._outputs)
+        copies: dict[int, torch.Tensor] = {}  # one copy per handle: `return w, w` returns one tensor twice
+        for handle, kept in self._outputs:
+            if kept and handle not in copies:
+                copies[handle] = env[handle].clone()
+        outputs = tuple(copies.get(handle, env[handle]) for handle, _ in self._outputs)
         if self._profiler is not None:
             self._profiler.call_done(start, recorded=False)
         return dict(zip(self._output_names, outputs)) if self._output_names else outputs
