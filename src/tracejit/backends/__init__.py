@@ -70,9 +70,11 @@ class AutoBackend(Backend):
 
 def resolve_backend(option: str) -> Backend | None:
     """The backend of a `backend=` option value; None means ops run unfused."""
-    choice = os.environ.get("TRACEJIT_BACKEND", "auto") if option == "auto" else option
+    # an empty variable (`TRACEJIT_BACKEND=`) is an unset one
+    choice = (os.environ.get("TRACEJIT_BACKEND") or "auto") if option == "auto" else option
     if choice not in BACKENDS:
-        raise ValueError(f"TRACEJIT_BACKEND must be one of {', '.join(BACKENDS)}; got {choice!r}")
+        where = "the environment variable TRACEJIT_BACKEND" if option == "auto" else "backend"
+        raise ValueError(f"{where} must be one of {', '.join(BACKENDS)}; got {choice!r}")
     if choice == "aten":
         return None
     if choice == "reference":

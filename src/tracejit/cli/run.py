@@ -12,13 +12,15 @@ from typing import Any
 import torch
 
 from ..runtime.profile import format_table
-from ..serialize import LoadedGraph, load
+from ..serialize import LoadedGraph, read_graphs
+from ..serialize.load import compile_graph, select
 from ..serialize.testcases import CaseResult, max_error, parse_case
 from .progress import Progress
 
 
 def run_file(args: argparse.Namespace) -> int:
-    loaded = load(args.file, backend=args.backend, profiling=args.profile, name=args.graph)
+    graph = select(read_graphs(args.file), args.graph, option="--graph NAME")
+    loaded = compile_graph(graph, backend=args.backend, profiling=args.profile)
     ins = ", ".join(f"{name}: {meta}" for name, meta in loaded.inputs.items())
     print(f"{loaded.name}({ins}): {len(loaded.portable.ops)} ops, loaded from {args.file}")
     inputs, origin = _inputs(loaded, args.input)

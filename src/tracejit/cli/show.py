@@ -15,7 +15,7 @@ from ..serialize.portable import PortableGraph, to_graph
 def show_file(args: argparse.Namespace) -> int:
     graphs = read_graphs(args.file)
     if args.graph is not None:
-        graphs = [select(graphs, args.graph)]
+        graphs = [select(graphs, args.graph, option="--graph NAME")]
     texts = [to_dot(g) if args.dot else describe(g) for g in graphs]
     print("\n\n".join(texts))
     return 0

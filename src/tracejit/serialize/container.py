@@ -49,6 +49,8 @@ def write(target: Any, data: bytes) -> None:
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)
+    elif isinstance(target, io.TextIOBase):
+        raise TypeError("dump(): the file object must be opened in binary mode ('wb'), it is a text file")
     elif hasattr(target, "write"):
         target.write(data)
     else:
@@ -59,14 +61,16 @@ def read_bytes(source: Any) -> bytes:
     """All bytes of a path, a binary file object or a bytes-like object, at most MAX_TOTAL_BYTES."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
+    elif isinstance(source, io.TextIOBase):
+        raise TypeError("tracejit.load: the file object must be opened in binary mode ('rb'), it is a text file")
     elif isinstance(source, (str, os.PathLike)):
         try:
             with open(source, "rb") as f:
-                data = _bounded_read(f, MAX_TOTAL_BYTES + 1)
+                data = _bounded_read(f, MAX_TOTAL_BYTES + 1, archive=True)
         except OSError as error:
             raise LoadError(f"cannot read {os.fspath(source)!r}: {error.strerror or error}") from None
     elif hasattr(source, "read"):
-        data = _bounded_read(source, MAX_TOTAL_BYTES + 1)
+        data = _bounded_read(source, MAX_TOTAL_BYTES + 1, archive=True)
     else:
         raise TypeError(f"tracejit.load: expected a path, a binary file object or bytes, got {type(source).__name__}")
     if len(data) > MAX_TOTAL_BYTES:
@@ -128,10 +132,14 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     return data
 
 
-def _bounded_read(stream: BinaryIO, limit: int) -> bytes:
+def _bounded_read(stream: BinaryIO, limit: int, archive: bool = False) -> bytes:
+    """At most `limit` bytes; for an `archive` (a whole file), none after a start that is not the
+    zip magic (`/dev/zero` is refused after 4 bytes, not 64 GiB)."""
     chunks, size = [], 0
     while size < limit:
-        chunk = stream.read(min(1 << 24, limit - size))
+        if archive and size == len(_ZIP_MAGIC) and chunks[0] != _ZIP_MAGIC:
+            break
+        chunk = stream.read(len(_ZIP_MAGIC) if archive and not size else min(1 << 24, limit - size))
         if not chunk:
             break
         if not isinstance(chunk, bytes):

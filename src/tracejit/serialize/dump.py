@@ -19,7 +19,8 @@ from ..ir import build_graph
 from ..ir.graph import Graph
 from ..passes import run_pipeline
 from ..passes.inference import INFERENCE_PIPELINE
-from ..record.record import Record, TensorMeta
+from ..record.record import Kind, Record, TensorMeta
+from ..record.symbolic import sorted_kwargs
 from .container import pack, write
 from .format import VERSION, encode
 from .load import read_graphs, select
@@ -27,6 +28,7 @@ from .loaded import LoadedGraph
 from .options import DumpOptions
 from .portable import PortableGraph, TestCase, from_graph
 from .precision import to_half_compute, to_half_storage
+from .schema import byte_span
 from .tagged import WEIGHT_DTYPES, TaggedValueError, encode_statics
 from .testcases import max_error, parse_case
 from .validate import check_graph, resolve_op
@@ -64,6 +66,7 @@ def dump_trace(traced: Any, file: Any, **options: Any) -> DumpInfo:
     _check_option_names(options)
     opts = DumpOptions(**options)
     record = _the_record(traced)
+    _check_distinct_inputs(traced, record)
     if opts.append and not isinstance(file, (str, os.PathLike)):
         raise ValueError("dump(): append=True adds a graph to an existing file, so file must be a path")
     reference = replace(build_graph(record, host_visible=False, capture_as_const=True), escaped=frozenset())
@@ -71,11 +74,12 @@ def dump_trace(traced: Any, file: Any, **options: Any) -> DumpInfo:
     if opts.optimize_for_inference:
         result = run_pipeline(reference, 0, check=True, passes=INFERENCE_PIPELINE)
         graph, passes = result.graph, [name for name, _, _ in result.history[1:]]
-    portable = _portable(graph, record, opts)
+    externals = _returned_externals(traced, record)
+    portable = _portable(graph, record, opts, externals)
     portable.user_info = opts.user_info
     portable.metadata = _metadata(traced, opts, passes) if opts.enable_metadata else None
     if opts.input_data is not None:
-        portable.testcases = _testcases(_portable(reference, record, DumpOptions()), portable, opts)
+        portable.testcases = _testcases(_portable(reference, record, DumpOptions(), externals), portable, opts)
     graphs = _existing(file, portable.name) if opts.append else []
     data = pack(*encode(graphs + [portable]))
     info = _info(portable, len(data), passes)
@@ -139,18 +143,70 @@ def _the_record(traced: Any) -> Record:
     return record
 
 
-def _portable(graph: Graph, record: Record, opts: DumpOptions) -> PortableGraph:
-    handles = list(record.arg_handles) + list(record.kwarg_handles.values())
-    input_names = list(opts.arg_names) if opts.arg_names is not None else [record.tensors[h].name for h in handles]
+def input_handles(record: Record) -> list[int]:
+    """The handles of a dumped graph's inputs, in order: the positional tensor arguments, then the
+    tensor keyword arguments sorted by name (as the trace's signature orders them), whatever order
+    the recorded call passed them in."""
+    return list(record.arg_handles) + sorted_kwargs(record.kwarg_handles)
+
+
+def _check_distinct_inputs(traced: Any, record: Record) -> None:
+    """A dumped graph binds every input to memory of its own: a trace of a call that passed one
+    tensor twice, or views of one storage, has no faithful portable form."""
+    entry = traced._entries()[0]
+    handles = input_handles(record)
+    names = [record.tensors[h].name for h in record.arg_handles] + sorted(record.kwarg_handles)
+    repeated = [(i, j) for i, j in enumerate(entry.key[3]) if i != j]
+    shared = [(i, j) for i, j, offset in entry.key[4] if _overlap(record, handles[i], handles[j], offset)]
+    for (i, j), how in [(p, "were the same tensor") for p in repeated] + [(p, "overlapped in memory") for p in shared]:
+        raise ValueError(f"dump(): inputs {names[j]!r} and {names[i]!r} of the recorded call of "
+                         f"{record.function_name}() {how}; a dumped graph binds every input to memory of its "
+                         f"own, so it could not compute what this trace computed. Trace it with separate tensors "
+                         f"(pass a .clone())")
+
+
+def _overlap(record: Record, first: int, second: int, offset: int) -> bool:
+    """Whether inputs `first` and `second`, `offset` bytes apart in one storage, share an element's
+    memory (views of disjoint parts of one tensor, `f(x[0], x[1])`, do not)."""
+    spans = []
+    for handle, start in ((first, offset), (second, 0)):
+        meta = record.tensors[handle].meta
+        span = byte_span(meta.shape, meta.stride, torch.empty((), dtype=meta.dtype).element_size())
+        if span is None:
+            return False
+        spans.append((start + span[0], start + span[1]))
+    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+
+
+def _returned_externals(traced: Any, record: Record) -> dict[int, torch.Tensor]:
+    """Tensors the function returned without any op reading them (`return x + 1, W`): no op
+    captured them as constants, so the dump takes them from the last call that ran the function."""
+    entry = traced._entries()[0]
+    live = entry.handles.live() if entry.handles is not None else {}
+    return {h: live[h].detach() for h in record.output.handles()
+            if record.tensors[h].kind is Kind.EXTERNAL and h in live}
+
+
+def _portable(graph: Graph, record: Record, opts: DumpOptions,
+              externals: dict[int, torch.Tensor] | None = None) -> PortableGraph:
+    handles = input_handles(record)
+    recorded = [record.tensors[h].name for h in handles]
+    input_names = list(opts.arg_names) if opts.arg_names is not None else recorded
     if len(input_names) != len(handles):
         raise ValueError(f"dump(): arg_names has {len(input_names)} names, {record.function_name}() has "
-                         f"{len(handles)} tensor inputs ({', '.join(record.tensors[h].name for h in handles)})")
+                         f"{len(handles)} tensor inputs ({', '.join(recorded)})")
+    keywords = set(record.kwarg_handles)
+    for given, own in zip(input_names[len(record.arg_handles):], recorded[len(record.arg_handles):]):
+        if given != own and given in keywords:  # `a` given where the recorded `b` goes: a silent swap
+            raise ValueError(f"dump(): arg_names names the input of keyword argument {own!r} {given!r}, the "
+                             f"name of another keyword argument; tensor keyword arguments come after the "
+                             f"positional ones, sorted by name: {', '.join(recorded)}")
     output_names = list(opts.output_names) if opts.output_names is not None else [None] * len(graph.outputs)
     if len(output_names) != len(graph.outputs):
         raise ValueError(f"dump(): output_names has {len(output_names)} names, {record.function_name}() returns "
                          f"{len(graph.outputs)} tensors")
-    portable = from_graph(graph, record, input_names, output_names, opts.keep_opr_name, opts.keep_param_name,
-                          opts.keep_var_name)
+    portable = from_graph(graph, record, handles, input_names, output_names, opts.keep_opr_name,
+                          opts.keep_param_name, opts.keep_var_name, externals or {})
     if opts.enable_ioc16:
         portable = to_half_compute(portable)
     elif opts.enable_io16xc32:

@@ -64,8 +64,11 @@ def load(file: Any, *, backend: str = "auto", profiling: bool = False, name: str
         raise ValueError(f"tracejit.load: backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if not isinstance(profiling, bool):
         raise TypeError(f"tracejit.load: profiling must be a bool, got {profiling!r}")
-    graphs = read_graphs(file)
-    graph = select(graphs, name)
+    return compile_graph(select(read_graphs(file), name), backend, profiling)
+
+
+def compile_graph(graph: PortableGraph, backend: str = "auto", profiling: bool = False) -> LoadedGraph:
+    """A validated graph compiled for this machine (the last step of `load`)."""
     try:
         return LoadedGraph(graph, backend=backend, profiling=profiling)
     except Exception as error:  # the graph passed validation: say where compiling it failed
@@ -73,11 +76,14 @@ def load(file: Any, *, backend: str = "auto", profiling: bool = False, name: str
                         f"{str(error)[:300]}") from error
 
 
-def select(graphs: list[PortableGraph], name: str | None) -> PortableGraph:
+def select(graphs: list[PortableGraph], name: str | None, option: str = "name=") -> PortableGraph:
+    """The graph named `name`, or the only one; `option` is how the caller names a graph in the
+    message (`--graph NAME` on the command line)."""
     names = [g.name for g in graphs]
     if name is None:
         if len(graphs) > 1:
-            raise ValueError(f"tracejit.load: the file holds {len(graphs)} graphs ({', '.join(names)}); pass name=")
+            raise ValueError(f"tracejit.load: the file holds {len(graphs)} graphs ({', '.join(names)}); pass "
+                             f"{option} to choose one")
         return graphs[0]
     for graph in graphs:
         if graph.name == name:

@@ -21,6 +21,7 @@ from ..record.record import TensorMeta, math_bits
 from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
 from .portable import PortableGraph, TestCase, to_graph
+from .schema import byte_span, extent, may_overlap
 
 _MISSING = object()  # an input the call did not give (None is a value given, and refused as not a tensor)
 
@@ -44,8 +45,20 @@ class LoadedGraph(ProfileAccess):
         values = portable.values
         self._inputs = [(i.name, i.meta, None if i.value is None else values[i.value].handle) for i in portable.inputs]
         self._positions = {name: index for index, (name, _, _) in enumerate(self._inputs)}
-        constant_handles = {values[c.value].handle for c in portable.constants}
-        self._outputs = [(values[o.value].handle, values[o.value].handle in constant_handles) for o in portable.outputs]
+        # inputs whose memory an op writes: traced (dump() refuses anything else) with inputs of their
+        # own, so a call passing one overlapping another input would compute something else
+        written = {values[w].root for op in portable.ops for w in op.writes}
+        self._written_inputs = [handle is not None and handle in written for _, _, handle in self._inputs]
+        # An output that shares memory with what the graph keeps between calls (a weight, a view of
+        # one: `w.t()`, `b[:2]`, hoisted or not) is handed out as a copy: eager returns fresh memory
+        # for a constant made by the call, and a caller writing into its result must not change the
+        # next call's (or the loaded weights). A fresh constant is this call's copy already.
+        compiled = self.graph.values
+        root_of = {value.handle: value.root for value in compiled}
+        kept = {h for h in self.graph.constants if h not in self.graph.fresh}
+        kept |= {root_of.get(h, h) for h in kept} | set(self.program.hoisted)
+        self._outputs = [(compiled[v].handle, compiled[v].handle in kept or compiled[v].root in kept)
+                         for v in self.graph.outputs]
         names = [o.name for o in portable.outputs]
         self._output_names = names if names and all(n is not None for n in names) else None
         self._lock = threading.Lock()
@@ -80,10 +93,13 @@ class LoadedGraph(ProfileAccess):
                 self.program.run(env, self._scalars)
         finally:
             torch._C._set_grad_enabled(previous)
-        # a returned constant is the graph's own tensor: the caller gets a copy it may modify
-        outputs = tuple(env[handle].clone() if constant else env[handle] for handle, constant in self._outputs)
-        if self._profiler is not None:
-            self._profiler.call_done(start, recorded=False)
+            if self._profiler is not None:  # a call that raised counts too: its nodes' times are in the rows
+                self._profiler.call_done(start, recorded=False)
+        copies: dict[int, torch.Tensor] = {}  # one copy per handle: `return w, w` returns one tensor twice
+        for handle, kept in self._outputs:
+            if kept and handle not in copies:
+                copies[handle] = env[handle].clone()
+        outputs = tuple(copies.get(handle, env[handle]) for handle, _ in self._outputs)
         return dict(zip(self._output_names, outputs)) if self._output_names else outputs
 
     def _bind(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -98,7 +114,24 @@ class LoadedGraph(ProfileAccess):
             if position < len(args):
                 raise TypeError(f"{self.name}() got input {name!r} both positionally and by name")
             given[position] = value
-        return [self._checked(name, meta, value) for (name, meta, _), value in zip(self._inputs, given)]
+        checked = [self._checked(name, meta, value) for (name, meta, _), value in zip(self._inputs, given)]
+        if any(self._written_inputs):
+            self._check_no_overlap(given)
+        return checked
+
+    def _check_no_overlap(self, tensors: list[torch.Tensor]) -> None:
+        """An input the graph writes must share no memory with another input (`g(a, a)`): the graph
+        was traced with separate tensors, and eager would read the other input after the write."""
+        spans = [_memory_span(t) for t in tensors]
+        for i, (written, span) in enumerate(zip(self._written_inputs, spans)):
+            if not written or span is None:
+                continue
+            for j, other in enumerate(spans):
+                if j != i and other is not None and span[0] == other[0] and span[1] < other[2] and other[1] < span[2]:
+                    names = self.input_names
+                    raise ValueError(f"{self.name}(): input {names[i]!r} shares memory with input {names[j]!r}; the "
+                                     f"graph writes {names[i]!r} in place and was traced with inputs of their own "
+                                     f"memory: pass separate tensors (a .clone())")
 
     def _checked(self, name: str, meta: TensorMeta, value: Any) -> torch.Tensor:
         if value is _MISSING:
@@ -113,8 +146,31 @@ class LoadedGraph(ProfileAccess):
         # another layout of the same values, or a negative or conjugate view (whose memory a kernel
         # would read without the negation): copy into the traced layout, which applies the bits
         if tuple(value.stride()) != meta.stride or math_bits(value):
+            if may_overlap(meta.shape, meta.stride):
+                return self._into_overlapping(name, meta, value)
             value = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device).copy_(value)
         return value
+
+    def _into_overlapping(self, name: str, meta: TensorMeta, value: torch.Tensor) -> torch.Tensor:
+        """Another layout of an input traced with elements sharing memory (`torch.randn(3).expand(4, 3)`):
+        representable only when the elements that share memory there hold equal values."""
+        span = extent(meta.shape, meta.stride)
+        where = torch.arange(span, device=meta.device).as_strided(meta.shape, meta.stride).reshape(-1)
+        storage = torch.empty(span, dtype=meta.dtype, device=meta.device)
+        value = value.resolve_conj().resolve_neg()
+        storage[where] = value.reshape(-1)
+        result = storage.as_strided(meta.shape, meta.stride)
+        equal = result == value
+        if meta.dtype.is_floating_point or meta.dtype.is_complex:
+            equal |= result.isnan() & value.isnan()
+        if not bool(equal.all()):
+            expanded = [d for d, (size, step) in enumerate(zip(meta.shape, meta.stride)) if size > 1 and step == 0]
+            along = f" (stride 0 along dim {', '.join(map(str, expanded))})" if expanded else ""
+            raise ValueError(f"{self.name}(): input {name!r} was traced with a layout in which elements share "
+                             f"memory{along}, strides {list(meta.stride)}, as an expanded tensor's; the given "
+                             f"tensor holds different values in elements that would share it. Pass values that "
+                             f"repeat along those dims (or a tensor expanded the same way)")
+        return result
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -157,3 +213,13 @@ class LoadedGraph(ProfileAccess):
     def _no_profile_message(self) -> str:
         return f"{self.name} was loaded without profiling; pass profiling=True to tracejit.load to collect a profile"
 
+
+def _memory_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of the memory a tensor's elements occupy; None
+    for a tensor without elements."""
+    storage = tensor.untyped_storage().data_ptr()
+    span = byte_span(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
+    if span is None or storage == 0:
+        return None
+    start = tensor.data_ptr() - storage
+    return storage, start + span[0], start + span[1]

@@ -115,20 +115,28 @@ class _Renumber:
         return self.handles.setdefault(handle, len(self.handles))
 
 
-def from_graph(graph: Graph, record: Record, input_names: list[str], output_names: list[str | None],
-               keep_opr_name: bool, keep_param_name: bool, keep_var_name: int) -> PortableGraph:
-    """The portable form of an optimized host-free graph of `record`. Raises ValueError naming
-    what a dump cannot hold."""
+def from_graph(graph: Graph, record: Record, handles: list[int], input_names: list[str],
+               output_names: list[str | None], keep_opr_name: bool, keep_param_name: bool, keep_var_name: int,
+               externals: dict[int, torch.Tensor]) -> PortableGraph:
+    """The portable form of an optimized host-free graph of `record` whose inputs are `handles`.
+    `externals` are the tensors of external handles the function returned unread (they become
+    constants). Raises ValueError naming what a dump cannot hold."""
     renumber = _Renumber(graph)
     input_value = {graph.values[n.outputs[0]].handle: n.outputs[0] for n in graph.nodes if n.op in (Op.ARG, Op.KWARG)}
-    handles = list(record.arg_handles) + list(record.kwarg_handles.values())
     inputs = [PortableInput(name, record.tensors[h].meta, renumber(input_value.get(h)))
               for name, h in zip(input_names, handles)]
     constants, ops = [], []
     for node in graph.nodes:
         if node.op is Op.EXTERNAL:
-            raise ValueError(f"dump(): the graph reads the external tensor {node.input_name!r}, which "
-                             f"capture_as_const=True should have captured")
+            handle = graph.values[node.outputs[0]].handle
+            tensor = externals.get(handle)
+            if tensor is None or tuple(tensor.stride()) != graph.values[node.outputs[0]].meta.stride:
+                raise ValueError(f"dump(): the graph returns the external tensor {node.input_name!r}, which is no "
+                                 f"longer alive (or changed its layout) since the call; call the function "
+                                 f"again, then dump")
+            constants.append(PortableConstant(renumber(node.outputs[0]), tensor, node.input_name
+                                              if keep_param_name else None))
+            continue
         if node.op is Op.CONST:
             tensor = graph.constants[graph.values[node.outputs[0]].handle]
             name = _constant_name(record, graph.values[node.outputs[0]].handle, node.input_name)
@@ -190,7 +198,13 @@ def to_graph(portable: PortableGraph) -> Graph:
         provenance="load",
         constants={values[c.value].handle: c.tensor for c in portable.constants},
         # a constant the program writes (a literal updated in place) starts every call from a copy
-        fresh=frozenset({values[v].root for op in portable.ops for v in op.writes}
-                        & {values[c.value].handle for c in portable.constants}),
+        fresh=_written_constants(portable),
     )
 
+
+def _written_constants(portable: PortableGraph) -> frozenset[int]:
+    """Handles of the constants whose storage an op writes (directly, or through a view)."""
+    values = portable.values
+    written = {values[v].root for op in portable.ops for v in op.writes}
+    return frozenset(values[c.value].handle for c in portable.constants
+                     if values[c.value].handle in written or values[c.value].root in written)

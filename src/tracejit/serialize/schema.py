@@ -86,3 +86,28 @@ def extent(dims: tuple[int, ...], steps: tuple[int, ...]) -> int:
         return 0
     return 1 + sum((d - 1) * s for d, s in zip(dims, steps))
 
+
+def may_overlap(dims: tuple[int, ...], steps: tuple[int, ...]) -> bool:
+    """Whether two elements of a tensor of this shape and these strides may share memory (an
+    expanded tensor: stride 0 along a dim of size > 1). False is certain; True may be too careful
+    for an unusual interleaved layout."""
+    reach = 0  # elements spanned by the dims of smaller stride
+    for size, step in sorted(((d, abs(s)) for d, s in zip(dims, steps) if d > 1), key=lambda p: p[1]):
+        if step <= reach:
+            return True
+        reach += (size - 1) * step
+    return False
+
+
+def byte_span(dims: tuple[int, ...], steps: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
+    """(first, end) byte of the memory a tensor's elements occupy, relative to its first element
+    (negative strides reach below it); None for a tensor without elements."""
+    if any(d == 0 for d in dims):
+        return None
+    low = high = 0
+    for size, step in zip(dims, steps):
+        if step < 0:
+            low += (size - 1) * step
+        else:
+            high += (size - 1) * step
+    return low * itemsize, (high + 1) * itemsize

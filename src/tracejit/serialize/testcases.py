@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..record.record import TensorMeta
+from .schema import extent, may_overlap
 
 _RAND = re.compile(r"#rand\((.*)\)\Z")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
@@ -45,11 +46,20 @@ def _random(arguments: str, name: str, meta: TensorMeta, generator: torch.Genera
         shape = [int(d) if d.is_integer() else d for d in numbers[2:]]
         raise ValueError(f"input {name!r}: #rand shape {shape} is not the traced shape {list(meta.shape)}")
     kind = _kind(meta.dtype)
+    # an input traced with elements sharing memory (expanded) gets random memory in that layout:
+    # its values repeat as the traced ones did, as a loaded graph needs (loaded.py)
+    overlapping = may_overlap(meta.shape, meta.stride)
+    shape = (extent(meta.shape, meta.stride),) if overlapping else meta.shape
     if kind == "bool":
-        return torch.rand(meta.shape, generator=generator) < 0.5
-    if kind == "int":
-        return torch.randint(int(low), int(high), meta.shape, generator=generator, dtype=meta.dtype)
-    return (torch.rand(meta.shape, generator=generator, dtype=torch.float64) * (high - low) + low).to(meta.dtype)
+        data = torch.rand(shape, generator=generator) < 0.5
+    elif kind == "int":
+        data = torch.randint(int(low), int(high), shape, generator=generator, dtype=meta.dtype)
+    else:
+        data = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
+        if kind == "complex":  # real and imaginary parts each uniform in [min, max)
+            data = torch.complex(data, torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low)
+        data = data.to(meta.dtype)
+    return data.as_strided(meta.shape, meta.stride).contiguous() if overlapping else data
 
 
 def _from_array(value: Any, name: str, meta: TensorMeta, repeat: int) -> torch.Tensor:
@@ -130,7 +140,11 @@ def max_error(outputs: list[torch.Tensor], references: list[torch.Tensor]) -> fl
     for out, ref in zip(outputs, references):
         if out.shape != ref.shape:
             return float("inf")
-        a, b = out.detach().cpu().double(), ref.detach().cpu().double()
+        a, b = out.detach().cpu(), ref.detach().cpu()
+        if a.is_complex() or b.is_complex():  # both parts count: the largest difference in either
+            a = torch.view_as_real(a.resolve_conj().resolve_neg().to(torch.complex128))
+            b = torch.view_as_real(b.resolve_conj().resolve_neg().to(torch.complex128))
+        a, b = a.double(), b.double()
         same = (a == b) | (a.isnan() & b.isnan())
         diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
         if diff.numel():

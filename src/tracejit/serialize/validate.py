@@ -12,6 +12,8 @@ file whose metadata lies about shapes, dtypes or devices is refused before anyth
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 
 import torch
@@ -24,7 +26,7 @@ from torch._subclasses.fake_tensor import (
 
 from ..errors import LoadError
 from ..ir.meta_check import mispredicted_dtype
-from ..record.calls import rebuild_call
+from ..record.calls import is_view_op, rebuild_call
 from ..record.record import TENSOR, KwargStatic, ScalarSlot
 from .portable import PortableGraph, PortableOp
 
@@ -111,15 +113,98 @@ def _count_markers(statics: tuple) -> tuple[int, list[ScalarSlot]]:
     return tensors, slots
 
 
+def check_handles(graph: PortableGraph) -> None:
+    """The values describe one consistent set of tensors, as the program keeps them (one slot per
+    handle): every handle is made once (an input, a constant, or a new result of an op), later
+    values of it are in-place writes (or an op returning its input as is); all values of a handle
+    live in one root storage with one dtype and device; a root is not itself a view; inputs and
+    constants are roots of their own at version 0; an op writes only storage it reads, and a write
+    changes the metadata only of the tensor the op returns. Raises LoadError naming the value."""
+    values = graph.values
+    made: dict[int, int] = {}  # handle -> the value that made it
+    latest: dict[int, int] = {}  # handle -> its current value
+    where_of = {}
+
+    def describe(vid: int) -> str:
+        value = values[vid]
+        return f"value {vid} (handle {value.handle}, root {value.root}, version {value.version}, {value.meta})"
+
+    def make(vid: int, where: str, own_root: bool) -> None:
+        value = values[vid]
+        if value.handle in made:
+            raise LoadError(f"{where}: {describe(vid)} makes handle {value.handle} again; value {made[value.handle]} "
+                            f"({where_of[value.handle]}) made it (a handle is one tensor)")
+        if own_root and (value.root != value.handle or value.version != 0):
+            raise LoadError(f"{where}: {describe(vid)} must be a tensor of its own (root = handle, version 0)")
+        made[value.handle], latest[value.handle], where_of[value.handle] = vid, vid, where
+
+    for index, item in enumerate(graph.inputs):
+        if item.value is not None:
+            make(item.value, f"inputs[{index}] {item.name!r}", True)
+    constant_roots = set()  # a folded weight (`t(fc.weight)`) keeps the root of what it was folded from
+    for index, constant in enumerate(graph.constants):
+        make(constant.value, f"constants[{index}]", False)
+        if values[constant.value].version != 0:
+            raise LoadError(f"constants[{index}]: {describe(constant.value)} must be at version 0")
+        constant_roots.add(values[constant.value].root)
+    for index, op in enumerate(graph.ops):
+        where = f"op #{index} {op.target}"
+        read = {values[v].handle: v for v in op.inputs}
+        read_roots = {values[v].root for v in op.inputs}
+        before = dict(latest)  # a handle made twice (`lift_fresh`) is written twice by one op
+        for vid in op.writes:
+            value = values[vid]
+            if value.handle not in before:
+                raise LoadError(f"{where}: writes {describe(vid)}, a handle no earlier value made")
+            previous = values[before[value.handle]]
+            if value.root not in read_roots:
+                raise LoadError(f"{where}: writes {describe(vid)} in storage t{value.root}, which it does not read")
+            if value.version <= previous.version:
+                raise LoadError(f"{where}: writes {describe(vid)}, not a newer version than value {previous.id}")
+            if value.meta != previous.meta and vid not in op.outputs:
+                raise LoadError(f"{where}: writes {describe(vid)}, whose metadata differs from value {previous.id}'s "
+                                f"though the op does not return it")
+            latest[value.handle] = vid
+        for vid in op.outputs:
+            if vid is None or vid in op.writes:
+                continue
+            value = values[vid]
+            if value.handle in read:  # the op returned its input as is (`lift_fresh`)
+                same = values[latest.get(value.handle, read[value.handle])]
+                if (value.version, value.root, value.meta) != (same.version, same.root, same.meta):
+                    raise LoadError(f"{where}: returns {describe(vid)} as its input value {same.id}, which differs")
+                continue
+            if value.root == value.handle and is_view_op(op.target):
+                raise LoadError(f"{where}: {describe(vid)} is declared a tensor of its own, but the op returns a "
+                                f"view of its input")
+            make(vid, where, False)
+    for value in values:
+        if value.handle not in made:
+            continue  # defined nowhere: the structure check names it
+        first = values[made[value.handle]]
+        if (value.root, value.meta.dtype, value.meta.device) != (first.root, first.meta.dtype, first.meta.device):
+            raise LoadError(f"{describe(value.id)} differs in root, dtype or device from {describe(first.id)}, "
+                            f"a value of the same handle")
+        if value.root != value.handle:
+            root = made.get(value.root)
+            if root is None and value.root in constant_roots:
+                continue  # views of a weight the file holds only folded
+            if root is None or values[root].root != value.root:
+                raise LoadError(f"{describe(value.id)} is a view of handle {value.root}, which is not a tensor of "
+                                f"the graph with storage of its own")
+
+
 def check_graph(graph: PortableGraph) -> None:
     """Run every op on fake tensors of its declared inputs; raise LoadError where the declared
     outputs are not what the op produces."""
-    with FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=False):
+    check_handles(graph)
+    with _quiet_fake_tensor_log(), FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=False):
         for index, op in enumerate(graph.ops):
             where = f"op #{index} {op.target}"
             check_arguments(op, where)
             samples = [_fake(graph, v) for v in op.inputs]
             args, kwargs = rebuild_call(op.statics, samples, list(op.scalars))
+            _check_pin_memory(op, args, kwargs, where)
             try:
                 result = op.target(*args, **kwargs)
             except (DynamicOutputShapeException, DataDependentOutputException):
@@ -131,6 +216,30 @@ def check_graph(graph: PortableGraph) -> None:
             except Exception as error:  # noqa: BLE001 - any complaint of torch's own argument checks
                 raise LoadError(f"{where}: its arguments are invalid for this op: {_first_line(error)}") from None
             _compare(graph, op, result, where)
+
+
+def _check_pin_memory(op: PortableOp, args: tuple, kwargs: dict, where: str) -> None:
+    """Fake tensors ignore `pin_memory=True`, which a machine without an accelerator cannot honour."""
+    names = [a.name for a in op.target._schema.arguments]
+    if "pin_memory" not in names:
+        return
+    index = names.index("pin_memory")
+    pinned = kwargs.get("pin_memory", args[index] if index < len(args) else None)
+    if pinned is True and not torch.cuda.is_available():
+        raise LoadError(f"{where}: pin_memory=True needs a CUDA device, which this machine does not have")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """FakeTensorMode logs the stack trace of every meta kernel that raises ("failed while attempting
+    to run meta for ..."): a damaged file is refused with one LoadError, not a page of log."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _fake(graph: PortableGraph, vid: int) -> torch.Tensor:
@@ -155,6 +264,10 @@ def _compare(graph: PortableGraph, op: PortableOp, result: object, where: str) -
         if not isinstance(tensor, torch.Tensor):
             raise LoadError(f"{where}: result {position} is {type(tensor).__name__}, the graph declares a tensor")
         meta = graph.values[vid].meta
+        # a view's strides follow from its input's: the program's kernels address it through them
+        if is_view_op(op.target) and tuple(tensor.stride()) != meta.stride and tensor.numel() > 1:
+            raise LoadError(f"{where}: result {position} has strides {list(tensor.stride())}, the graph declares "
+                            f"{list(meta.stride)}")
         # a dtype the meta kernel is known to mispredict is the kernel's (ir/meta_check.py)
         same_dtype = tensor.dtype == meta.dtype or mispredicted_dtype(op.target, position, meta.dtype, tensor.dtype)
         if tuple(tensor.shape) != meta.shape or not same_dtype or tensor.device != meta.device:
