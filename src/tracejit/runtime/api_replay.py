@@ -868,4 +868,5 @@ def _output_value(spec: Any, env: list) -> Any:
 
 NotReplayable = _NotReplayable
 
-__all__ = ["ApiChecker", "ApiDiverged", "ApiInterrupted", "ApiProgram", "NotReplayable", "RecordedNode", "call_context_key", "run_checked"]
+__all__ = ["ApiChecker", "ApiDiverged", "ApiInterrupted", "ApiProgram", "NotReplayable", "RecordedNode",
+           "call_context_key", "run_checked"]
