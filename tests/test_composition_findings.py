@@ -37,6 +37,14 @@ def _same_state(eager, traced):
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_t.state[p_t][key])), key
 
 
+def _train_step(x, *, model, opt):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 class Stop(BaseException):
     """A BaseException of the user's own, as KeyboardInterrupt and SystemExit are."""
 
@@ -129,6 +137,14 @@ class Net(nn.Module):
         self.box.t = torch.ones(2)
 
 
+def _twin_nets() -> tuple[Net, Net]:
+    nets = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        nets.append(Net())
+    return nets[0], nets[1]
+
+
 def _module_step(x, *, model):
     loss = model.fc(x).square().mean()
     loss.backward()
@@ -140,10 +156,7 @@ def _module_step(x, *, model):
 def test_without_the_host_an_optimizer_a_module_owns_is_guarded():
     """`model.opt.load_state_dict(...)` replaced the state tensors of an optimizer held as a module
     attribute; host-free calls went on updating the old ones."""
-    torch.manual_seed(0)
-    eager = Net()
-    torch.manual_seed(0)
-    mine = Net()
+    eager, mine = _twin_nets()
     traced = tracejit.trace(_module_step, without_host=True)
     for i in range(8):
         x = torch.randn(3, 4)
@@ -299,15 +312,7 @@ def test_a_traced_function_does_not_keep_the_model_and_optimizer_it_ran(without_
     """The host-free runner and the API checker kept the last call's keyword arguments (the
     model and its optimizer) alive after the user dropped them."""
     model, opt = _twins()[0]
-
-    def step(x, *, model, opt):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    traced = tracejit.trace(step, without_host=without_host)
+    traced = tracejit.trace(_train_step, without_host=without_host)
     for _ in range(5):
         traced(torch.randn(3, 4), model=model, opt=opt)
     assert traced.stats.host_free_calls if without_host else traced.stats.api_replays
@@ -322,10 +327,7 @@ def test_an_optimizer_a_keyword_module_owns_may_start_a_call_without_state(witho
     """`model.opt.state.clear()` made the next call create the state lazily, as a keyword
     optimizer's does; it raised TraceMismatchError (and without the host, before the guard, went
     on with the old state)."""
-    torch.manual_seed(0)
-    eager = Net()
-    torch.manual_seed(0)
-    mine = Net()
+    eager, mine = _twin_nets()
     traced = tracejit.trace(_module_step, without_host=without_host)
     for i in range(9):
         x = torch.randn(3, 4)
