@@ -32,11 +32,17 @@ from collections.abc import Iterator
 
 import torch
 import torch.optim.optimizer as optimizer_module
+from torch.utils.hooks import RemovableHandle
 
 from .modes import TensorHooks
 from .source import user_location
 
 _SCHEDULER_BASES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+# (attribute holding hooks by handle id, what they are), of modules, tensors and optimizers alike
+_HOOK_DICTS = (("_forward_pre_hooks", "forward pre"), ("_forward_hooks", "forward"),
+               ("_backward_pre_hooks", "backward pre"), ("_backward_hooks", "backward"),
+               ("_post_accumulate_grad_hooks", "post-accumulate-grad"),
+               ("_optimizer_step_pre_hooks", "step pre"), ("_optimizer_step_post_hooks", "step post"))
 
 
 class Seen:
@@ -89,6 +95,7 @@ class Seen:
             handles.append(optimizer_module.register_optimizer_step_pre_hook(self._stepping))
             _install_method_notes()
             _watched.seen = self
+        first_hook = RemovableHandle.next_id  # the handles of hooks the call registers count from here
         try:
             with _DATA_HOOK.installed() if self.watch_optimizers else contextlib.nullcontext():
                 yield
@@ -104,6 +111,41 @@ class Seen:
                              for (index, key), before in settings.items()
                              if (index, key) in now and _differs(now[index, key], before)]
         self._settings_at_step.clear()  # the optimizers themselves: the Seen of a call may be kept
+        if self.watch_optimizers and RemovableHandle.next_id != first_hook:
+            self.changes += self._kept_hooks(first_hook)
+
+    def _kept_hooks(self, first: int) -> list[str]:
+        """The hooks the call registered (handle ids from `first` on) on the modules whose forward
+        ran, their parameters and the optimizers it stepped and their parameters, and left there:
+        eager adds one more on every call (`model[0].weight.register_hook(...)` inside the step), a
+        call without the function none. A hook removed before the call returns is no change."""
+        found: list[str] = []
+        visited: set[int] = set()
+
+        def note(obj: object, what: str) -> None:
+            if id(obj) in visited:
+                return
+            visited.add(id(obj))
+            for attribute, kind in _HOOK_DICTS:
+                hooks = getattr(obj, attribute, None)
+                if hooks and any(isinstance(key, int) and key >= first for key in hooks):
+                    found.append(f"a {kind} hook registered on {what} inside the call and not removed (eager adds "
+                                 f"one on every call; remove it before the call returns, or register it once "
+                                 f"outside)")
+
+        for module in self.modules:
+            owner = type(module).__name__
+            for name, sub in module.named_modules():
+                note(sub, f"{type(sub).__name__} {name}" if name else owner)
+            for name, param in module.named_parameters():
+                note(param, f"parameter {name} of {owner}")
+        for optimizer in self.optimizers:
+            owner = type(optimizer).__name__
+            note(optimizer, owner)
+            for index, group in enumerate(optimizer.param_groups):
+                for position, param in enumerate(group["params"]):
+                    note(param, f"parameter {position} of param group {index} of {owner}")
+        return found
 
     def _stepping(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != self._thread:
