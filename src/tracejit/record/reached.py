@@ -16,7 +16,8 @@ have no global hooks: their classes' `step` and `update` are wrapped once, for g
 watch of the call the running thread makes, if any.
 
 It also notes which autograd nodes the call's backward passes consumed (freed, without
-`retain_graph`): a returned tensor whose `grad_fn` is not among them (the generator's output of a
+`retain_graph`), by a mark in each node's `metadata` rather than by holding it (a held node would
+keep alive the leaves its edges reach): a returned tensor whose `grad_fn` is not among them (the generator's output of a
 GAN step, a view of a parameter) still has a graph the caller can backpropagate through, which
 only a call that runs autograd can hand out. torch's `autograd._engine_run_backward`, through
 which `Tensor.backward`, `autograd.backward` and `autograd.grad` all run, is wrapped for that.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -36,6 +38,9 @@ from torch.utils.hooks import RemovableHandle
 
 from .modes import TensorHooks
 from .source import user_location
+
+_CONSUMED = "tracejit.consumed"  # the key of Seen's mark in an autograd node's metadata
+_MARKS = itertools.count()
 
 _SCHEDULER_BASES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 # (attribute holding hooks by handle id, what they are), of modules, tensors and optimizers alike
@@ -61,7 +66,10 @@ class Seen:
         self._settings_at_step: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
         self._thread = threading.get_ident()
         self._scheduler_noted = False  # the first step is enough (SequentialLR steps its children: it is named)
-        self.consumed: dict[int, object] = {}  # id -> autograd node a backward pass of the call freed
+        # what marks the autograd nodes a backward pass of the call freed (in their `metadata`,
+        # which lives with the C++ node): holding the nodes would keep alive the leaves their edges
+        # reach (`xi.requires_grad_()` of a gradient penalty), which the record takes for kept
+        self._consumed_mark = next(_MARKS)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -180,12 +188,19 @@ class Seen:
                 runs[id(node)] = any(id(child) in stops or runs.get(id(child), False)
                                      for child, _ in node.next_functions if child is not None)
             nodes = [node for node in nodes if runs[id(node)]]
+        mark = self._consumed_mark
         for node in nodes:
-            self.consumed[id(node)] = node  # held: a node's Python object, and its id, live as long
+            # a Python wrapper of a node and its id live only while held: the C++ node keeps the mark
+            node.metadata[_CONSUMED] = mark
+
+    def forget_consumed(self) -> None:
+        """Take no node as freed by this call's backward passes (an attempt whose tensors are dropped)."""
+        self._consumed_mark = next(_MARKS)
 
     def live_graph(self, tensor: torch.Tensor) -> bool:
         """True if `tensor` has autograd history no backward pass of the call freed."""
-        return tensor.grad_fn is not None and id(tensor.grad_fn) not in self.consumed
+        node = tensor.grad_fn
+        return node is not None and node.metadata.get(_CONSUMED) != self._consumed_mark
 
     def store(self, record) -> None:
         """Keep them, weakly, with the record they were used by."""
