@@ -1,6 +1,7 @@
 """Gradient and module hooks with without_host=True: on inputs, registered inside the step, and
 leaves made inside the step (WGAN-GP's gradient penalty)."""
 
+import warnings
 
 import pytest
 import torch
@@ -190,3 +191,33 @@ def test_a_leaf_made_inside_the_step_runs_without_the_host(step):
         assert all(torch.equal(e, t) for e, t in zip(expected, got, strict=True)), i
         assert _same_params(eager_model, model), i
     assert traced.stats.host_free_calls >= 4 and traced.stats.host_free_misses == 0
+
+
+def _head_step(h, y, *, model):
+    loss = F.mse_loss(model(h), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * p.grad)
+            p.grad = None
+    return loss.detach()
+
+
+def test_binding_reads_no_grad_of_a_non_leaf_input():
+    """An input that requires grad but is no leaf (an encoder's output): binding must not read its
+    `.grad`, which makes torch warn that a non-leaf's .grad is being accessed."""
+    torch.manual_seed(0)
+    enc_e, head_e = nn.Linear(3, 4), nn.Linear(4, 2)
+    torch.manual_seed(0)
+    enc_t, head_t = nn.Linear(3, 4), nn.Linear(4, 2)
+    traced = tracejit.trace(_head_step, without_host=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(5):
+            x, y = _batch(i)
+            x = x[:, :3].contiguous()
+            expected = _head_step(enc_e(x), y, model=head_e)
+            got = traced(enc_t(x), y, model=head_t)
+            assert torch.equal(expected, got) and _same_params(head_e, head_t), i
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(enc_e.parameters(), enc_t.parameters())), i
+    assert not [w for w in caught if "not a leaf" in str(w.message)]

@@ -335,8 +335,10 @@ class HostFreeRunner:
         self._unconfirmed: list[int] = []  # unlocated externals this binding reached for the first time
         self._kwargs = kwargs
         # the inputs' gradients: found through their inputs (see _input_gradients)
+        # (a non-leaf's `.grad` is read only if it retains one: torch warns on reading it otherwise)
         self._found_through_inputs = {id(t.grad) for t in (*args, *kwargs.values())
-                                      if isinstance(t, torch.Tensor) and t.grad is not None}
+                                      if isinstance(t, torch.Tensor) and (t.is_leaf or t.retains_grad)
+                                      and t.grad is not None}
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
