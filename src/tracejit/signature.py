@@ -18,7 +18,12 @@ def tensor_key(tensor: torch.Tensor) -> tuple:
     # training step given one raises in eager, so it is another trace, whose recording raises too.
     # A negative or conjugate view (record.math_bits) is another trace too: the program of a plain
     # input would hand its memory to a fused kernel, which does not negate or conjugate.
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.is_inference(),
+    # An input requiring grad with a gradient hook (`x.register_hook(...)`) is 2, not 1: its backward
+    # runs the hook's ops, which a call of an input without one does not (another trace, no mismatch).
+    requires_grad = tensor.requires_grad
+    if requires_grad and any_gradient_hooks((tensor,)):
+        requires_grad = 2
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, requires_grad, tensor.is_inference(),
             math_bits(tensor))
 
 
@@ -258,6 +263,7 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
     def one(k: tuple) -> str:
         shape, _, dtype, device, requires_grad, inference, bits = k
         grad = ", requires_grad" if requires_grad else ""
+        grad += ", with gradient hooks" if requires_grad == 2 else ""
         made = ", an inference tensor" if inference else ""
         return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}{describe_math_bits(bits)}"
 

@@ -704,7 +704,7 @@ class trace(ProfileAccess):
                 # optimizer state, module attributes) is put back as it was, and the call records
                 # the static trace of its sizes (its Python runs twice in this call). A tensor of
                 # the attempt kept where nothing puts it back raises instead.
-                seen.consumed.clear()  # the nodes of the attempt's backward passes, which saved its tensors
+                seen.forget_consumed()  # the nodes of the attempt's backward passes, which saved its tensors
                 kept, restored = _drop_attempt(recorder, error, before)
                 if kept is None:
                     return _STATIC

@@ -16,7 +16,8 @@ have no global hooks: their classes' `step` and `update` are wrapped once, for g
 watch of the call the running thread makes, if any.
 
 It also notes which autograd nodes the call's backward passes consumed (freed, without
-`retain_graph`): a returned tensor whose `grad_fn` is not among them (the generator's output of a
+`retain_graph`), by a mark in each node's `metadata` rather than by holding it (a held node would
+keep alive the leaves its edges reach): a returned tensor whose `grad_fn` is not among them (the generator's output of a
 GAN step, a view of a parameter) still has a graph the caller can backpropagate through, which
 only a call that runs autograd can hand out. torch's `autograd._engine_run_backward`, through
 which `Tensor.backward`, `autograd.backward` and `autograd.grad` all run, is wrapped for that.
@@ -26,17 +27,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.optim.optimizer as optimizer_module
+from torch.utils.hooks import RemovableHandle
 
 from .modes import TensorHooks
 from .source import user_location
 
+_CONSUMED = "tracejit.consumed"  # the key of Seen's mark in an autograd node's metadata
+_MARKS = itertools.count()
+
 _SCHEDULER_BASES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+# (attribute holding hooks by handle id, what they are), of modules, tensors and optimizers alike
+_HOOK_DICTS = (("_forward_pre_hooks", "forward pre"), ("_forward_hooks", "forward"),
+               ("_backward_pre_hooks", "backward pre"), ("_backward_hooks", "backward"),
+               ("_post_accumulate_grad_hooks", "post-accumulate-grad"),
+               ("_optimizer_step_pre_hooks", "step pre"), ("_optimizer_step_post_hooks", "step post"))
 
 
 class Seen:
@@ -55,7 +66,10 @@ class Seen:
         self._settings_at_step: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
         self._thread = threading.get_ident()
         self._scheduler_noted = False  # the first step is enough (SequentialLR steps its children: it is named)
-        self.consumed: dict[int, object] = {}  # id -> autograd node a backward pass of the call freed
+        # what marks the autograd nodes a backward pass of the call freed (in their `metadata`,
+        # which lives with the C++ node): holding the nodes would keep alive the leaves their edges
+        # reach (`xi.requires_grad_()` of a gradient penalty), which the record takes for kept
+        self._consumed_mark = next(_MARKS)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -89,6 +103,7 @@ class Seen:
             handles.append(optimizer_module.register_optimizer_step_pre_hook(self._stepping))
             _install_method_notes()
             _watched.seen = self
+        first_hook = RemovableHandle.next_id  # the handles of hooks the call registers count from here
         try:
             with _DATA_HOOK.installed() if self.watch_optimizers else contextlib.nullcontext():
                 yield
@@ -104,6 +119,41 @@ class Seen:
                              for (index, key), before in settings.items()
                              if (index, key) in now and _differs(now[index, key], before)]
         self._settings_at_step.clear()  # the optimizers themselves: the Seen of a call may be kept
+        if self.watch_optimizers and RemovableHandle.next_id != first_hook:
+            self.changes += self._kept_hooks(first_hook)
+
+    def _kept_hooks(self, first: int) -> list[str]:
+        """The hooks the call registered (handle ids from `first` on) on the modules whose forward
+        ran, their parameters and the optimizers it stepped and their parameters, and left there:
+        eager adds one more on every call (`model[0].weight.register_hook(...)` inside the step), a
+        call without the function none. A hook removed before the call returns is no change."""
+        found: list[str] = []
+        visited: set[int] = set()
+
+        def note(obj: object, what: str) -> None:
+            if id(obj) in visited:
+                return
+            visited.add(id(obj))
+            for attribute, kind in _HOOK_DICTS:
+                hooks = getattr(obj, attribute, None)
+                if hooks and any(isinstance(key, int) and key >= first for key in hooks):
+                    found.append(f"a {kind} hook registered on {what} inside the call and not removed (eager adds "
+                                 f"one on every call; remove it before the call returns, or register it once "
+                                 f"outside)")
+
+        for module in self.modules:
+            owner = type(module).__name__
+            for name, sub in module.named_modules():
+                note(sub, f"{type(sub).__name__} {name}" if name else owner)
+            for name, param in module.named_parameters():
+                note(param, f"parameter {name} of {owner}")
+        for optimizer in self.optimizers:
+            owner = type(optimizer).__name__
+            note(optimizer, owner)
+            for index, group in enumerate(optimizer.param_groups):
+                for position, param in enumerate(group["params"]):
+                    note(param, f"parameter {position} of param group {index} of {owner}")
+        return found
 
     def _stepping(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != self._thread:
@@ -138,12 +188,19 @@ class Seen:
                 runs[id(node)] = any(id(child) in stops or runs.get(id(child), False)
                                      for child, _ in node.next_functions if child is not None)
             nodes = [node for node in nodes if runs[id(node)]]
+        mark = self._consumed_mark
         for node in nodes:
-            self.consumed[id(node)] = node  # held: a node's Python object, and its id, live as long
+            # a Python wrapper of a node and its id live only while held: the C++ node keeps the mark
+            node.metadata[_CONSUMED] = mark
+
+    def forget_consumed(self) -> None:
+        """Take no node as freed by this call's backward passes (an attempt whose tensors are dropped)."""
+        self._consumed_mark = next(_MARKS)
 
     def live_graph(self, tensor: torch.Tensor) -> bool:
         """True if `tensor` has autograd history no backward pass of the call freed."""
-        return tensor.grad_fn is not None and id(tensor.grad_fn) not in self.consumed
+        node = tensor.grad_fn
+        return node is not None and node.metadata.get(_CONSUMED) != self._consumed_mark
 
     def store(self, record) -> None:
         """Keep them, weakly, with the record they were used by."""

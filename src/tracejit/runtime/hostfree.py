@@ -335,8 +335,10 @@ class HostFreeRunner:
         self._unconfirmed: list[int] = []  # unlocated externals this binding reached for the first time
         self._kwargs = kwargs
         # the inputs' gradients: found through their inputs (see _input_gradients)
+        # (a non-leaf's `.grad` is read only if it retains one: torch warns on reading it otherwise)
         self._found_through_inputs = {id(t.grad) for t in (*args, *kwargs.values())
-                                      if isinstance(t, torch.Tensor) and t.grad is not None}
+                                      if isinstance(t, torch.Tensor) and (t.is_leaf or t.retains_grad)
+                                      and t.grad is not None}
         for info in self.record.tensors:
             if info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
@@ -514,6 +516,18 @@ class HostFreeRunner:
                 f"{grad}{expr}.requires_grad or {inference}{expr}.is_inference() or "
                 f"{_other_math_bits(expr, meta.math_bits, src)}", "another tensor signature"))
         lines += _same_object_checks([expr for expr, _, _ in tensors], [t for _, t, _ in tensors])
+        # A gradient hook of an input (`x.register_hook(...)`, `register_post_accumulate_grad_hook`)
+        # is a Python function of that tensor object: the program holds what the bound call's hooks
+        # computed, which another input's hooks (or none) would not. Only inputs requiring grad
+        # (the signature fixes which) can have one run.
+        hooked = [expr for expr, tensor, _ in tensors if tensor.requires_grad and any_gradient_hooks((tensor,))]
+        if hooked:
+            lines.append(_fail("True", f"input {hooked[0]} had a gradient hook when bound: it runs only with the function"))
+        else:
+            watched = [expr for expr, tensor, _ in tensors if tensor.requires_grad]
+            if watched:
+                src.namespace["HOOKED"] = any_gradient_hooks
+                lines.append(_fail(f"HOOKED(({', '.join(watched)},))", "an input that requires grad has a gradient hook"))
         if len(tensors) > 1:  # inputs in one another's memory: see signature.shared_memory
             shared = shared_memory([t for _, t, _ in tensors])
             lines.append(_fail(f"SHARED([{', '.join(expr for expr, _, _ in tensors)}]) != {shared}",

@@ -54,7 +54,7 @@ def refuse_python_state_changes(function: Callable, function_name: str, before: 
     return HostDependencyError(
         f"without_host=True cannot skip {function_name}(): the traced call changes Python state that the "
         f"program cannot change without the function (a learning-rate scheduler stepped inside it, a counter "
-        f"or factor in a global?):\n"
+        f"or factor in a global, a hook registered and left registered?):\n"
         f"{listed}\n"
         f"Call scheduler.step() after the traced call instead: the settings it writes into param_groups are "
         f"read on every call without the host. Change plain values outside the traced call, or keep them in "
