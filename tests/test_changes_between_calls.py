@@ -394,3 +394,65 @@ def test_an_inference_tensor_reached_anew_by_a_training_step_is_not_trained_on()
     with pytest.raises(StopIteration):
         traced(model=model, opt=opt)
     assert all(map(torch.equal, before, model.parameters()))
+
+
+def _conv_step(x, *, model, opt):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()  # the gradients stay, to compare their layout; the caller sets them to None
+    return loss
+
+
+def _transposed_layout(model):
+    model[0].weight.data = model[0].weight.data.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+LAYOUT_CHANGES = {  # the same values in another memory layout
+    "weight_strides": _transposed_layout,
+    "channels_last": lambda model: model.to(memory_format=torch.channels_last),
+}
+
+
+@pytest.mark.parametrize("without_host", [True, False], ids=["without_host", "checked"])
+@pytest.mark.parametrize("optimizer", ["adam_fused", "sgd"])
+@pytest.mark.parametrize("change", sorted(LAYOUT_CHANGES))
+def test_a_parameter_whose_strides_change_between_calls_is_a_mismatch(change, optimizer, without_host):
+    # A conv weight given other strides (same values) was replayed with the recorded layout: its
+    # .grad kept the recorded strides (eager's follow the weight's), and fused Adam then updated
+    # the weights differently from eager. The guards compared shape, dtype and device only.
+    def objects():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+        opt = (torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if optimizer == "adam_fused"
+               else torch.optim.SGD(model.parameters(), lr=0.01))
+        return model, opt
+
+    eager_model, eager_opt = objects()
+    traced_model, traced_opt = objects()
+    traced = tracejit.trace(_conv_step, backend="aten", without_host=without_host)
+    torch.manual_seed(1)
+    for i in range(8):
+        x = torch.randn(2, 3, 9, 9)
+        if i == 5:
+            stats = traced.stats
+            assert (stats.host_free_calls if without_host else stats.api_replays) >= 1, stats  # the JIT served calls
+            recorded = traced_model[0].weight.stride()
+            LAYOUT_CHANGES[change](eager_model)
+            LAYOUT_CHANGES[change](traced_model)
+            now = traced_model[0].weight.stride()
+            assert now != recorded
+        before = [p.detach().clone() for p in traced_model.parameters()]
+        expected = _conv_step(x.clone(), model=eager_model, opt=eager_opt)
+        if i < 5:
+            assert torch.equal(traced(x.clone(), model=traced_model, opt=traced_opt), expected), i
+            assert_same_state(eager_model, eager_opt, traced_model, traced_opt)
+            assert all(p.grad.stride() == q.grad.stride()
+                       for p, q in zip(eager_model.parameters(), traced_model.parameters())), i
+            eager_opt.zero_grad()
+            traced_opt.zero_grad()
+            continue
+        with pytest.raises(TraceMismatchError, match=r"model\.0\.weight") as raised:
+            traced(x.clone(), model=traced_model, opt=traced_opt)
+        message = str(raised.value)
+        assert f"strides {recorded}" in message and f"strides {now}" in message and "_conv_step" in message
+        assert all(torch.equal(a, b) for a, b in zip(before, traced_model.parameters())), "updated, then raised"

@@ -19,6 +19,8 @@ def test_a_learned_guard_passes_only_the_learned_layouts():
     assert guard.check(torch.randn(4, 3, requires_grad=True), torch.tensor(5.0))  # other values, same facts
     assert not guard.check(torch.randn(3, 4, requires_grad=True), b)
     assert not guard.check(a, b.double())
+    # the same shape in another layout: the program (and the gradient layout it gives) was built for the learned one
+    assert not guard.check(torch.randn(3, 4, requires_grad=True).t(), b)
     assert not guard.check(a, None)
     with torch.inference_mode():  # another dispatch state: not vouched for
         assert not guard.check(a, b)

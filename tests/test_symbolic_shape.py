@@ -976,3 +976,44 @@ def test_recurrent_layers_refuse_symbolic_sizes_clearly_and_train_per_size_by_de
         for a, b in zip(rnn_a.parameters(), rnn_b.parameters()):
             assert torch.equal(a, b), i
     assert traced.stats.checked_replays == 4
+
+
+def _conv_step_returning_its_output(x, *, model, opt):
+    out = model(x)
+    loss = out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, out
+
+
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+@pytest.mark.parametrize("mode", [None, True], ids=["automatic", "symbolic"])
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_training_step_returning_its_output_with_the_loss_is_generalized(layer, mode, without_host):
+    # `return loss, out`: the backward of the call used out's graph, yet symbolic recording refused
+    # out as "requires grad, runs no backward pass for it" (symbolic_shape=True raised; the automatic
+    # mode dropped the attempt, recorded each size static, and the 9th size filled the cache)
+    torch.manual_seed(0)
+    model = (torch.nn.Conv2d(3, 4, 3, padding=1) if layer == "conv" else torch.nn.Linear(3, 4))
+    objects = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    twins = copy.deepcopy(objects)
+    traced = tracejit.trace(_conv_step_returning_its_output, symbolic_shape=mode, without_host=without_host)
+    sizes = [6, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 7, 6]
+    for i, n in enumerate(sizes):
+        x = torch.randn(2, 3, n, n) if layer == "conv" else torch.randn(n, 3)
+        want = _conv_step_returning_its_output(x.clone(), **objects)
+        got = traced(x.clone(), **twins)
+        assert same_tree(got, want), i
+        for name in objects:
+            assert same_tree(state_of(twins[name]), state_of(objects[name])), (i, name)
+        # with history where eager's (used up) graph comes back, as from a static trace's checked calls;
+        # else without, as from the API level and without_host
+        assert got[1].requires_grad == (got[1].grad_fn is not None), i
+        if i == (2 if mode is None else 0):  # the call recording symbolically returns out computed
+            assert not got[1].requires_grad and len(traced._shape_traces) == 1, i
+    stats = traced.stats
+    assert stats.records == (2 if mode is None else 1) and len(traced._shape_traces) == 1, stats
+    assert stats.shape_specializations == len(set(sizes)) - stats.records, stats
+    if without_host:
+        assert stats.host_free_calls >= 2, stats

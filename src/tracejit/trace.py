@@ -666,6 +666,7 @@ class trace(ProfileAccess):
         recorder.use_real_inputs(args, kwargs)
         context = CallContext(self, recorder, self.options.capture_as_const)
         seen = Seen(optimizers=self.options.without_host)
+        recorder.live_graph = seen.live_graph  # a returned output whose graph the call's backward used is no kept stand-in
         try:
             with seen.watching(), traced_call(context):
                 result = self._function(*fake_args, **fake_kwargs)

@@ -94,6 +94,9 @@ class SymbolicRecorder(Recorder):
         # symbolic_shape: each leaf tensor from outside the call (a parameter) as first seen, its .grad
         # and requires_grad: a dropped attempt puts them back (runtime/undo.py)
         self.first_seen: list[tuple[torch.Tensor, torch.Tensor | None, bool]] = []
+        # tensor -> True if it has autograd history no backward pass of the call freed (the call's
+        # record/reached.Seen.live_graph); None: every returned tensor that requires grad has such history
+        self.live_graph: Callable[[torch.Tensor], bool] | None = None
 
     # -- recording --------------------------------------------------------------------------------
 
@@ -299,7 +302,10 @@ class SymbolicRecorder(Recorder):
         returned tensor) would stay one."""
         returned = {id(t) for t in tree_leaves(result) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(result):
-            if isinstance(tensor, FakeTensor) and tensor.requires_grad:
+            # an output whose graph a backward pass of the call used (`return loss, out` of a training
+            # step) comes back computed, without history, as a replay of a static trace returns it
+            if (isinstance(tensor, FakeTensor) and tensor.requires_grad
+                    and (self.live_graph is None or self.live_graph(tensor))):
                 raise SymbolicTraceError(
                     f"tracejit: {self.function_name}() returns a tensor of symbolic size that requires grad "
                     f"(of shape {list(tensor.shape)}), and runs no backward pass for it. With symbolic_shape the "

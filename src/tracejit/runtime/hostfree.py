@@ -619,7 +619,8 @@ class HostFreeRunner:
             lines.append(_fail(" or ".join(checks), what))
         # its layout: checked for all externals at once (see _meta_checks; the guard's dispatch keys
         # hold the math bits, so a negative view fails it and meets the precise check)
-        self._meta.append((local, _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.dtype is not "
+        self._meta.append((local, _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.stride() != "
+                                        f"{src.constant(meta.stride, 'st')} or {local}.dtype is not "
                                         f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)} "
                                         f"or {_other_math_bits(local, meta.math_bits, src)}",
                                         f"{info.name} is not {meta} anymore")))

@@ -1,15 +1,15 @@
 """One C++ call for the shape, dtype and device checks of the tensors a host-free call binds.
 
 A host-free call checks each external tensor it binds (parameters, gradients, optimizer state)
-for its recorded shape, dtype and device. Written in Python that is about 0.15 us a tensor: 4 us
+for its recorded shape, strides, dtype and device. Written in Python that is about 0.15 us a tensor: 4 us
 for the 24 parameters and state tensors of an Adam step on a three-layer MLP, on a step of 130 us.
 torch checks tensors in C++ for its own compiler (dynamo's `TensorGuards`): Python type, dtype,
-device, `requires_grad`, sizes, and the dispatch keys, which also hold the thread's dispatch
+device, `requires_grad`, sizes, strides, and the dispatch keys, which also hold the thread's dispatch
 state (inference mode, autocast, a dispatch mode).
 
 A `MetaGuard` is learned from tensors that the precise Python checks have just passed, in the
 dispatch state of that call. While it passes they would too, since it checks more (the same
-sizes, dtype and device, and more besides), so the call skips them. When it fails (a changed
+sizes, strides, dtype and device, and more besides), so the call skips them. When it fails (a changed
 tensor, or a call in another dispatch state) the precise checks run and decide, and a call that
 passes them teaches the guard its tensors. The guard only ever saves time: the answer is always
 the precise checks'.
@@ -42,7 +42,7 @@ class MetaGuard:
             return
         try:
             guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                                 dynamic_dims_strides=[[None] * t.dim() for t in tensors])
+                                 dynamic_dims_strides=[list(t.stride()) for t in tensors])
         except Exception:  # noqa: BLE001 - a layout it does not take (sparse, nested): checked in Python
             self.check = _never
             return
