@@ -72,6 +72,34 @@ def test_split_points_as_python_ints_are_no_hidden_read():
     assert traced.stats.host_free_calls >= 1
 
 
+def _halves_swapped_step(x, *, model, opt):
+    h = model(x)
+    a, b = h.tensor_split(2, dim=1)  # the method, with int sections: no hidden read
+    loss = torch.cat([b, a], 1).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_the_tensor_split_method_with_int_sections_keeps_the_api_level():
+    """The hook on Tensor.tensor_split was what the API record noted as the call (torch looks the
+    method up on torch.Tensor while the hook is installed), and checked calls, which run without
+    hooks, met TensorBase.tensor_split there: every call fell back to the aten level."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 6)
+        models.append((model, torch.optim.Adam(model.parameters(), lr=0.1)))
+    traced = tracejit.trace(_halves_swapped_step)
+    for _ in range(6):
+        x = torch.randn(3, 4)
+        want = _halves_swapped_step(x, model=models[0][0], opt=models[0][1])
+        assert torch.equal(traced(x, model=models[1][0], opt=models[1][1]), want)
+        assert all(torch.equal(p, q) for p, q in zip(models[0][0].parameters(), models[1][0].parameters()))
+    assert traced.stats.api_replays >= 2 and traced.stats.api_fallbacks == 0, traced.stats
+
+
 def test_the_hooks_are_torch_functions_again_after_a_call():
     tracejit.trace(_split_sums)(torch.randn(8, 3), torch.tensor([2, 5]))
     assert torch.tensor_split is torch._C._VariableFunctions.tensor_split

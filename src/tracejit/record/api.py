@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from ..signature import autocast_state
 from .amp import is_inf_check
 from .calls import data_dependent_size
-from .modes import _HOST_READ_HOOKS, HOST_READ_METHODS
+from .modes import _HIDDEN_READ_HOOKS, _HOST_READ_HOOKS, HOST_READ_METHODS
 from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
 from .record import Flag, HostRead, Kind, Record
@@ -416,9 +416,12 @@ class ApiTracer(TorchFunctionMode):
                                         template_result, source, autocast=autocast_state()))
 
 
-# hook -> the torch.Tensor method it wraps, as the checker sees it called (no hooks installed then)
+# hook -> the torch.Tensor method it wraps, as the checker sees it called (no hooks installed then);
+# the hidden-read hooks too (`x.tensor_split(2)` reaches the mode as the hook while one is installed)
 _HOOKED = {hook: _HOST_READ_HOOKS.originals.get(name) or getattr(torch._C.TensorBase, name)
            for name, hook in _HOST_READ_HOOKS.hooks.items()}
+_HOOKED.update({hook: hooks.originals.get(name) or getattr(torch._C.TensorBase, name)
+                for hooks in _HIDDEN_READ_HOOKS if hooks.owner is torch.Tensor for name, hook in hooks.hooks.items()})
 
 
 class _Unfollowable(Exception):
