@@ -52,6 +52,20 @@ def snapshot_literal(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().clone(memory_format=torch.preserve_format)
 
 
+
+def _busy_calling(name: str) -> Any:
+    """A handler method that calls the (overridable) method `name` with the recorder marked busy:
+    shape reads made meanwhile are tracejit's own, not the host's (see on_shape_read)."""
+    def handler(self, *args: Any) -> Any:
+        self._busy += 1
+        try:
+            return getattr(self, name)(*args)
+        finally:
+            self._busy -= 1
+
+    handler.__name__ = name.lstrip("_")
+    return handler
+
 class Recorder:
     """Builds a `Record` from the ops of one call.
 
@@ -235,12 +249,10 @@ class Recorder:
 
     # -- handler protocol -----------------------------------------------------------------------
 
-    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        self._busy += 1
-        try:
-            return self._on_op(func, args, kwargs)
-        finally:
-            self._busy -= 1
+    on_op = _busy_calling("_on_op")
+    on_host_read = _busy_calling("_on_host_read")
+    on_hidden_read = _busy_calling("_on_hidden_read")
+    _catch_up_busy = _busy_calling("catch_up")
 
     def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if is_ignored_op(func):
@@ -283,13 +295,6 @@ class Recorder:
             if handle is not None:
                 self.tensors[handle].flags |= Flag.SHAPE_READ
 
-    def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
-        self._busy += 1
-        try:
-            self._on_host_read(tensor, what)
-        finally:
-            self._busy -= 1
-
     def _on_host_read(self, tensor: torch.Tensor, what: str) -> None:
         handle = self.handles.get(tensor)
         if handle is None:
@@ -300,13 +305,6 @@ class Recorder:
             what += INF_CHECK
         self.host_reads.append(HostRead(len(self.ops), handle, what, user_location()))
 
-    def on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
-        self._busy += 1
-        try:
-            self._on_hidden_read(tensor, what)
-        finally:
-            self._busy -= 1
-
     def _on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
         self.hidden_reads.append(HiddenRead(len(self.ops), self.handles.get(tensor), what, user_location()))
 
@@ -316,11 +314,7 @@ class Recorder:
     def on_excluded_block(self) -> None:
         self.excluded_blocks.append(ExcludedBlock(len(self.ops), user_location(), len(self.tensors)))
         self.cut_below = len(self.tensors)
-        self._busy += 1
-        try:
-            self.catch_up()
-        finally:
-            self._busy -= 1
+        self._catch_up_busy()
 
     def catch_up(self) -> None:
         """An excluded block begins: make what the host can see real. Nothing to do: every op ran."""
