@@ -232,6 +232,25 @@ def test_max_traces_bound_lists_the_signatures(trace):
     assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))  # existing traces still work
 
 
+def test_max_traces_names_the_strides_of_layouts_that_differ(trace):
+    """Inputs of one shape whose strides differ (a size-1 dim's stride after t() or as_strided)
+    are traces of their own: the message shows the strides, or its signatures read alike."""
+    @trace(max_traces=2)
+    def f(x):
+        return x * 2
+
+    for stride in (7, 8):
+        x = torch.randn(5, 1, 4).as_strided((5, 1, 4), (4, stride, 1))
+        assert torch.equal(f(x), x * 2)
+    with pytest.raises(tracejit.TraceCacheFullError) as info:
+        f(torch.randn(5, 1, 4))
+    message = str(info.value)
+    assert "new: (x: cpu float32[5, 1, 4])" in message  # contiguous: no strides shown
+    assert "(x: cpu float32[5, 1, 4], strides (4, 7, 1))" in message
+    assert "(x: cpu float32[5, 1, 4], strides (4, 8, 1))" in message
+    assert ".contiguous()" in message
+
+
 def test_returning_an_external_and_an_input(trace):
     w = torch.randn(3)
 

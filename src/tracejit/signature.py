@@ -261,8 +261,11 @@ def gradient_snapshot(kwargs: dict) -> list[tuple]:
 
 def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | None = None) -> str:
     def one(k: tuple) -> str:
-        shape, _, dtype, device, requires_grad, inference, bits = k
-        grad = ", requires_grad" if requires_grad else ""
+        shape, stride, dtype, device, requires_grad, inference, bits = k
+        # a layout other than the contiguous one is a signature of its own: say so, or two traces
+        # of the same shape read alike (a size-1 dim's stride differs after t() or as_strided)
+        layout = "" if stride == _contiguous_strides(shape) else f", strides {tuple(stride)}"
+        grad = layout + (", requires_grad" if requires_grad else "")
         grad += ", with gradient hooks" if requires_grad == 2 else ""
         made = ", an inference tensor" if inference else ""
         return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}{describe_math_bits(bits)}"
@@ -278,6 +281,14 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
         parts += [f"gradient state {state:#x}" for state in grad_state]
     parts += describe_context(context)
     return "(" + ", ".join(parts) + ")"
+
+
+def _contiguous_strides(shape: tuple) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def describe_context(context: tuple) -> list[str]:

@@ -554,7 +554,8 @@ class trace(ProfileAccess):
             f"{self.__name__}() was called with a new input signature, but max_traces="
             f"{self.options.max_traces} traces exist already.\n  new: "
             f"{describe_signature(key, self._arg_names, grad_state)}\nrecorded signatures:\n{seen}{symbolic}\n"
-            f"Pad or bucket inputs to a few shapes, or raise max_traces."
+            f"Pad or bucket inputs to a few shapes, pass .contiguous() inputs where only their strides vary, "
+            f"or raise max_traces."
         )
 
     def _arg_names_for(self, args: tuple) -> list[str]:
