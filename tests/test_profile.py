@@ -31,7 +31,8 @@ def test_profile_rows_cover_the_program_and_name_lines(without_host, tmp_path):
     report = profiled.get_profile()
     json.dumps(report)  # JSON-compatible
     summary = report["summary"]
-    assert summary["recording_calls"] == 1 and summary["calls"] == calls - 1
+    recorded = profiled.stats.records + profiled.stats.rerecords  # Adam's state made by the first call: a re-record
+    assert summary["recording_calls"] == recorded and summary["calls"] == calls - recorded
     assert 0 < summary["nodes_total_ms"] <= summary["call_total_ms"]
     rows = report["rows"]
     addmm = [r for r in rows if r["node"] == "aten.addmm.default"]
@@ -87,7 +88,8 @@ def test_rows_add_up_to_the_step_time_and_name_the_lines():
     summary, rows = report["summary"], report["rows"]
     checked = max((r["calls"] for r in rows if r["program"] == "checked replay"), default=0)
     host_free = [r for r in rows if r["program"] == "without_host"]
-    assert summary["calls"] == 7 and checked + host_free[0]["calls"] == 7
+    replayed = 8 - profiled.stats.records - profiled.stats.rerecords  # fused Adam's fresh state: a re-record
+    assert summary["calls"] == replayed and checked + host_free[0]["calls"] == replayed
     assert all(r["calls"] == host_free[0]["calls"] for r in host_free)  # every node timed once per call
     assert sum(r["total_ms"] for r in rows) == pytest.approx(summary["nodes_total_ms"])
     assert summary["outside_nodes_ms"] == pytest.approx(summary["call_total_ms"] - summary["nodes_total_ms"])

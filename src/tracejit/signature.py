@@ -122,19 +122,24 @@ def user_modes() -> list[str]:
 
 def call_context_key() -> tuple:
     """The global state that decides which ops a torch call dispatches (grad and inference mode,
-    autocast state and dtype, default dtype, deterministic algorithms, anomaly detection and its
-    NaN check, whose backward reads every gradient on the host and raises on a NaN, and the
-    caller's torch modes, see modes_key): a call made under another one may dispatch other ops
-    than the trace holds."""
+    autocast state, the autocast dtypes, default dtype, deterministic algorithms, anomaly
+    detection and its NaN check, whose backward reads every gradient on the host and raises on a
+    NaN, and the caller's torch modes, see modes_key): a call made under another one may dispatch
+    other ops than the trace holds. The autocast dtypes count even with autocast off: a function
+    entering `torch.autocast("cpu")` without a dtype takes `torch.get_autocast_dtype("cpu")`."""
     modes = modes_key() if _function_modes() or _dispatch_modes() else ()
-    if not _any_autocast():  # the usual case, in one call (the cpu dtype matters only under autocast)
-        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, None, False,
+    dtypes = (_autocast_dtype("cpu"), _autocast_dtype("cuda"))
+    if not _any_autocast():  # the usual case, in one call
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, dtypes, False,
                 torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan(),
                 modes)
-    cpu = torch.is_autocast_enabled("cpu")
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cpu,
-            torch.get_autocast_dtype("cpu") if cpu else None, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            dtypes, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan(), modes)
+
+
+_autocast_dtype = torch.get_autocast_dtype
+_DEFAULT_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)  # torch's for cpu and cuda
 
 
 def _repeated_inputs(tensors: list[torch.Tensor]) -> tuple[int, ...]:
@@ -293,11 +298,14 @@ def _contiguous_strides(shape: tuple) -> tuple[int, ...]:
 
 def describe_context(context: tuple) -> list[str]:
     """The parts of a call context that differ from torch's defaults, readably."""
-    grad, inference, cpu_autocast, cpu_dtype, cuda_autocast, default_dtype, deterministic, anomaly, modes = context
+    grad, inference, cpu_autocast, dtypes, cuda_autocast, default_dtype, deterministic, anomaly, modes = context
     parts = [] if grad else ["no_grad"]
     parts += ["inference_mode"] if inference else []
-    parts += [f"autocast cpu {str(cpu_dtype).removeprefix('torch.')}"] if cpu_autocast else []
-    parts += ["autocast cuda"] if cuda_autocast else []
+    parts += [f"autocast cpu {str(dtypes[0]).removeprefix('torch.')}"] if cpu_autocast else []
+    parts += [f"autocast cuda {str(dtypes[1]).removeprefix('torch.')}"] if cuda_autocast else []
+    parts += [f"autocast dtype {device} {str(dtype).removeprefix('torch.')}"
+              for device, dtype, default, on in zip(("cpu", "cuda"), dtypes, _DEFAULT_AUTOCAST_DTYPES,
+                                                    (cpu_autocast, cuda_autocast)) if dtype != default and not on]
     parts += [f"default dtype {str(default_dtype).removeprefix('torch.')}"] if default_dtype != torch.float32 else []
     parts += ["deterministic algorithms"] if deterministic else []
     parts += ["anomaly detection"] if anomaly else []

@@ -58,6 +58,7 @@ from .runtime.realize import Realizer
 from .runtime.replay import Replayer
 from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
+from .runtime.turns import end_turn, take_turn
 from .runtime.undo import StateSnapshot
 from .runtime.variants import ShapeVariants
 from .signature import (
@@ -241,7 +242,8 @@ class trace(ProfileAccess):
                 f"tracejit: {self.__name__}() was called again while its own call runs on this thread "
                 f"(from an exclude_from_trace() block or a hook). A traced function cannot call itself; "
                 f"call the undecorated function there.")
-        with self._lock:  # another thread's call finishes first: they share the program's buffers
+        take_turn(self, thread)  # another thread's call finishes first: they share the program's buffers
+        try:
             self._running_on = thread
             try:
                 stats = self.stats
@@ -258,6 +260,8 @@ class trace(ProfileAccess):
                 raise
             finally:
                 self._running_on = None
+        finally:
+            end_turn(self)
 
     def _after_the_host_free_path(self, args: tuple, kwargs: dict) -> Any:
         entry = self._fast_api
@@ -266,10 +270,17 @@ class trace(ProfileAccess):
         if self._profiler is None:
             return self._call(args, kwargs)
         start = CLOCK()
-        traces = len(self._entries())
-        result = self._call(args, kwargs)
-        self._profiler.call_done(start, recorded=len(self._entries()) != traces)
-        return result
+        recordings = self._recordings()
+        try:
+            return self._call(args, kwargs)
+        finally:  # a call that raised ran nodes too: it counts, or rows would count more calls than the summary
+            self._profiler.call_done(start, recorded=self._recordings() != recordings)
+
+    def _recordings(self) -> int:
+        """Calls so far that recorded (a first record, a re-record, a variant): their time is the
+        eager run and the compile, kept apart from replayed calls in the profile."""
+        stats = self.stats
+        return stats.records + stats.rerecords + stats.shape_variants + stats.branch_variants
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if not (torch.is_autocast_cache_enabled() and (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))):

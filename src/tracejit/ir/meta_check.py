@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..record.autocast_keys import outside_autocast
 from ..record.calls import rebuild_call
 from .graph import Graph, Node
 
@@ -96,7 +97,7 @@ def _run_faked(node: Node, inputs: list) -> tuple | None:
     if not _MODE:
         _MODE.append(FakeTensorMode(allow_fallback_kernels=False))
     try:
-        with _MODE[0], torch.no_grad():
+        with _MODE[0], torch.no_grad(), outside_autocast():  # the recorded ops, as autocast left them
             tensors = [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in inputs]
             args, kwargs = rebuild_call(node.statics, tensors, list(node.scalars))
             result = node.target(*args, **kwargs)

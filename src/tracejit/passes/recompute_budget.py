@@ -26,6 +26,8 @@ Before (peak over the threshold):             After (t6 evicted):
 
 from __future__ import annotations
 
+import math
+
 from ..ir.graph import INPUT_OPS, Graph, Node, Op, RecomputePlan
 from .analysis import observable_roots
 from .plan_memory import storage_lifetimes
@@ -36,8 +38,8 @@ CONVOLUTIONS = frozenset({"convolution", "_convolution", "mkldnn_convolution", "
 
 
 def plan_recomputation(graph: Graph, threshold: int, min_bytes: int = 1 << 20, memory_factor: float = 1.0,
-                       time_factor: float = 1.0) -> Graph:
-    candidates = find_candidates(graph, min_bytes)
+                       time_factor: float = 1.0, batch_norm: bool = True) -> Graph:
+    candidates = find_candidates(graph, min_bytes, batch_norm)
     if candidates is None:
         return graph
     peak_before, at, area = _memory_profile(graph)
@@ -51,8 +53,8 @@ def plan_recomputation(graph: Graph, threshold: int, min_bytes: int = 1 << 20, m
         if not choices:
             break
         costs = {r: _recompute_flops(candidates, r, kept) for r in choices}
-        root = min(choices, key=lambda r: (costs[r] ** time_factor
-                                          / (_root_bytes(candidates, r) ** memory_factor * idle.get(r, 1)), r))
+        root = min(choices, key=lambda r: (_log_score(costs[r], _root_bytes(candidates, r), idle.get(r, 1),
+                                                      time_factor, memory_factor), r))
         trial = recompute_all_but(candidates, kept - {root})
         trial_peak, trial_at, trial_area = _memory_profile(trial)
         # the peak is often a plateau (the end of forward and the start of backward hold the same
@@ -151,6 +153,15 @@ def _recompute_flops(candidates: Candidates, root: int, kept: set[int]) -> int:
         total += node_flops(graph, node)
         stack.extend(node.inputs)
     return max(total, 1)
+
+
+def _log_score(cost: float, size: int, idle: int, time_factor: float, memory_factor: float) -> float:
+    """log(cost ** time_factor / (size ** memory_factor * idle)): the same order as the score
+    itself, which overflows a float for large factors (recomp_time_factor=1000)."""
+    def weighted(value: float, factor: float) -> float:
+        return 0.0 if factor == 0 else factor * (math.log(value) if value > 0 else -math.inf)
+
+    return weighted(cost, time_factor) - weighted(size, memory_factor) - math.log(idle)
 
 
 def _idle_spans(candidates: Candidates) -> dict[int, int]:

@@ -29,8 +29,9 @@ from ..record.record import TENSOR
 from .analysis import is_pure_call, observable_roots, rehomed_views, single_version_handles
 
 
-def rematerialize(graph: Graph, checkpoint_every: int | None = None, min_bytes: int = 0) -> Graph:
-    candidates = find_candidates(graph, min_bytes)
+def rematerialize(graph: Graph, checkpoint_every: int | None = None, min_bytes: int = 0,
+                  batch_norm: bool = True) -> Graph:
+    candidates = find_candidates(graph, min_bytes, batch_norm)
     if candidates is None or len(candidates.saved_roots) < 2:
         return graph
     every = checkpoint_every or max(2, math.isqrt(len(candidates.saved_roots)))
@@ -52,8 +53,10 @@ class Candidates:
     saved_roots: list[int]
 
 
-def find_candidates(graph: Graph, min_bytes: int = 0) -> Candidates | None:
-    """None for graphs without a backward (or that the host sees: their values must stay real)."""
+def find_candidates(graph: Graph, min_bytes: int = 0, batch_norm: bool = True) -> Candidates | None:
+    """None for graphs without a backward (or that the host sees: their values must stay real).
+    `batch_norm=False`: a batch norm in training is not recomputed (a row kernel computes it in its
+    own order where reductions fuse: the aten recomputation would give backward other bits)."""
     if graph.host_visible:
         return None
     nodes = list(graph.nodes)
@@ -61,7 +64,7 @@ def find_candidates(graph: Graph, min_bytes: int = 0) -> Candidates | None:
     if first_backward is None:
         return None
     producer = {v: (i, n) for i, n in enumerate(nodes) for v in n.outputs if v is not None}
-    recomputable = _recomputable_values(graph, nodes, producer, first_backward)
+    recomputable = _recomputable_values(graph, nodes, producer, first_backward, batch_norm)
     saved_roots = _saved_roots(graph, nodes, first_backward, recomputable, min_bytes)
     return Candidates(graph, nodes, first_backward, producer, recomputable, saved_roots)
 
@@ -105,7 +108,8 @@ def _views_of_copies(graph: Graph, copies: dict[int, int]) -> set[int]:
     return views
 
 
-def _recomputable_values(graph: Graph, nodes: list[Node], producer: dict, first_backward: int) -> set[int]:
+def _recomputable_values(graph: Graph, nodes: list[Node], producer: dict, first_backward: int,
+                         batch_norm: bool) -> set[int]:
     """Pure forward values whose storage nobody writes and whose inputs nobody writes between
     their producer and the end of backward, where the recomputation runs: `b = a.tanh();
     a.add_(1)` cannot recompute `b` from `a` (eager allows the write, nothing saved `a`; the
@@ -122,7 +126,7 @@ def _recomputable_values(graph: Graph, nodes: list[Node], producer: dict, first_
     for vid, (index, node) in producer.items():
         value = graph.values[vid]
         recomputable = (is_pure_call(node) and node.out_kind == "tensor") or (
-            vid == node.outputs[0] and _batch_norm_in_training(graph, node))
+            batch_norm and vid == node.outputs[0] and _batch_norm_in_training(graph, node))
         if index < first_backward and recomputable and value.handle in unwritten and value.root not in observable \
                 and not any(position > index for u in node.inputs
                             for position in written_at.get(graph.values[u].root, ())):

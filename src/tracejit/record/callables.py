@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .autocast_keys import outside_autocast
 from .calls import rebuild_call
 from .record import TensorMeta
 
@@ -69,7 +70,8 @@ def resolve_callable(op: Any, statics: tuple, metas: tuple[TensorMeta, ...], sca
     if torch.Tag.nondeterministic_seeded in op.tags:
         return op._op  # an RNG op is never run an extra time, not even on meta tensors
     try:
-        return _resolve(op, statics, metas, scalars) or op._op
+        with outside_autocast():  # the recorded op and its bindings compared as autocast left the op
+            return _resolve(op, statics, metas, scalars) or op._op
     except TypeError:  # unhashable static argument: no caching, no verification
         return op._op
 

@@ -168,10 +168,25 @@ class GeneratorWatch:
         self.others.clear()
 
 
+_torch_internal = threading.local()  # .reading: torch's own code reads a value (not the host)
+
+
+@contextlib.contextmanager
+def torch_reads_unseen() -> Iterator[None]:
+    """Reads torch makes itself while tracejit works (FakeTensorMode.from_tensor memoizes a 0-d
+    integer tensor's value with item() since torch 2.14) are not the function's host reads."""
+    before = getattr(_torch_internal, "reading", False)
+    _torch_internal.reading = True
+    try:
+        yield
+    finally:
+        _torch_internal.reading = before
+
+
 def _host_read_hook(original: Any, what: str) -> Any:
     def hook(self, *args, **kwargs):
         context = current_context()
-        if context is None or context.excluded:
+        if context is None or context.excluded or getattr(_torch_internal, "reading", False):
             return original(self, *args, **kwargs)
         # Neither the read (numpy's detach, item's _local_scalar_dense) nor what it takes to make
         # the value real is part of the program.

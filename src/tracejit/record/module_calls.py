@@ -10,6 +10,7 @@ checked replay at the API level answers the whole module call when that state is
 from __future__ import annotations
 
 import weakref
+from _thread import get_ident
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from .ddp_calls import DdpNote, ddp_refusal, is_ddp
+from .own_hooks import own, remove_own
 
 # torch.nn's modules whose forward reads nothing but the module's own attributes, parameters,
 # buffers and submodules (no global flags, no Python callables kept as attributes)
@@ -95,17 +97,21 @@ class ModuleCalls:
         self.open: list[ModuleCall | None] = []  # None: a call inside one that may be answered, or a user's module
         self.found: list[ModuleCall] = []
         self.handles: list = []
+        self.thread = get_ident()  # the hooks are process-wide: another thread's module calls are not this call's
 
     def install(self) -> None:
-        self.handles = [nn.modules.module.register_module_forward_pre_hook(self._begin),
-                        nn.modules.module.register_module_forward_hook(self._end, with_kwargs=True)]
+        self.thread = get_ident()
+        self.handles = [own(nn.modules.module.register_module_forward_pre_hook(self._begin)),
+                        own(nn.modules.module.register_module_forward_hook(self._end, with_kwargs=True))]
 
     def remove(self) -> None:
         for handle in self.handles:
-            handle.remove()
+            remove_own(handle)
         self.handles = []
 
     def _begin(self, module: nn.Module, args: tuple) -> None:
+        if get_ident() != self.thread:
+            return
         if any(call is not None for call in self.open):
             self.open.append(None)  # inside a module call that may be answered whole
             return
@@ -123,7 +129,7 @@ class ModuleCalls:
         self.open.append(call)
 
     def _end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self.open:
+        if not self.open or get_ident() != self.thread:
             return
         call = self.open.pop()
         if call is None or call.module() is not module:

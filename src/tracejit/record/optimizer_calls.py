@@ -20,6 +20,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim import optimizer as optimizer_module
 
+from .own_hooks import any_foreign
+
 STEP, ZERO_GRAD = "step", "zero_grad"
 # the code of the wrapper torch.optim puts around every optimizer class's step(), and of zero_grad()
 _STEP_WRAPPER = Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
@@ -70,7 +72,7 @@ def is_stock(optimizer: Optimizer) -> bool:
 def step_hooks(optimizer: Optimizer) -> bool:
     """Hooks around step() run user code there."""
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or optimizer_module._global_optimizer_pre_hooks or optimizer_module._global_optimizer_post_hooks)
+                or any_foreign((optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks)))
 
 
 class OptimizerCalls:

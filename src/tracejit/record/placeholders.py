@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import SymbolicTraceError
+from .modes import torch_reads_unseen
 from .source import user_location
 from .symbolic_shapes import SymbolicSizes, has_symbolic_metadata
 
@@ -189,7 +190,8 @@ class PlaceholderExecutor:
                 return tensor  # handed out by this recording: it is its own fake
             fake = fakes.get(tensor)
             if fake is None:
-                fakes[tensor] = fake = mode.from_tensor(tensor) if sizes is None else sizes.static_fake(tensor)
+                with torch_reads_unseen():
+                    fakes[tensor] = fake = mode.from_tensor(tensor) if sizes is None else sizes.static_fake(tensor)
             real_of_fake[id(fake)] = tensor
             return fake
 

@@ -37,6 +37,7 @@ import torch.optim.optimizer as optimizer_module
 from torch.utils.hooks import RemovableHandle
 
 from .modes import TensorHooks
+from .own_hooks import own, remove_own
 from .source import user_location
 
 _CONSUMED = "tracejit.consumed"  # the key of Seen's mark in an autograd node's metadata
@@ -93,14 +94,14 @@ class Seen:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        handles = [torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda module, args: self._note(self._modules, module))]
+        handles = [own(torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: self._note(self._modules, module)))]
         outer = getattr(_watched, "seen", None)
         outer_backward = getattr(_watched, "backward", None)
         _install_backward_note()
         _watched.backward = self
         if self.watch_optimizers:  # only without the host: the API level's snapshot of an optimizer takes global hooks as the user's
-            handles.append(optimizer_module.register_optimizer_step_pre_hook(self._stepping))
+            handles.append(own(optimizer_module.register_optimizer_step_pre_hook(self._stepping)))
             _install_method_notes()
             _watched.seen = self
         first_hook = RemovableHandle.next_id  # the handles of hooks the call registers count from here
@@ -109,7 +110,7 @@ class Seen:
                 yield
         finally:
             for handle in handles:
-                handle.remove()
+                remove_own(handle)
             _watched.seen = outer
             _watched.backward = outer_backward
         for optimizer, settings in self._settings_at_step.values():

@@ -44,6 +44,7 @@ from ..record.api import (
     TensorRef,
     function_name,
 )
+from ..record.autocast_keys import outside_autocast
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
 from ..record.record import Kind, Record, math_bits
@@ -444,7 +445,7 @@ class _Reader:
             raise ApiDiverged("an object the trace uses is gone")
         for handle in self.copied:
             env[handle] = env[handle].clone()
-        with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), outside_autocast():
             for index in self.ops:
                 op = record.ops[index]
                 values = scalars[self.offsets[index]:self.offsets[index] + len(op.scalars)]
@@ -837,7 +838,7 @@ def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
     for handle, tensor in bound.items():
         env[handle] = tensor
     offsets = program.scalar_offsets
-    with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction():
+    with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), outside_autocast():
         for op in record.ops:
             values = scalars[offsets[op.index]:offsets[op.index] + len(op.scalars)]
             call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)

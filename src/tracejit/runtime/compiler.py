@@ -65,16 +65,19 @@ def _row_fusion(options: CompileOptions) -> CanFuseRow | None:
 def _recompute_pass(options: CompileOptions) -> Pass | None:
     """The pass that chooses what backward recomputes, if the options ask for one."""
     sublinear, dtr = options.sublinear, options.dtr
+    # with row kernels for reductions, a training batch norm's forward is one of them: recomputed
+    # through aten, backward would read other bits than forward made ("same numbers" in the guide)
+    batch_norm = not (options.fusion is not None and options.fuse_reduce)
     if sublinear is not None:
         def rematerialize_with_config(graph: Graph) -> Graph:
-            return rematerialize(graph, sublinear.checkpoint_every, int(sublinear.lb_memory_mb * 2**20))
+            return rematerialize(graph, sublinear.checkpoint_every, int(sublinear.lb_memory_mb * 2**20), batch_norm)
 
         rematerialize_with_config.__name__ = "rematerialize"
         return rematerialize_with_config
     if dtr is not None:
         def plan_recomputation_with_config(graph: Graph) -> Graph:
             return plan_recomputation(graph, dtr.eviction_threshold, dtr.evictee_minimum_size,
-                                      dtr.recomp_memory_factor, dtr.recomp_time_factor)
+                                      dtr.recomp_memory_factor, dtr.recomp_time_factor, batch_norm)
 
         plan_recomputation_with_config.__name__ = "plan_recomputation"
         return plan_recomputation_with_config

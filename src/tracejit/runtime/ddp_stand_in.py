@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..record.api import BACKWARD, ApiCall, RefKind
 from ..record.collectives import is_collective
 from ..record.module_calls import ModuleCall, ModuleState, global_hook_dicts
+from ..record.own_hooks import any_foreign
 from ..record.record import Kind, Record
 from .api_match import FAIL, answer_expr, match_lines, template_refs
 from .stand_ins import _MODULE_HOOKS, _PLAIN, _ForwardSource, _ForwardStandIn, _Unsupported
@@ -106,7 +107,8 @@ class DdpForwardSource(_ForwardSource):
         if "GLOBAL_HOOKS" not in namespace:  # torch.nn's global hook dicts, which it only ever mutates
             namespace["GLOBAL_HOOKS"] = global_hook_dicts()
         namespace.setdefault("GRAD_ENABLED", torch.is_grad_enabled)
-        self.fail_if("any(GLOBAL_HOOKS)")
+        namespace.setdefault("ANY_FOREIGN", any_foreign)  # hooks of the user's, not tracejit's own
+        self.fail_if("any(GLOBAL_HOOKS) and ANY_FOREIGN(GLOBAL_HOOKS)")
         self.fail_if(f"GRAD_ENABLED() is not {call.ddp.grad_enabled}")
         self.fail_if(f"len(args) != {len(call.args)} or kwargs.keys() != {program.constant(set(call.kwargs), 'k')}")
         for i, template in enumerate(call.args):

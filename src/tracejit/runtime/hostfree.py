@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import HostDependencyError
 from ..ir.graph import Graph
 from ..record.amp import is_inf_check
+from ..record.autocast_keys import any_autocast_enabled, outside_autocast
 from ..record.calls import data_dependent_size
 from ..record.ddp_calls import is_ddp
 from ..record.names import (
@@ -464,12 +465,17 @@ class HostFreeRunner:
                 loads.append(f"{load}.clone()")
         epilogue = self._epilogue(objects, kwargs, src)
         failure = FailureEffects(self.record, graph, run.parts, self.stores, self._clear_target, src)
-        lines = [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)", "try:"]
+        lines = [*loads, "grad = IS_GRAD()", "if grad: SET_GRAD(False)"]
+        ending = ["finally:", "    if grad: SET_GRAD(True)"]
+        if any_autocast_enabled():  # the call context guard holds it on for every call of this binding
+            src.namespace["OUTSIDE_AUTOCAST"] = outside_autocast
+            lines += ["autocast_off = OUTSIDE_AUTOCAST()", "autocast_off.__enter__()"]
+            ending.append("    autocast_off.__exit__(None, None, None)")
+        lines.append("try:")
         # the program's first line among these; `bind` adds where these begin in `call`
         self.failure_point = failure.point
         failure.point.first_line = len(lines)
-        return [*lines, *(f"    {line}" for line in (*run.parts.body, *epilogue)), *failure.handler(),
-                "finally:", "    if grad: SET_GRAD(True)"]
+        return [*lines, *(f"    {line}" for line in (*run.parts.body, *epilogue)), *failure.handler(), *ending]
 
     def _call_clears(self, param: int | None, grad: int) -> bool:
         """Whether the recorded call set `param.grad = None` after it made or last wrote `grad`.

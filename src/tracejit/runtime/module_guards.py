@@ -30,6 +30,7 @@ import torch
 
 from ..record.ddp_calls import is_ddp
 from ..record.module_calls import global_hook_dicts
+from ..record.own_hooks import foreign
 from .stand_ins import identity_checks, immutable
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -119,9 +120,9 @@ def _parents_first(modules: list[torch.nn.Module], parents: dict) -> list[torch.
 
 def _global_hooks_guard(constant: Callable[[Any, str], str], fail: Callable[[str, str], str], lines: list[str],
                         new_hooks: list[str]) -> None:
-    for hooks in global_hook_dicts():
-        expr = constant(hooks, "gh")
-        if hooks:
-            lines.append(fail(f"tuple({expr}) != {constant(tuple(hooks), 'hk')}", "a global module hook was removed"))
+    for hooks in global_hook_dicts():  # the user's: tracejit's own come and go with traced calls (record/own_hooks.py)
+        expr, user_hooks = constant(hooks, "gh"), constant(foreign, "foreign")
+        if foreign(hooks):
+            lines.append(fail(f"{user_hooks}({expr}) != {constant(foreign(hooks), 'hk')}", "a global module hook was removed"))
         else:
-            new_hooks.append(fail(expr, "a global module hook was registered"))
+            new_hooks.append(fail(f"{expr} and {user_hooks}({expr})", "a global module hook was registered"))

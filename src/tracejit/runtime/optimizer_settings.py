@@ -20,6 +20,7 @@ import torch.optim.optimizer as optimizer_module
 
 from ..record.calls import scalar_slot_names
 from ..record.names import root_expression, roots_of
+from ..record.own_hooks import foreign
 from ..record.record import Record
 from ..record.regions import in_optimizer_step
 from .program import scalar_layout
@@ -96,12 +97,14 @@ def optimizer_hook_guards(optimizers: list[tuple[str, Any]], constant: Any, fail
     if not optimizers:
         return []
     lines = []
+    user_hooks = constant(foreign, "foreign")  # tracejit's own come and go with traced calls
     for hooks in (optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks):
-        if hooks:
-            lines.append(fail(f"tuple({constant(hooks, 'gh')}) != {constant(tuple(hooks), 'hk')}",
+        expr = constant(hooks, "gh")
+        if foreign(hooks):
+            lines.append(fail(f"{user_hooks}({expr}) != {constant(foreign(hooks), 'hk')}",
                               "a global optimizer hook was removed"))
         else:
-            new_hooks.append(fail(constant(hooks, "gh"), "a global optimizer hook was registered"))
+            new_hooks.append(fail(f"{expr} and {user_hooks}({expr})", "a global optimizer hook was registered"))
     for expr, optimizer in optimizers:
         attributes = optimizer.__dict__
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):

@@ -42,6 +42,7 @@ class Profiler:
     recording_time: float = 0.0
     compile_time: float = 0.0  # compiling done inside replayed calls (the host-free program), reported apart
     _compiling_in_call: float = 0.0
+    _timed_in_call: list = field(default_factory=list)  # (row, seconds) of the current call's nodes
     memory: dict[str, Any] = field(default_factory=dict)  # dtr_config's plan (ir.graph.RecomputePlan.as_dict)
     events: deque = field(default_factory=lambda: deque(maxlen=_MAX_TRACE_EVENTS))
     _origin: float = field(default_factory=CLOCK)
@@ -58,6 +59,7 @@ class Profiler:
         end = CLOCK()
         row.calls += 1
         row.total += end - start
+        self._timed_in_call.append((row, end - start))
         self.events.append((index, start, end))
 
     def compiled(self, seconds: float) -> None:
@@ -69,11 +71,17 @@ class Profiler:
         if recorded:
             self.recording_calls += 1
             self.recording_time += elapsed
+            # a replay that diverged and recorded afresh ran nodes first: part of the recording, so
+            # the rows (like the summary) describe replayed calls only
+            for row, seconds in self._timed_in_call:
+                row.calls -= 1
+                row.total -= seconds
         else:
             self.calls += 1
             self.call_time += elapsed - self._compiling_in_call
             self.compile_time += self._compiling_in_call
         self._compiling_in_call = 0.0
+        self._timed_in_call.clear()
 
     def label(self, index: int) -> str:
         row = self.rows[index]

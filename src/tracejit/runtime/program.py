@@ -23,6 +23,7 @@ import torch
 from ..backends.reference import ReferenceKernel
 from ..errors import TraceMismatchError
 from ..ir.graph import Graph, Node, Op
+from ..record.autocast_keys import outside_autocast
 from ..record.calls import data_dependent_size
 from ..record.record import Record
 from .codegen import callable_for, generate_straight_line
@@ -160,7 +161,7 @@ class _GroupRun:
 
     def materialize(self, handle: int, state: CallState, scalars: list) -> None:
         """Make `handle`'s contents real now: the host reads it before (or without) the kernel filling it."""
-        with _as_dispatched():
+        with _as_dispatched(), outside_autocast():  # the members ran after autocast cast them
             self._materialize(handle, state, scalars)
 
     def _materialize(self, handle: int, state: CallState, scalars: list) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import SymbolicTraceError
+from ..record.autocast_keys import outside_autocast
 from ..record.calls import rebuild_call
 from ..record.placeholders import Placeholder
 from ..record.record import Flag, OpRecord, Record, TensorMeta
@@ -201,5 +202,5 @@ def _outside_the_trace() -> Iterator[None]:
     counter once while the call was recorded, exactly as eager execution does.
     """
     below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
-    with _disable_current_modes(), torch._C.DisableTorchFunction(), below_autograd():
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), below_autograd(), outside_autocast():
         yield

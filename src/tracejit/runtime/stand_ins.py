@@ -31,6 +31,7 @@ from ..record.api import ApiCall, CallKind, RefKind, TensorRef
 from ..record.ddp_calls import is_ddp
 from ..record.module_calls import ModuleCall, ModuleState, global_hook_dicts
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
+from ..record.own_hooks import any_foreign
 from .api_match import FAIL, answer_expr, match_lines, source_of
 from .optimizer_numbers import MODELS, SETTINGS, numbers, same_numbers
 from .optimizer_settings import SettingBinding, find_bindings
@@ -575,7 +576,8 @@ class _ForwardSource:
         namespace = self.program.namespace
         if "GLOBAL_HOOKS" not in namespace:  # torch.nn's global hook dicts, which it only ever mutates
             namespace["GLOBAL_HOOKS"] = global_hook_dicts()
-        self.fail_if("any(GLOBAL_HOOKS)")
+        namespace.setdefault("ANY_FOREIGN", any_foreign)  # hooks of the user's, not tracejit's own
+        self.fail_if("any(GLOBAL_HOOKS) and ANY_FOREIGN(GLOBAL_HOOKS)")
         inner = self.program.calls[call.start:call.end]
         if inner:  # its calls dispatch what the autocast state they were made under decides
             self.lines.append(self.program.autocast_check(inner[0].autocast))

@@ -17,6 +17,7 @@ from ..backends import resolve_backend
 from ..ir.graph import Graph
 from ..ir.printer import format_graph
 from ..options import GraphOptimizationConfig
+from ..record.autocast_keys import outside_autocast
 from ..record.record import TensorMeta, math_bits
 from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
@@ -89,8 +90,10 @@ class LoadedGraph(ProfileAccess):
         previous = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # an inference graph builds no autograd history
         try:
-            with self._lock:  # calls from several threads take turns: the program reuses its buffers
+            # a caller's autocast would cast the recorded ops again (record/autocast_keys.py)
+            with self._lock, outside_autocast():  # calls from several threads take turns: the program reuses its buffers
                 self.program.run(env, self._scalars)
+            self._write_back(args, kwargs, tensors)
         finally:
             torch._C._set_grad_enabled(previous)
             if self._profiler is not None:  # a call that raised counts too: its nodes' times are in the rows
@@ -118,6 +121,16 @@ class LoadedGraph(ProfileAccess):
         if any(self._written_inputs):
             self._check_no_overlap(given)
         return checked
+
+    def _write_back(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> None:
+        """An input the graph writes that came in another layout ran as a copy in the traced one
+        (`_checked`): the caller's tensor gets the written values, as eager's in-place op gives it."""
+        if not any(self._written_inputs):
+            return
+        for i, ((name, _, _), written, ran) in enumerate(zip(self._inputs, self._written_inputs, tensors)):
+            given = args[i] if i < len(args) else kwargs[name]
+            if written and ran is not given:
+                given.copy_(ran)
 
     def _check_no_overlap(self, tensors: list[torch.Tensor]) -> None:
         """An input the graph writes must share no memory with another input (`g(a, a)`): the graph

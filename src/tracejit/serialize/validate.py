@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (
 
 from ..errors import LoadError
 from ..ir.meta_check import mispredicted_dtype
+from ..record.autocast_keys import outside_autocast
 from ..record.calls import is_view_op, rebuild_call
 from ..record.record import TENSOR, KwargStatic, ScalarSlot
 from .portable import PortableGraph, PortableOp
@@ -198,13 +199,15 @@ def check_graph(graph: PortableGraph) -> None:
     """Run every op on fake tensors of its declared inputs; raise LoadError where the declared
     outputs are not what the op produces."""
     check_handles(graph)
-    with _quiet_fake_tensor_log(), FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=False):
+    with _quiet_fake_tensor_log(), FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=False), \
+            outside_autocast():  # a caller's autocast would cast the stored ops again
         for index, op in enumerate(graph.ops):
             where = f"op #{index} {op.target}"
             check_arguments(op, where)
             samples = [_fake(graph, v) for v in op.inputs]
             args, kwargs = rebuild_call(op.statics, samples, list(op.scalars))
             _check_pin_memory(op, args, kwargs, where)
+            _check_dim(op, args, kwargs, where)
             try:
                 result = op.target(*args, **kwargs)
             except (DynamicOutputShapeException, DataDependentOutputException):
@@ -216,6 +219,25 @@ def check_graph(graph: PortableGraph) -> None:
             except Exception as error:  # noqa: BLE001 - any complaint of torch's own argument checks
                 raise LoadError(f"{where}: its arguments are invalid for this op: {_first_line(error)}") from None
             _compare(graph, op, result, where)
+
+
+# ops whose shape functions take any `dim` (torch checks it only in the kernel, at the first call)
+_DIM_UNCHECKED = frozenset({"aten::_softmax", "aten::sort", "aten::argsort"})
+
+
+def _check_dim(op: PortableOp, args: tuple, kwargs: dict, where: str) -> None:
+    """`dim` of `self` in range, as the kernel would insist on every call."""
+    schema = op.target._schema
+    if schema.name not in _DIM_UNCHECKED:
+        return
+    names = [a.name for a in schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    tensor, dim = bound.get("self"), bound.get("dim", -1)
+    if isinstance(tensor, torch.Tensor) and type(dim) is int:
+        rank = max(tensor.dim(), 1)
+        if not -rank <= dim < rank:
+            raise LoadError(f"{where}: dim {dim} is out of range for its {tensor.dim()}-d input "
+                            f"(expected {-rank} to {rank - 1})")
 
 
 def _check_pin_memory(op: PortableOp, args: tuple, kwargs: dict, where: str) -> None:

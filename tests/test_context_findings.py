@@ -1,0 +1,238 @@
+"""Findings of an adversarial hunt on the caller's context: autocast around a call, threads,
+traced functions nested through exclude_from_trace(), profiling of calls that raise or record.
+
+Each test failed before its fix (see the stop note of 2026-11-26).
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tracejit
+
+
+def _fp32_region(x, *, model):
+    """The first layer under the caller's autocast, the second in float32 on purpose."""
+    with torch.no_grad():
+        h = model[0](x)
+        with torch.autocast("cpu", enabled=False):
+            return model[1](h.float())
+
+
+@pytest.mark.parametrize("options", [{}, {"without_host": True}, {"symbolic": True}],
+                         ids=["checked", "without_host", "symbolic"])
+def test_a_callers_autocast_does_not_cast_a_float32_region_again(options):
+    """The programs run recorded ops, which autocast cast already: run with the caller's autocast
+    still on, an fp32 matmul came back bfloat16 (silently, from the second checked replay on)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    traced = tracejit.trace(_fp32_region, **options)
+    for _ in range(5):
+        x = torch.randn(8, 16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = _fp32_region(x, model=model)
+            got = traced(x, model=model)
+        assert want.dtype == torch.float32
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert traced.stats.records == 1
+    assert traced.stats.host_free_calls + traced.stats.checked_replays == 4
+    if options.get("without_host"):
+        assert traced.stats.host_free_calls == 4
+    elif not options:
+        assert traced.stats.api_replays >= 3  # the program ran, not the function
+
+
+def test_a_host_read_inside_the_functions_own_autocast_reads_the_float32_value():
+    """A host read realizes the program's ops so far while the function's autocast block is on."""
+    def f(x, *, model):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model[0](x)
+            with torch.autocast("cpu", enabled=False):
+                z = model[1](h.float())
+            total = z.sum().item()  # realized inside the autocast block
+        return z * total
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    traced = tracejit.trace(f)
+    for _ in range(5):
+        x = torch.randn(8, 16)
+        want, got = f(x, model=model), traced(x, model=model)
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    assert traced.stats.api_replays >= 3
+
+
+def test_a_loaded_graph_runs_its_recorded_ops_under_a_callers_autocast(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+    @tracejit.trace(capture_as_const=True)
+    def infer(x):
+        with torch.no_grad():
+            return model(x)
+
+    x = torch.randn(8, 16)
+    infer(x)
+    infer.dump(tmp_path / "infer.tjit")
+    loaded = tracejit.load(tmp_path / "infer.tjit")
+    (plain,) = loaded(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (under,) = loaded(x)
+    assert under.dtype == plain.dtype == torch.float32 and torch.equal(under, plain)
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+def test_the_default_autocast_dtype_the_function_takes_is_part_of_the_signature(without_host):
+    """`torch.autocast("cpu")` without a dtype takes torch.get_autocast_dtype("cpu"): a caller
+    that changes it between calls must not get the old dtype's program."""
+    def f(x, *, model):
+        with torch.autocast("cpu"):
+            y = model(x)
+        return y.float()
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    traced = tracejit.trace(f, without_host=without_host)
+    for _ in range(3):
+        assert torch.equal(traced(x, model=model), f(x, model=model))
+    before = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        for _ in range(3):
+            assert torch.equal(traced(x, model=model), f(x, model=model))
+    finally:
+        torch.set_autocast_dtype("cpu", before)
+    assert torch.equal(traced(x, model=model), f(x, model=model))
+    assert traced.stats.records == 2  # one trace per autocast dtype
+
+
+def test_traced_functions_nesting_the_other_way_round_on_two_threads_raise_instead_of_hanging():
+    meet = threading.Barrier(2)
+    outer = {"sync": False}
+
+    def body(x, *, inner, other, offset):
+        y = x + offset
+        with tracejit.exclude_from_trace():
+            if inner and outer["sync"]:
+                meet.wait(timeout=10)  # both threads are inside their outer call
+            if inner:
+                y = other()(y, inner=False)
+        return y * 2
+
+    f = tracejit.trace(lambda x, *, inner: body(x, inner=inner, other=lambda: g, offset=1.0))
+    g = tracejit.trace(lambda x, *, inner: body(x, inner=inner, other=lambda: f, offset=-1.0))
+    eager = {"f": lambda x, *, inner: body(x, inner=inner, other=lambda: eager["g"], offset=1.0),
+             "g": lambda x, *, inner: body(x, inner=inner, other=lambda: eager["f"], offset=-1.0)}
+    x = torch.randn(4)
+    for _ in range(3):
+        assert torch.equal(f(x, inner=True), eager["f"](x, inner=True))
+        assert torch.equal(g(x, inner=True), eager["g"](x, inner=True))
+    outer["sync"] = True
+    results = {}
+
+    def run(name, fn):
+        try:
+            results[name] = fn(x, inner=True)
+        except BaseException as error:  # noqa: BLE001 - the test looks at what each thread got
+            results[name] = error
+
+    threads = [threading.Thread(target=run, args=(name, fn), daemon=True) for name, fn in (("f", f), ("g", g))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "the two calls deadlocked"
+    outer["sync"] = False
+    errors = [r for r in results.values() if isinstance(r, BaseException)]
+    assert errors and all(isinstance(e, RuntimeError) and "wait for each other" in str(e) for e in errors)
+    for name, result in results.items():  # the other thread went on once the raising call gave its turn back
+        if isinstance(result, torch.Tensor):
+            assert torch.equal(result, eager[name](x, inner=True))
+    assert torch.equal(f(x, inner=True), eager["f"](x, inner=True))  # both still work
+    assert torch.equal(g(x, inner=True), eager["g"](x, inner=True))
+
+
+def test_profile_counts_calls_that_raise():
+    flag = {"other": False}
+
+    def f(x):
+        y = (x * 2).sin()
+        if flag["other"]:
+            y = y.cos()
+        return y + 1
+
+    traced = tracejit.trace(f, profiling=True)
+    x = torch.randn(64)
+    raised = 0
+    for i in range(8):
+        flag["other"] = i in (3, 5)
+        try:
+            traced(x)
+        except tracejit.TraceMismatchError:
+            raised += 1
+    assert raised == 2
+    report = traced.get_profile()
+    summary = report["summary"]
+    assert summary["calls"] + summary["recording_calls"] == 8
+    assert max(row["calls"] for row in report["rows"]) <= summary["calls"]
+
+
+def test_profile_keeps_a_rerecording_call_apart_from_replays():
+    def step(x, y, *, model, opt):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # its state is made by the first step: a re-record
+    traced = tracejit.trace(step, profiling=True)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(6):
+        traced(x, y, model=model, opt=opt)
+    stats, summary = traced.stats, traced.get_profile()["summary"]
+    assert stats.rerecords == 1
+    assert summary["recording_calls"] == stats.records + stats.rerecords == 2
+    assert summary["calls"] == 4
+
+
+def test_a_host_free_step_called_inside_another_traced_functions_excluded_block_runs_host_free():
+    """The outer call's own global module hook looked like the user's to the inner guards."""
+    def inner_step(h, y, *, head, opt):
+        loss = F.mse_loss(head(h), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 8), nn.Linear(8, 4)
+    eager_head = copy.deepcopy(head)
+    opt = torch.optim.Adam(head.parameters(), lr=0.01, fused=True)
+    eager_opt = torch.optim.Adam(eager_head.parameters(), lr=0.01, fused=True)
+    inner = tracejit.trace(inner_step, without_host=True)
+
+    @tracejit.trace
+    def outer(x, y):
+        h = body(x)
+        with tracejit.exclude_from_trace():
+            loss = inner(h.detach(), y, head=head, opt=opt)
+        return h * 1, loss
+
+    for i in range(8):
+        generator = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 4, generator=generator), torch.randn(5, 4, generator=generator)
+        _, loss = outer(x, y)
+        want = inner_step(body(x).detach(), y, head=eager_head, opt=eager_opt)
+        assert torch.equal(loss, want)
+        for p, q in zip(head.parameters(), eager_head.parameters()):
+            assert torch.equal(p, q)
+    assert inner.stats.host_free_misses == 0
+    assert inner.stats.host_free_calls >= 5
