@@ -3,13 +3,16 @@ step): gradient accumulation whose stepping trace never reached the torch API le
 created after some steps that turned the optimizer stand-ins off for good, a mismatch message
 that named the wrong argument, and a tensor lr with StepLR stepped inside the step."""
 
+import copy
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from models import assert_same_state, batch, make_model
 
 import tracejit
-from tracejit import TraceMismatchError
+from tracejit import ReplayLevelWarning, TraceMismatchError
 
 # -- a mismatch names the argument that changed -------------------------------------------------
 
@@ -35,3 +38,90 @@ def test_a_mismatch_names_the_argument_that_left_its_default(first, then, said, 
         step(x, y, delta=first)
     with pytest.raises(TraceMismatchError, match=rf"aten.huber_loss.default got different non-tensor arguments \({said}"):
         step(x, y, delta=then)
+
+
+# -- gradient accumulation: the stepping trace runs at the API level ----------------------------
+
+
+def accumulating_step(x, y, *, model, opt, do_step):
+    loss = F.cross_entropy(model(x), y) / 2
+    loss.backward()
+    if do_step:
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+ACCUMULATING_OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "sgd_nesterov_foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCUMULATING_OPTIMIZERS))
+def test_the_stepping_call_of_gradient_accumulation_runs_at_the_api_level(trace, name):
+    # The stepping call accumulates into the gradients the accumulating call made and frees them
+    # with zero_grad(): binding the API-level program found them gone, on every stepping call,
+    # silently. They are read where they are now, in `p.grad` of the parameters the call matched.
+    model_a = make_model("mlp")
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = (ACCUMULATING_OPTIMIZERS[name](m.parameters()) for m in (model_a, model_b))
+    traced = trace(accumulating_step)
+    api_steps = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplayLevelWarning)
+        for i in range(12):
+            x, y = batch("mlp", i)
+            do_step = i % 2 == 1
+            before = traced.stats.api_replays
+            got = traced(x, y, model=model_b, opt=opt_b, do_step=do_step)
+            assert torch.equal(got, accumulating_step(x, y, model=model_a, opt=opt_a, do_step=do_step)), i
+            assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+            if do_step:
+                api_steps.append(traced.stats.api_replays - before)
+    assert api_steps[-3:] == [1, 1, 1], (api_steps, traced.stats)
+    assert traced.stats.optimizer_stand_ins > 0 and traced.stats.api_fallbacks == 0, traced.stats
+
+
+def test_a_gradient_kept_by_the_user_is_accumulated_in_place_as_eager_does(trace):
+    # the stepping call writes into the gradient the accumulating call made, where eager's backward
+    # accumulates it: a reference the user keeps sees the accumulated value, then zero_grad() frees it
+    model_a = make_model("mlp")
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model_a, model_b))
+    traced = trace(accumulating_step)
+    api_calls = []
+    for i in range(12):
+        x, y = batch("mlp", i)
+        do_step = i % 2 == 1
+        held_a, held_b = model_a.net[0].weight.grad, model_b.net[0].weight.grad
+        before = traced.stats.api_replays
+        traced(x, y, model=model_b, opt=opt_b, do_step=do_step)
+        api_calls.append(traced.stats.api_replays - before)
+        accumulating_step(x, y, model=model_a, opt=opt_a, do_step=do_step)
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+        if held_a is not None:
+            assert torch.equal(held_a, held_b), i
+    assert api_calls[-4:] == [1, 1, 1, 1], (api_calls, traced.stats)
+
+
+def test_an_api_level_never_bound_says_so_once():
+    # a tensor the function frees itself on every call (`queue.pop()`): the API-level program cannot
+    # be bound to it, which used to be retried on every call without a word
+    queue = []
+
+    @tracejit.trace
+    def f(x):
+        return x + queue.pop()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            queue.append(torch.randn(4))
+            x = torch.randn(4)
+            expected = x + queue[-1]
+            assert torch.equal(f(x), expected)
+    said = [str(w.message) for w in caught if issubclass(w.category, ReplayLevelWarning)]
+    assert len(said) == 1 and "could not be bound after 3 calls in a row" in said[0], said
+    assert "is no longer alive" in said[0], said
