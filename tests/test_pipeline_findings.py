@@ -125,3 +125,76 @@ def test_an_api_level_never_bound_says_so_once():
     said = [str(w.message) for w in caught if issubclass(w.category, ReplayLevelWarning)]
     assert len(said) == 1 and "could not be bound after 3 calls in a row" in said[0], said
     assert "is no longer alive" in said[0], said
+
+
+# -- a scheduler created after some steps keeps the optimizer stand-ins -------------------------
+
+
+def twin_models_and_optimizers(make_optimizer):
+    model_a = make_model("mlp")
+    model_b = copy.deepcopy(model_a)
+    return (model_a, make_optimizer(model_a.parameters())), (model_b, make_optimizer(model_b.parameters()))
+
+
+def train_step(x, y, *, model, opt):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+SCHEDULERS = {
+    # SWA: the averaging schedule starts after some epochs (adds initial_lr and swa_lr)
+    "swalr": lambda opt: torch.optim.swa_utils.SWALR(opt, swa_lr=0.05, anneal_epochs=2),
+    "steplr": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=40),
+}
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam_fused"])
+def test_a_scheduler_created_after_some_steps_keeps_the_stand_ins(trace, scheduler, optimizer):
+    # every LRScheduler adds `initial_lr` to the param groups when created (and others their own
+    # keys): no optimizer reads them, and the stand-ins used to decline on every later call
+    make = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True)}[optimizer]
+    (model_a, opt_a), (model_b, opt_b) = twin_models_and_optimizers(make)
+    traced = trace(train_step)
+    schedules = []
+    answered = []
+    for i in range(12):
+        if i == 4:
+            schedules = [SCHEDULERS[scheduler](opt) for opt in (opt_a, opt_b)]
+        x, y = batch("mlp", i)
+        before = traced.stats.optimizer_stand_ins
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+        answered.append(traced.stats.optimizer_stand_ins - before)
+        for schedule in schedules:
+            schedule.step()
+    assert answered[-4:] == [2, 2, 2, 2], (answered, traced.stats)  # step() and zero_grad() on each call
+
+
+@pytest.mark.filterwarnings("ignore::tracejit.ReplayLevelWarning")  # the real step with foreach=False diverges
+def test_a_setting_step_reads_is_still_checked_beside_a_schedulers_keys(trace):
+    # the keys no optimizer reads are left out of the check; those step() reads are not: a changed
+    # one makes the stand-in decline and the real step run (here with the ops it ran before)
+    (model_a, opt_a), (model_b, opt_b) = twin_models_and_optimizers(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    traced = trace(train_step)
+    schedules = [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) for opt in (opt_a, opt_b)]
+    answered = []
+    for i in range(10):
+        if i == 6:
+            for opt in (opt_a, opt_b):
+                opt.param_groups[0]["foreach"] = False  # was None: the same loop on CPU tensors
+                opt.param_groups[0]["name"] = "all"  # the user's own key
+        x, y = batch("mlp", i)
+        before = traced.stats.optimizer_stand_ins
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+        answered.append(traced.stats.optimizer_stand_ins - before)
+        for schedule in schedules:
+            schedule.step()
+    assert answered[3:6] == [2, 2, 2] and answered[6] == 0, (answered, traced.stats)
+    assert answered[-1] == 2, (answered, traced.stats)  # noted again with the new setting
