@@ -198,3 +198,52 @@ def test_a_setting_step_reads_is_still_checked_beside_a_schedulers_keys(trace):
             schedule.step()
     assert answered[3:6] == [2, 2, 2] and answered[6] == 0, (answered, traced.stats)
     assert answered[-1] == 2, (answered, traced.stats)  # noted again with the new setting
+
+
+# -- a tensor lr with a milestone scheduler stepped inside: documented as a mismatch ------------
+
+
+def tensor_lr_twins():
+    return twin_models_and_optimizers(lambda p: torch.optim.Adam(p, lr=torch.tensor(0.01), fused=True))
+
+
+def scheduled_step(x, y, *, model, opt, schedule):
+    loss = train_step(x, y, model=model, opt=opt)
+    schedule.step()
+    return loss
+
+
+@pytest.mark.skip_mode("symbolic", reason="aten._fused_adam_.tensor_lr has no fake implementation")
+@pytest.mark.parametrize("make_schedule", [
+    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 5], gamma=0.5),
+], ids=["steplr", "multisteplr"])
+def test_a_milestone_schedule_of_a_tensor_lr_stepped_inside_is_a_mismatch(trace, make_schedule):
+    # docs/guide.md ("Step the scheduler outside"): with a tensor lr the scheduler computes the
+    # rate with tensor ops, and StepLR's branch on the epoch dispatches other ops at a milestone
+    # (`lr * gamma`) than between two (the lr copied): the Python branch is not in the trace
+    (model_a, opt_a), (model_b, opt_b) = tensor_lr_twins()
+    schedule_a, schedule_b = make_schedule(opt_a), make_schedule(opt_b)
+    traced = trace(scheduled_step)
+    for i in range(2):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b, schedule=schedule_b),
+                           scheduled_step(x, y, model=model_a, opt=opt_a, schedule=schedule_a))
+    with pytest.raises(TraceMismatchError, match="a different op ran"):
+        traced(*batch("mlp", 2), model=model_b, opt=opt_b, schedule=schedule_b)
+
+
+@pytest.mark.skip_mode("symbolic", reason="aten._fused_adam_.tensor_lr has no fake implementation")
+def test_a_milestone_schedule_of_a_tensor_lr_stepped_outside_follows_eager(trace):
+    # the advice of docs/guide.md: the scheduler fills the lr tensor in place between calls
+    (model_a, opt_a), (model_b, opt_b) = tensor_lr_twins()
+    schedules = [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) for opt in (opt_a, opt_b)]
+    traced = trace(train_step)
+    for i in range(8):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+        for schedule in schedules:
+            schedule.step()
+    assert torch.equal(opt_b.param_groups[0]["lr"], torch.tensor(0.01 * 0.5**4))
+    assert traced.stats.api_replays > 0, traced.stats
