@@ -71,6 +71,10 @@ from .signature import (
     user_modes,
 )
 
+# aten-level calls in a row whose API-level program could not be bound before a ReplayLevelWarning
+# says so: one is a call's own business (a tensor reached for the first time), three are a pattern
+_UNBOUND_WARNING = 3
+
 
 @dataclass
 class TraceEntry:
@@ -91,6 +95,7 @@ class TraceEntry:
     api_fallbacks: int = 0  # API-level calls that had to run at the aten level instead
     api_last_fallback: str | None = None
     warned_ran_twice: bool = False  # a diverging call ran the function again: said once per trace
+    api_unbound: int = 0  # aten-level calls in a row whose API-level program could not be bound
     # keyword optimizers that held state after the recorded call: one found empty later creates it again
     stateful_optimizers: frozenset = frozenset()
     # of those, the ones that had none when it began: the recorded call created their state, which
@@ -964,8 +969,10 @@ class trace(ProfileAccess):
             self._refuse_api(entry, f"the compiled program cannot run without the function: {error}")
             entry.host_free = None
             return
-        except GuardFailure:
-            return  # an external is gone already: try again on the next aten-level call
+        except GuardFailure as failure:
+            self._unbound_api(entry, str(failure))  # an external is gone already: try again on the next call
+            return
+        entry.api_unbound = 0
         if entry.host_free.unplaced:  # a literal kept in a list, say: every program run would miss
             self._refuse_api(entry, f"the function keeps {entry.host_free.unplaced[0]} beyond the call where "
                                     f"tracejit cannot find it")
@@ -1056,6 +1063,17 @@ class trace(ProfileAccess):
             f"torch ops, state that the program cannot change without the function, on every call:\n{listed}\n"
             f"Keep such a value in a tensor updated in place (`self.tau.mul_(0.8)`, a step count in a tensor), "
             f"change it outside the traced call and pass it as a keyword argument, or trace without without_host.")
+
+    def _unbound_api(self, entry: TraceEntry, reason: str) -> None:
+        """The API-level program could not be bound after this call. Once in a while that is the
+        call's own business (a tensor reached for the first time); call after call it means every
+        checked call stays at the aten level, which the user hears of, once per trace."""
+        entry.api_unbound += 1
+        if entry.api_unbound == _UNBOUND_WARNING:
+            self._warn_replay_level(
+                f"checked calls of {self.__name__}() stay at the aten level (slower): the torch API level "
+                f"could not be bound after {_UNBOUND_WARNING} calls in a row ({reason}); it is tried again on "
+                f"every call. Said once per trace.")
 
     def _host_free_runner(self, entry: TraceEntry, checked: bool = False) -> HostFreeRunner:
         """Compile the trace's host-free program (raises HostDependencyError if it has none)."""

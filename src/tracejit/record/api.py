@@ -98,6 +98,9 @@ class ApiTrace:
 
     calls: list[ApiCall] = field(default_factory=list)
     externals: list[weakref.ref] = field(default_factory=list)  # slot -> object
+    # slot -> the record's handle of its object, noted while the object was alive: a gradient the
+    # call frees (`zero_grad()` after the step) is gone when the API program is built
+    external_handles: dict[int, int] = field(default_factory=dict)
     refused: str | None = None  # why the API level cannot replay this trace
     output: Any = None  # the call's result with tensors as TensorRef
     output_objects: Any = None  # the call's result itself, until the API program is built
@@ -333,7 +336,10 @@ class ApiTracer(TorchFunctionMode):
                 self.trace.literals_requiring_grad.add(handle)
             return self._remember(tensor, TensorRef(RefKind.LITERAL, handle))
         self.trace.externals.append(weakref.ref(tensor))
-        return self._remember(tensor, TensorRef(RefKind.EXTERNAL, len(self.trace.externals) - 1))
+        slot = len(self.trace.externals) - 1
+        if handle is not None:
+            self.trace.external_handles[slot] = handle
+        return self._remember(tensor, TensorRef(RefKind.EXTERNAL, slot))
 
     def _remember(self, tensor: torch.Tensor, ref: TensorRef) -> TensorRef:
         self.known[id(tensor)] = (ref, weakref.ref(tensor))

@@ -394,15 +394,19 @@ def _located_externals(calls: list[ApiCall]) -> dict[int, int]:
 
 
 def gradient_owners(trace: ApiTrace, external_slots: dict[int, int]) -> dict[int, int]:
-    """gradient handle -> handle of the parameter whose `.grad` the function read it as."""
+    """gradient handle -> handle of the parameter whose `.grad` the function read it as. A gradient
+    the call freed (`zero_grad()` after a step that accumulated into it) is gone by now: it goes by
+    the handle the tracer noted while it was alive, and the program reads it where it is (hostfree)."""
     handle_of = {slot: handle for handle, slot in external_slots.items()}
+    gone = {slot: handle for slot, handle in trace.external_handles.items() if trace.externals[slot]() is None}
+    grad_of = {**gone, **handle_of}
     owners = {}
     for call in trace.calls:
         result, args = call.result, call.args
         if (call.kind is CallKind.VIRTUAL and call.name.endswith("grad.__get__") and isinstance(result, TensorRef)
                 and result.kind is RefKind.EXTERNAL and args and isinstance(args[0], TensorRef)
-                and args[0].kind is RefKind.EXTERNAL and result.key in handle_of and args[0].key in handle_of):
-            owners[handle_of[result.key]] = handle_of[args[0].key]
+                and args[0].kind is RefKind.EXTERNAL and result.key in grad_of and args[0].key in handle_of):
+            owners[grad_of[result.key]] = handle_of[args[0].key]
     return owners
 
 

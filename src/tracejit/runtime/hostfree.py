@@ -221,6 +221,15 @@ def _same_object_checks(exprs: list[str], tensors: list[torch.Tensor]) -> list[s
     return [_fail(" or ".join(pairs), "other inputs are the same tensor now")] if pairs else []
 
 
+def _layout_check(local: str, info: Any, src: _Source) -> str:
+    """The check that an external bound to `local` has the recorded layout."""
+    meta = info.meta
+    return _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.stride() != "
+                 f"{src.constant(meta.stride, 'st')} or {local}.dtype is not {src.constant(meta.dtype, 'd')} or "
+                 f"{_other_device(local, meta.device, src)} or {_other_math_bits(local, meta.math_bits, src)}",
+                 f"{info.name} is not {meta} anymore")
+
+
 def _fail(condition: str, message: str) -> str:
     # The message is kept as a comment: the generated call only says "not me" (MISS), and the
     # slow path that follows explains nothing either, it runs the function.
@@ -264,11 +273,13 @@ class HostFreeRunner:
         `reached`: (parameters no keyword module holds, which of them require grad) of the trace."""
         self.external_slots = external_slots or {}
         scalars = list(self.initial_scalars if scalars is None else scalars)
+        self._freed_grads = self._freed_gradients(objects, grad_owners or {})
         for info in self.record.tensors:
-            # An external the call read and then freed (a `.grad` that `zero_grad()` set to None, a
-            # gradient the user replaced): the program cannot be bound to it, the next call runs
-            # the function. Checked before anything is computed from the externals.
-            if info.kind is Kind.EXTERNAL and objects.get(info.handle) is None:
+            # An external the call read and then freed (a gradient the user replaced): the program
+            # cannot be bound to it, the next call runs the function. Checked before anything is
+            # computed from the externals. A checked call's gradient freed by its own `zero_grad()`
+            # is read where it is instead (_freed_gradients).
+            if info.kind is Kind.EXTERNAL and objects.get(info.handle) is None and info.handle not in self._freed_grads:
                 raise GuardFailure(f"external t{info.handle} ({info.name}) is no longer alive")
         self._compute_hoisted(objects)
         src = _Source(self.function)
@@ -341,7 +352,9 @@ class HostFreeRunner:
                                       if isinstance(t, torch.Tensor) and (t.is_leaf or t.retains_grad)
                                       and t.grad is not None}
         for info in self.record.tensors:
-            if info.kind is Kind.EXTERNAL:
+            if info.handle in self._freed_grads:
+                guards += self._freed_gradient_guard(info, src)
+            elif info.kind is Kind.EXTERNAL:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
         # binding's own lookups: kept, they would keep the call's model and optimizer alive
         self._kwargs = self._bound_by_locator = None
@@ -551,12 +564,44 @@ class HostFreeRunner:
             env = list(template)
             for info in self.record.tensors:
                 if info.kind is Kind.EXTERNAL:
-                    env[info.handle] = objects[info.handle]
+                    env[info.handle] = objects.get(info.handle)  # a freed gradient has no hoisted view
             with torch.no_grad():
                 self.program.init(env)
             for handle in self.program.hoisted:
                 template[handle] = env[handle]
         self.env_template = template
+
+    def _freed_gradients(self, objects: dict[int, torch.Tensor], grad_owners: dict[int, int]) -> dict[int, int]:
+        """gradient handle -> its parameter's handle, for the gradients a checked call read as
+        `p.grad` and then freed itself (`zero_grad()` after a step that accumulated into them: the
+        accumulating call before it made them). No object is left to bind, but every such call finds
+        its own where the function does, in `p.grad` of the parameter the checker matched, as
+        gradients read where they are (_external_guard); the epilogue frees it again. Not for a
+        gradient whose views the program keeps (their storage is fixed at binding)."""
+        if not self.checked:
+            return {}
+        freed = {}
+        for grad, param in grad_owners.items():
+            info = self.record.tensors[grad]
+            if (objects.get(grad) is None and info.kind is Kind.EXTERNAL and info.base is None
+                    and grad not in self.program.hoisted_roots and param in self.external_slots
+                    and objects.get(param) is not None and objects[param].grad is None
+                    and self._call_clears(param, grad)):
+                freed[grad] = param
+        return freed
+
+    def _freed_gradient_guard(self, info: Any, src: _Source) -> list[str]:
+        """The guard of a gradient in _freed_gradients: `p.grad` of the matched parameter now, a
+        tensor of its own (torch's AccumulateGrad makes one: no view, at the start of its storage)
+        with the recorded layout; the epilogue sets `p.grad = None` as the function did."""
+        local, param = f"h{info.handle}", f"E[{self.external_slots[self._freed_grads[info.handle]]}]"
+        self._located_grads.append(local)
+        if param not in self._cleared_grads:
+            self._cleared_grads.append(param)
+        self._meta.append((local, _layout_check(local, info, src)))
+        return [f"{local} = {param}.grad",
+                _fail(f"{local} is None or {local}._base is not None or {local}.storage_offset() != 0",
+                      f"{info.name} is missing, a view")]
 
     def _external_guard(self, info: Any, obj: torch.Tensor, src: _Source, names: ExternalNames) -> list[str]:
         """One check per external: still the object the function would reach (and alive), with the
@@ -616,7 +661,6 @@ class HostFreeRunner:
             lines = [f"{local} = {ref}()"]
             same = f"{local} is None"
             what = f"{info.name} was freed"
-        meta = info.meta
         checks = [] if same == "False" else [same]
         if info.handle in self.program.hoisted_roots:  # views of it are kept: its storage must stay
             checks.append(f"{local}.data_ptr() != {obj.data_ptr()}")
@@ -625,11 +669,7 @@ class HostFreeRunner:
             lines.append(_fail(" or ".join(checks), what))
         # its layout: checked for all externals at once (see _meta_checks; the guard's dispatch keys
         # hold the math bits, so a negative view fails it and meets the precise check)
-        self._meta.append((local, _fail(f"{local}.shape != {src.constant(meta.shape, 's')} or {local}.stride() != "
-                                        f"{src.constant(meta.stride, 'st')} or {local}.dtype is not "
-                                        f"{src.constant(meta.dtype, 'd')} or {_other_device(local, meta.device, src)} "
-                                        f"or {_other_math_bits(local, meta.math_bits, src)}",
-                                        f"{info.name} is not {meta} anymore")))
+        self._meta.append((local, _layout_check(local, info, src)))
         return lines
 
     def _list_lengths(self, locator: Locator, src: _Source) -> list[str]:

@@ -80,11 +80,22 @@ def _defaulted_difference(op: OpRecord, statics: tuple, scalars: list) -> str | 
         if (name in recorded) == (name in got) or not argument.has_default_value():
             continue
         default = argument.default_value
+        if _equal(recorded.get(name, got.get(name)), default):
+            # passed at its default only to reach a later argument (the dispatcher drops trailing
+            # defaults together: huber_loss(x, y, 1, 0.7) against huber_loss(x, y)): not what changed
+            continue
         if name in got:
             return (f"{name}={_short(got[name])} where the recorded call left it at its default {_short(default)}; "
                     f"the trace holds the default as a constant, so another value needs a trace of its own")
         return f"{name} left at its default {_short(default)} where the recorded call passed {_short(recorded[name])}"
     return None
+
+
+def _equal(value: Any, default: Any) -> bool:
+    try:
+        return bool(value == default)
+    except Exception:  # a value that does not compare with the default (a tensor-like one) differs
+        return False
 
 
 def _by_name(schema: Any, statics: tuple, scalars: list) -> dict[str, Any]:

@@ -281,9 +281,11 @@ class _CheckSource:
         self.lines.append("G = O.param_groups")
         self.fail_if(f"len(G) != {len(snapshot.param_groups)}")
         written = []
-        for index, group in enumerate(snapshot.param_groups):
+        read = _read_keys(snapshot)
+        for index, recorded in enumerate(snapshot.param_groups):
+            group = {k: v for k, v in recorded.items() if k in read}
             self.lines.append(f"g = G[{index}]")
-            self.fail_if(f"g.keys() != {self.constant(set(group), 'k')}")
+            self._group_keys(recorded, read)
             params = group["params"]
             self.lines.append("ps = g['params']")
             self.fail_if(f"len(ps) != {len(params)}")
@@ -326,6 +328,15 @@ class _CheckSource:
         source = "def check(O, E, A, S):\n" + "".join(f"    {line}\n" for line in body)
         exec(compile(source, f"<tracejit stand-in {call.kind}>", "exec"), self.namespace)
         return self.namespace["check"], source
+
+    def _group_keys(self, recorded: dict, read: frozenset) -> None:
+        """The group has the keys step() and zero_grad() read that the recorded one had. Others
+        are scheduler bookkeeping (`initial_lr`, which every LRScheduler adds when created, SWALR's
+        `swa_lr`, OneCycleLR's `max_lr`) or the user's own (`name`): no optimizer reads them, and a
+        scheduler created after the trace was noted must not turn the stand-in off for good."""
+        keys = self.constant(set(recorded), "k")
+        self.fail_if(f"g.keys() != {keys} and {self.constant(read, 'k')}.intersection(g) != "
+                     f"{self.constant(read.intersection(recorded), 'k')}")
 
     def _computed_from(self, expr: str, value: Any, key: str) -> None:
         """A setting the numbers are computed from: any value of the recorded kind (weight decay:
@@ -433,6 +444,12 @@ class _CheckSource:
         if isinstance(template, TensorRef) and template.kind in (RefKind.EXTERNAL, RefKind.INPUT):
             return ("E" if template.kind == RefKind.EXTERNAL else "A") + f"[{template.key}]"
         raise _Unsupported("it reads the gradient of a tensor the trace computes")
+
+
+def _read_keys(snapshot: OptimizerSnapshot) -> frozenset:
+    """The param-group keys torch's optimizers read: their defaults, which add_param_group gives
+    every group, and the parameters (torch/optim: no step() reads a key outside its defaults)."""
+    return frozenset(snapshot.defaults) | {"params"}
 
 
 class _ForwardStandIn:
