@@ -182,18 +182,19 @@ def test_profile_counts_calls_that_raise():
     assert max(row["calls"] for row in report["rows"]) <= summary["calls"]
 
 
-def test_profile_keeps_a_rerecording_call_apart_from_replays():
-    def step(x, y, *, model, opt):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+def _mse_step(x, y, *, model, opt):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
 
+
+def test_profile_keeps_a_rerecording_call_apart_from_replays():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # its state is made by the first step: a re-record
-    traced = tracejit.trace(step, profiling=True)
+    traced = tracejit.trace(_mse_step, profiling=True)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     for _ in range(6):
         traced(x, y, model=model, opt=opt)
@@ -205,32 +206,25 @@ def test_profile_keeps_a_rerecording_call_apart_from_replays():
 
 def test_a_host_free_step_called_inside_another_traced_functions_excluded_block_runs_host_free():
     """The outer call's own global module hook looked like the user's to the inner guards."""
-    def inner_step(h, y, *, head, opt):
-        loss = F.mse_loss(head(h), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     torch.manual_seed(0)
     body, head = nn.Linear(4, 8), nn.Linear(8, 4)
     eager_head = copy.deepcopy(head)
     opt = torch.optim.Adam(head.parameters(), lr=0.01, fused=True)
     eager_opt = torch.optim.Adam(eager_head.parameters(), lr=0.01, fused=True)
-    inner = tracejit.trace(inner_step, without_host=True)
+    inner = tracejit.trace(_mse_step, without_host=True)
 
     @tracejit.trace
     def outer(x, y):
         h = body(x)
         with tracejit.exclude_from_trace():
-            loss = inner(h.detach(), y, head=head, opt=opt)
+            loss = inner(h.detach(), y, model=head, opt=opt)
         return h * 1, loss
 
     for i in range(8):
         generator = torch.Generator().manual_seed(i)
         x, y = torch.randn(5, 4, generator=generator), torch.randn(5, 4, generator=generator)
         _, loss = outer(x, y)
-        want = inner_step(body(x).detach(), y, head=eager_head, opt=eager_opt)
+        want = _mse_step(body(x).detach(), y, model=eager_head, opt=eager_opt)
         assert torch.equal(loss, want)
         for p, q in zip(head.parameters(), eager_head.parameters()):
             assert torch.equal(p, q)

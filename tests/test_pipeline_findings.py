@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from models import assert_same_state, batch, make_model
+from models import assert_same_state, batch, make_model, train_step
 
 import tracejit
 from tracejit import ReplayLevelWarning, TraceMismatchError
@@ -134,14 +134,6 @@ def twin_models_and_optimizers(make_optimizer):
     model_a = make_model("mlp")
     model_b = copy.deepcopy(model_a)
     return (model_a, make_optimizer(model_a.parameters())), (model_b, make_optimizer(model_b.parameters()))
-
-
-def train_step(x, y, *, model, opt):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 SCHEDULERS = {
