@@ -143,13 +143,19 @@ class _RowRenderer(RowRendering):
         payload = f"v{expr.args[1]}"
         if not vector[expr.args[1]]:
             payload = f"({payload} + tl.full([{self.block}], 0, {TL_TYPES[expr.dtype]}))"
-        # the payload at one element, summed with -0.0 elsewhere (which changes no float, -0.0 included)
-        fill = "-0.0" if expr.dtype.is_floating_point else "0"
-        return [f"{out}_m = row_max(tl.where(cmask, {x}, tl.full([], -INF, {source})))",
-                f"{out}_last = row_max(tl.where(cmask & ({x} != {x}), cols, -1))",
-                f"{out}_first = row_min(tl.where(cmask & ({x} == {out}_m), cols, {self.block}))",
-                f"{out}_at = tl.where({out}_last >= 0, {out}_last, {out}_first)",
-                f"{out} = row_sum(tl.where(cols == {out}_at, {payload}, {fill}))"]
+        lines = [f"{out}_m = row_max(tl.where(cmask, {x}, tl.full([], -INF, {source})))",
+                 f"{out}_last = row_max(tl.where(cmask & ({x} != {x}), cols, -1))",
+                 f"{out}_first = row_min(tl.where(cmask & ({x} == {out}_m), cols, {self.block}))",
+                 f"{out}_at = tl.where({out}_last >= 0, {out}_last, {out}_first)"]
+        if not expr.dtype.is_floating_point:  # the payload at one element, 0 elsewhere
+            return [*lines, f"{out} = row_sum(tl.where(cols == {out}_at, {payload}, 0))"]
+        # A float payload at one element taken as the maximum over it and -inf elsewhere: a sum with
+        # -0.0 fills gave +0.0 for a -0.0 payload where the reduction starts from +0.0 (the
+        # interpreter's); its NaN noted apart, as the GPU's maximum ignores NaN.
+        t = TL_TYPES[expr.dtype]
+        return [*lines, f"{out}_v = row_max(tl.where(cols == {out}_at, {payload}, tl.full([], -INF, {t})))",
+                f"{out}_p = row_max(tl.where((cols == {out}_at) & ({payload} != {payload}), 1, 0))",
+                f"{out} = tl.where({out}_p > 0, tl.full([], NAN, {t}), {out}_v)"]
 
     def _order(self, roots: list[int], stop=lambda i: False) -> list[int]:
         return needed(self.spec, roots, stop)
