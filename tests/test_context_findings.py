@@ -230,3 +230,49 @@ def test_a_host_free_step_called_inside_another_traced_functions_excluded_block_
             assert torch.equal(p, q)
     assert inner.stats.host_free_misses == 0
     assert inner.stats.host_free_calls >= 5
+
+
+def test_host_free_calls_beside_another_threads_own_hooks_do_not_raise():
+    """The guards on torch.nn's global hooks iterated the hook dict while another thread's traced
+    call added and removed tracejit's own hooks: 'OrderedDict mutated during iteration'."""
+    import sys
+    import time
+
+    from tracejit.record.own_hooks import own, remove_own
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    traced = tracejit.trace(lambda x, *, model: model(x), without_host=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            traced(x, model=model)
+    stop, errors = time.time() + 2.0, []
+
+    def other_traced_calls():  # as record/module_calls.py does around each recording call
+        noop = lambda *args: None  # noqa: E731
+        kept = [own(nn.modules.module.register_module_forward_pre_hook(noop)) for _ in range(64)]
+        while time.time() < stop and not errors:
+            remove_own(own(nn.modules.module.register_module_forward_pre_hook(noop)))
+        for handle in kept:
+            remove_own(handle)
+
+    def user_calls():
+        with torch.no_grad():
+            while time.time() < stop and not errors:
+                try:
+                    assert torch.equal(traced(x, model=model), model(x))
+                except RuntimeError as error:
+                    errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=other_traced_calls), threading.Thread(target=user_calls)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+    assert traced.stats.host_free_calls > 100  # tracejit's own hooks did not turn the fast path off

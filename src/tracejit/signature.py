@@ -128,7 +128,7 @@ def call_context_key() -> tuple:
     other ops than the trace holds. The autocast dtypes count even with autocast off: a function
     entering `torch.autocast("cpu")` without a dtype takes `torch.get_autocast_dtype("cpu")`."""
     modes = modes_key() if _function_modes() or _dispatch_modes() else ()
-    dtypes = (_autocast_dtype("cpu"), _autocast_dtype("cuda"))
+    dtypes = (_autocast_dtype("cpu"), _autocast_dtype("cuda") if _CUDA_BUILD else None)
     if not _any_autocast():  # the usual case, in one call
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, dtypes, False,
                 torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan(),
@@ -139,6 +139,7 @@ def call_context_key() -> tuple:
 
 
 _autocast_dtype = torch.get_autocast_dtype
+_CUDA_BUILD = torch.backends.cuda.is_built()  # a CPU wheel runs no cuda autocast: one call less per call
 _DEFAULT_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)  # torch's for cpu and cuda
 
 
@@ -305,7 +306,8 @@ def describe_context(context: tuple) -> list[str]:
     parts += [f"autocast cuda {str(dtypes[1]).removeprefix('torch.')}"] if cuda_autocast else []
     parts += [f"autocast dtype {device} {str(dtype).removeprefix('torch.')}"
               for device, dtype, default, on in zip(("cpu", "cuda"), dtypes, _DEFAULT_AUTOCAST_DTYPES,
-                                                    (cpu_autocast, cuda_autocast)) if dtype != default and not on]
+                                                    (cpu_autocast, cuda_autocast))
+              if dtype is not None and dtype != default and not on]
     parts += [f"default dtype {str(default_dtype).removeprefix('torch.')}"] if default_dtype != torch.float32 else []
     parts += ["deterministic algorithms"] if deterministic else []
     parts += ["anomaly detection"] if anomaly else []

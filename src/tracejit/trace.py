@@ -58,7 +58,7 @@ from .runtime.realize import Realizer
 from .runtime.replay import Replayer
 from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
-from .runtime.turns import end_turn, take_turn
+from .runtime.turns import end_turn, register, take_turn
 from .runtime.undo import StateSnapshot
 from .runtime.variants import ShapeVariants
 from .signature import (
@@ -210,6 +210,7 @@ class trace(ProfileAccess):
         # calls from several threads take turns (see __call__)
         self._lock = threading.Lock()
         self._running_on: int | None = None  # the thread whose call holds the lock
+        register(self)
         self.stats = TraceStats()  # what the calls did; see runtime/stats.py
         # Checked replay at the torch API level (docs/design.md); TRACEJIT_REPLAY=aten keeps every
         # checked call at the aten level. Profiling times aten-level nodes, so it keeps them too.

@@ -25,9 +25,10 @@ def remove_own(handle: Any) -> None:
 
 
 def foreign(hooks: dict) -> tuple:
-    """The keys of a global hook dict that are not tracejit's."""
-    return tuple(key for key in hooks if key not in _OWN)
+    """The keys of a global hook dict that are not tracejit's. Iterated from a snapshot (`tuple`
+    copies in one C call): another thread's traced call adds and removes its own hooks meanwhile."""
+    return tuple(key for key in tuple(hooks) if key not in _OWN)
 
 
 def any_foreign(dicts: tuple[dict, ...]) -> bool:
-    return any(key not in _OWN for hooks in dicts for key in hooks)
+    return any(key not in _OWN for hooks in dicts for key in tuple(hooks))
