@@ -106,3 +106,39 @@ def test_automatic_mode_matches_eager(case):
     assert stats.eager_calls == 0 and stats.shape_specializations == 0, stats
     assert stats.records == len(set(BATCHES)) and stats.calls == len(BATCHES), stats
 
+
+def half_batch_step(x, *, model, opt):
+    batch = x.shape[0]
+    out = model(x)
+    loss = out.mean() + out[:batch // 2].sum()  # size 1 at batches 2 and 3: a pinned layout
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("options", [{}, {"symbolic_shape": True}, {"without_host": True}],
+                         ids=["automatic", "symbolic_shape", "without_host"])
+def test_view_of_pinned_size_runs_with_concrete_arguments(options):
+    """`out[:B // 2]` at B = 3: the slice has size 1, which the guards pin, so its backward's
+    `expand(grad, [s//2, 8])` runs for real, and it was handed the SymInt (torch refused: "expected
+    to contain only concrete integers"; the automatic mode then raised SymbolicTraceError on every
+    call of batch 3). Every batch now matches eager."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    emodel = copy.deepcopy(model)
+    eopt = torch.optim.SGD(emodel.parameters(), lr=0.1, momentum=0.9)
+    traced = tracejit.trace(half_batch_step, **options)
+    batches = (4, 4, 3, 5, 3, 2, 3)
+    for i, n in enumerate(batches):
+        x = torch.randn(n, 8)
+        want = half_batch_step(x.clone(), model=emodel, opt=eopt)
+        got = traced(x.clone(), model=model, opt=opt)
+        assert torch.equal(got, want), f"call {i}"
+        assert_same_model(emodel, model, f"call {i}")
+    for a, b in zip(eopt.state_dict()["state"].values(), opt.state_dict()["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    stats = traced.stats
+    assert stats.calls == len(batches) and stats.eager_calls == 0, stats
+    assert stats.records <= 3 and stats.records + stats.rerecords < len(batches), stats

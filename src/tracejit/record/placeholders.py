@@ -161,6 +161,8 @@ class PlaceholderExecutor:
         if self._sizes is not None and (_any_fake((args, kwargs)) or any(
                 self._hands_out_fake(t) and self._sizes.pinned_layout(t) is None for t in tree_leaves(fake_result))):
             return fake_result  # a view of a fake, or of symbolic size: the fake world only
+        if self._sizes is not None:  # the layout is pinned, but the arguments may still hold symbols
+            args, kwargs = self._sizes.concrete((args, kwargs))
         result = func(*args, **kwargs)
         for real, fake in zip(tree_leaves(result), tree_leaves(fake_result)):
             if isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor):
