@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from ..signature import autocast_state
 from .amp import is_inf_check
 from .calls import data_dependent_size
-from .modes import _HIDDEN_READ_HOOKS, _HOST_READ_HOOKS, HOST_READ_METHODS
+from .modes import _HIDDEN_READ_HOOKS, _HOST_READ_HOOKS, _STAND_IN_READ_HOOKS, HOST_READ_METHODS
 from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
 from .record import Flag, HostRead, Kind, Record
@@ -428,6 +428,9 @@ _HOOKED = {hook: _HOST_READ_HOOKS.originals.get(name) or getattr(torch._C.Tensor
            for name, hook in _HOST_READ_HOOKS.hooks.items()}
 _HOOKED.update({hook: hooks.originals.get(name) or getattr(torch._C.TensorBase, name)
                 for hooks in _HIDDEN_READ_HOOKS if hooks.owner is torch.Tensor for name, hook in hooks.hooks.items()})
+# torch's C++ names a function to the mode by looking it up on its module (torch._C._nn.one_hot):
+# while the stand-in-read hooks are installed, that is the hook, which has already run by then
+_HOOKED.update({hook: hooks.originals[name] for hooks in _STAND_IN_READ_HOOKS for name, hook in hooks.hooks.items()})
 
 
 class _Unfollowable(Exception):

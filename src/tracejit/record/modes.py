@@ -390,10 +390,41 @@ def _handler_hooks(handler: Handler) -> Iterator[None]:
         yield
 
 
+# Reads torch skips on a stand-in: aten::one_hot checks the range of its input's values (an
+# aminmax and two host reads) on every real tensor, but skips the check on a FakeTensor. A trace
+# recorded on the stand-ins of symbolic_shape would lack ops that every real call runs, so a handler
+# with an `on_stand_in_read(tensor, what)` method is told of the input and refuses it when it is a
+# stand-in (record/symbolic.py); on real tensors the reads are dispatched and seen as usual.
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+
+
+def _stand_in_read_hook(original: Any, what: str) -> Any:
+    def hook(*args, **kwargs):
+        context = current_context()
+        if context is not None and not context.excluded:
+            tensor = _first_tensor(args, kwargs)
+            notify = getattr(context.handler, "on_stand_in_read", None)
+            if tensor is not None and notify is not None:
+                notify(tensor, what)
+        return original(*args, **kwargs)
+
+    hook.__name__ = getattr(original, "__name__", what)
+    hook.__doc__ = getattr(original, "__doc__", None)
+    return hook
+
+
+_ONE_HOT = "one_hot() checks the range of its input's values"
+# F.one_hot is torch._C._nn.one_hot: both names, as code may reach it through either
+_STAND_IN_READ_HOOKS = tuple(
+    TensorHooks({"one_hot": _stand_in_read_hook(owner.__dict__["one_hot"], _ONE_HOT)}, owner=owner)
+    for owner in (torch.nn.functional, torch._C._nn))
+
+
 @contextlib.contextmanager
 def _hidden_read_hooks() -> Iterator[None]:
     with contextlib.ExitStack() as hooks:
-        for owner_hooks in _HIDDEN_READ_HOOKS:
+        for owner_hooks in (*_HIDDEN_READ_HOOKS, *_STAND_IN_READ_HOOKS):
             hooks.enter_context(owner_hooks.installed())
         yield
 

@@ -161,6 +161,8 @@ class PlaceholderExecutor:
         if self._sizes is not None and (_any_fake((args, kwargs)) or any(
                 self._hands_out_fake(t) and self._sizes.pinned_layout(t) is None for t in tree_leaves(fake_result))):
             return fake_result  # a view of a fake, or of symbolic size: the fake world only
+        if self._sizes is not None:  # the layout is pinned, but the arguments may still hold symbols
+            args, kwargs = self._sizes.concrete((args, kwargs))
         result = func(*args, **kwargs)
         for real, fake in zip(tree_leaves(result), tree_leaves(fake_result)):
             if isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor):
@@ -262,6 +264,14 @@ def _explain(func: Any, error: Exception, sizes: SymbolicSizes | None = None) ->
         return SymbolicTraceError(
             f"tracejit: {option} cannot record {where}: torch cannot derive its outputs without data at these "
             f"sizes ({type(error).__name__}: {error}). Trace this function with {instead}.")
+    if isinstance(error, RuntimeError) and TORCH_INTERNAL.search(str(error)):
+        # torch's own fake run broke (arange with a SymFloat step): no user error, eager computes it
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        source = user_location()
+        code = f" ({source.code})" if source.code else ""
+        return SymbolicTraceError(
+            f"tracejit: {option} cannot record {func} at {source}{code}: torch failed an internal check while deriving its "
+            f"outputs without data ({type(error).__name__}: {first}). Trace this function with {instead}.")
     if isinstance(error, DynamicOutputShapeException):
         reason = ("the shape of its output depends on the values of its inputs (like nonzero, masked_select "
                   "or indexing with a boolean mask)")
@@ -290,3 +300,5 @@ def _explain(func: Any, error: Exception, sizes: SymbolicSizes | None = None) ->
 
 # What torch says when a kernel needs concrete sizes where the recording has symbols
 SYMBOLIC_LIMITS = re.compile(r"SymInt|SymFloat|symbolic|concrete int")
+# What torch says when its own code fails a check (TORCH_INTERNAL_ASSERT): a torch bug, never the user's error
+TORCH_INTERNAL = re.compile(r"INTERNAL ASSERT FAILED")

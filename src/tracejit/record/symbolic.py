@@ -37,7 +37,7 @@ from .calls import HOST_VALUE_OPS, is_view_op, mutated_tensors
 from .names import ExternalNames
 from .placeholders import DataDependentResult, Placeholder, PlaceholderExecutor, storage_key
 from .record import Kind, OpRecord, OutputSpec, Record
-from .recorder import Recorder, mark_escapes, storage_address
+from .recorder import Recorder, _busy_calling, mark_escapes, storage_address
 from .source import user_location
 from .specialize import specialize
 from .symbolic_shapes import SymbolicSizes
@@ -228,6 +228,14 @@ class SymbolicRecorder(Recorder):
         # would give it garbage (or crash inside torch)
         self._check_readable(tensor, what)
         super()._on_hidden_read(tensor, what)
+
+    on_stand_in_read = _busy_calling("_on_stand_in_read")
+
+    def _on_stand_in_read(self, tensor: torch.Tensor, what: str) -> None:
+        # torch skips a value read on a FakeTensor (modes.py _STAND_IN_READ_HOOKS) that it makes
+        # on every real tensor: a trace recorded on the stand-in would lack the read's ops
+        if isinstance(tensor, FakeTensor):
+            raise SymbolicTraceError(self._fake_read_message(tensor, what))
 
     def _check_readable(self, tensor: torch.Tensor, what: str) -> None:
         if isinstance(tensor, FakeTensor):

@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
     free_symbols,
 )
+from torch.utils._pytree import tree_map_only
 from torch.utils._sympy.value_ranges import ValueRanges
 
 _SYMBOLIC_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -120,6 +121,22 @@ class SymbolicSizes:
             return None
         rank = fake.dim()
         return tuple(layout[:rank]), tuple(layout[rank:2 * rank]), layout[-1]
+
+    def concrete(self, tree: Any) -> Any:
+        """`tree` with each symbolic number replaced by its value in this call: for a real op that
+        refuses symbols (a view whose output layout the guards pin: `expand(t, [s77//2, 8])` where
+        s77//2 == 1), never for the fake run, whose outputs must stay symbolic."""
+        values = self._values()
+
+        def value(number: Any) -> Any:
+            now = number.node.expr.xreplace(values)
+            if isinstance(number, torch.SymBool):
+                return bool(now) if now in (sympy.true, sympy.false) else number
+            if not now.is_number:  # a symbol without a value: leave it to torch
+                return number
+            return int(now) if isinstance(number, torch.SymInt) else float(now)
+
+        return tree_map_only((torch.SymInt, torch.SymFloat, torch.SymBool), value, tree)
 
     def static_fake(self, tensor: torch.Tensor) -> FakeTensor:
         """A tensor from outside the inputs (a parameter, optimizer state): its sizes are fixed."""
