@@ -334,12 +334,14 @@ HIDDEN_READS = {
 }
 
 
-def _hidden_read_hook(original: Any, what: str, read_argument: Any) -> Any:
+def _hidden_read_hook(original: Any, what: str, read_argument: Any, notice: str = "on_hidden_read") -> Any:
+    """`original`, telling the handler of a traced call (its method `notice`, if it has one) of
+    the tensor `read_argument` finds in the arguments."""
     def hook(*args, **kwargs):
         context = current_context()
         if context is not None and not context.excluded:
             tensor = read_argument(args, kwargs)
-            notify = getattr(context.handler, "on_hidden_read", None)
+            notify = getattr(context.handler, notice, None)
             if tensor is not None and notify is not None:
                 notify(tensor, what)
         return original(*args, **kwargs)
@@ -400,18 +402,7 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 def _stand_in_read_hook(original: Any, what: str) -> Any:
-    def hook(*args, **kwargs):
-        context = current_context()
-        if context is not None and not context.excluded:
-            tensor = _first_tensor(args, kwargs)
-            notify = getattr(context.handler, "on_stand_in_read", None)
-            if tensor is not None and notify is not None:
-                notify(tensor, what)
-        return original(*args, **kwargs)
-
-    hook.__name__ = getattr(original, "__name__", what)
-    hook.__doc__ = getattr(original, "__doc__", None)
-    return hook
+    return _hidden_read_hook(original, what, _first_tensor, notice="on_stand_in_read")
 
 
 _ONE_HOT = "one_hot() checks the range of its input's values"
