@@ -133,7 +133,7 @@ class Recorder:
         for handle, base in _overlapping_input_bases(inputs).items():
             self.tensors[handle].base = base
         for handle, tensor in inputs:
-            span = _byte_span(tensor)
+            span = byte_span(tensor)
             if span is not None:
                 self._outer_spans[handle] = span
 
@@ -218,7 +218,7 @@ class Recorder:
         """The base of the input or external whose memory a new external overlaps, if any; notes the
         new one's memory. Without it the passes took them for two storages: a write through one
         did not order the other's reads (CSE merged two `flat.sum()` around `p.grad.mul_(2)`)."""
-        span = _byte_span(tensor) if not isinstance(tensor, FakeTensor) else None
+        span = byte_span(tensor) if not isinstance(tensor, FakeTensor) else None
         if span is None:
             return None
         start, end = span
@@ -535,7 +535,7 @@ def _overlapping_input_bases(inputs: list[tuple[int, torch.Tensor]]) -> dict[int
     """Input handle -> the first handle of the group of inputs it shares memory with, for every input
     whose bytes overlap another input's (transitively). Inputs in disjoint parts of one storage
     (`f(x[0], x[1])`) stay apart, so a kernel may still write one while it reads the other."""
-    spans = [(h, _byte_span(t)) for h, t in inputs]
+    spans = [(h, byte_span(t)) for h, t in inputs]
     spans = [(h, span) for h, span in spans if span is not None]
     group = {h: h for h, _ in spans}  # union-find over handles, the smallest handle representing
 
@@ -552,7 +552,7 @@ def _overlapping_input_bases(inputs: list[tuple[int, torch.Tensor]]) -> dict[int
     return {h: find(h) for h, _ in spans if find(h) != h}
 
 
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+def byte_span(tensor: torch.Tensor) -> tuple[int, int] | None:
     """[first byte, last byte + 1) of the memory a tensor's elements occupy; None without memory."""
     if storage_address(tensor) == 0 or tensor.numel() == 0:
         return None

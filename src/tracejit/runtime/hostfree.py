@@ -287,7 +287,7 @@ class HostFreeRunner:
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
                              CONTEXT=call_context_key, PARAM_IDS=param_ids,
                              GRAD_STATE=self.gradient_state, SAME=same_object_key,
-                             SHARED=shared_memory)
+                             SHARED=shared_memory, DATA_PTR=torch.Tensor.data_ptr)
         admission = self._signature_checks(args, kwargs, grad_state, src)
         if reached and reached[0]:  # a layer of a closure's model frozen or unfrozen: another trace
             src.namespace["REQUIRES_GRAD_BITS"] = requires_grad_bits
@@ -362,10 +362,12 @@ class HostFreeRunner:
             raise GuardFailure(f"t{self._unconfirmed[0]} was reached for the first time")
         guards += self._meta_checks(src)
         guards += self._gradient_hook_guards(objects, src, new_hooks)
-        if len(self._located_grads) > 1:  # the program writes them as distinct tensors
+        if len(self._located_grads) > 1:
+            # The program writes them as distinct memory. Each is checked to be no view, at its
+            # recorded offset: two over one memory (`q.grad = p.grad.detach()`) start at one address.
             located = ", ".join(self._located_grads)
-            guards.append(_fail(f"len(set(map(id, ({located},)))) != {len(self._located_grads)}",
-                                "two parameters share one .grad tensor now"))
+            guards.append(_fail(f"len(set(map(DATA_PTR, ({located},)))) != {len(self._located_grads)}",
+                                "two parameters' .grad share memory now"))
         for handle, storage in self.record.constant_storage.items():
             # captured constants are folded into the program: one written or given other memory
             # since (`param.data = other`) makes the call a checked one, which names it

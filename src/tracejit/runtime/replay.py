@@ -25,7 +25,15 @@ from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, s
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
-from ..record.recorder import Recorder, note_grad_clear, refuse_lazy, snapshot_literal, storage_address, version_of
+from ..record.recorder import (
+    Recorder,
+    byte_span,
+    note_grad_clear,
+    refuse_lazy,
+    snapshot_literal,
+    storage_address,
+    version_of,
+)
 from ..record.regions import RegionTracker
 from ..record.source import user_location
 from . import mismatch
@@ -88,6 +96,9 @@ class Replayer:
             self.handles.set(tensor, handle)
         for name, handle in self.record.kwarg_handles.items():
             self.handles.set(kwargs[name], handle)
+        # the memory of the inputs and of the externals bound so far (see _overlap_error):
+        # [first byte, end) by handle, in the order the recorder noted them
+        self._spans = self._input_spans(args, kwargs)
 
     def _bind_external(self, tensor: torch.Tensor, handle: int) -> None:
         if self.record.tensors[handle].literal and not same_literal(tensor, self.record.constants[handle]):
@@ -268,7 +279,41 @@ class Replayer:
             changed = ("changed shape, stride, dtype or device" if meta.math_bits == info.meta.math_bits else
                        "is a negative or conjugate view where the recorded one was not, or the reverse")
             return self._input_error(position, slot, handle, now, f"{changed} (recorded {recorded})")
-        return None
+        return self._overlap_error(tensor, handle, position, slot)
+
+    def _overlap_error(self, tensor: torch.Tensor, handle: int, position: int, slot: int):
+        """An external in the memory of an input or of another external, where the record saw it in
+        memory of its own (`q.grad = p.grad.detach()` after recording): the program computes the two
+        as separate memory, and a write through one would not show in the other. The recorder noted
+        each overlap as a base (Recorder._overlapped); the call must overlap the same way. (An
+        overlap the record had and this call has not is harmless: the program only orders them.)"""
+        span = byte_span(tensor)
+        if span is None:
+            return None
+        spans = self._spans
+        start, end = span
+        other = next((h for h, (low, high) in spans.items() if start < high and low < end), None)
+        spans[handle] = span
+        if other is None:
+            return None
+        tensors = self.record.tensors
+        root = tensors[other].base if tensors[other].base is not None else other
+        if root == tensors[handle].base:
+            return None
+        del spans[handle]
+        return self._input_error(position, slot, handle, f"a tensor in the memory of {tensors[other].label()}",
+                                 f"shares memory with {tensors[other].label()} ({tensors[other].name}) now, "
+                                 f"which it did not when recorded; the program computes them as separate memory")
+
+    def _input_spans(self, args: tuple, kwargs: dict) -> dict[int, tuple[int, int]]:
+        inputs = [*zip(self.record.arg_handles, args)]
+        inputs += [(handle, kwargs[name]) for name, handle in self.record.kwarg_handles.items()]
+        spans = {}
+        for handle, tensor in inputs:
+            span = byte_span(tensor) if isinstance(tensor, torch.Tensor) else None
+            if span is not None and self.handles.get(tensor) == handle:
+                spans[handle] = span
+        return spans
 
     def _literal_error(self, tensor: torch.Tensor, handle: int, position: int, slot: int):
         """A literal (`torch.tensor(data)`) may hold other values than recorded (bound as this call's,

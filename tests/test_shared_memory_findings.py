@@ -1,0 +1,99 @@
+"""Memory that tensors the function reaches share now and did not when recorded (two parameters'
+`.grad` over one memory), found by review.
+
+Each test failed before its fix (see the stop note of 2026-11-27).
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tracejit
+
+
+def _model_and_sgd() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _accumulating_step(x, y, *, do_step, model, opt):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    if do_step:
+        opt.step()
+        opt.zero_grad()
+    return loss.detach()
+
+
+def _share_bias_grads(model: nn.Module) -> None:
+    model[2].bias.grad = model[0].bias.grad.detach()  # one memory, two tensor objects
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)) for _ in range(count)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, backend: str) -> bool:
+    return torch.equal(a, b) if backend == "aten" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["aten", pytest.param("c", marks=pytest.mark.skipif(
+    tracejit.backends.resolve_backend("c") is None, reason="no C compiler"))])
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_gradients_sharing_memory_after_recording_match_eager_or_raise(without_host, backend):
+    """Two parameters' `.grad` made one memory after the record: backward accumulates both into it
+    in eager, the program into two (a parameter drifted by 0.03). The binding compared the
+    gradients' ids, the aten-level replay did not compare memory at all. Now such a call runs the
+    ops themselves (aten backend) or raises where the compiled program would compute it."""
+    eager_model, eager_opt = _model_and_sgd()
+    model, opt = _model_and_sgd()
+    traced = tracejit.trace(_accumulating_step, without_host=without_host, backend=backend)
+    batches = _batches(14)
+    for index, (x, y) in enumerate(batches[:8]):
+        do_step = index % 2 == 1
+        want = _accumulating_step(x, y, do_step=do_step, model=eager_model, opt=eager_opt)
+        got = traced(x, y, do_step=do_step, model=model, opt=opt)
+        assert _close(got, want, backend)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert _close(p, q, backend)
+    assert traced.stats.records == 2 and traced.stats.checked_replays + traced.stats.host_free_calls >= 5
+    for index, (x, y) in enumerate(batches[8:]):
+        do_step = index % 2 == 1
+        if do_step:
+            _share_bias_grads(eager_model)
+            _share_bias_grads(model)
+        want = _accumulating_step(x, y, do_step=do_step, model=eager_model, opt=eager_opt)
+        try:
+            got = traced(x, y, do_step=do_step, model=model, opt=opt)
+        except tracejit.TraceMismatchError as error:
+            assert do_step and backend != "aten"
+            assert re.search(r"shares memory with t\d+ \(model\.\d\.bias\.grad\) now", str(error))
+            return
+        assert _close(got, want, backend)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert _close(p, q, backend)
+    assert backend == "aten"
+
+
+def test_gradients_sharing_memory_from_the_record_on_match_eager():
+    """The recorder notes memory shared when it records: such a trace computes it as eager does."""
+    eager_model, eager_opt = _model_and_sgd()
+    model, opt = _model_and_sgd()
+    traced = tracejit.trace(_accumulating_step)
+    x, y = _batches(1)[0]
+    for m, o in ((eager_model, eager_opt), (model, opt)):
+        _accumulating_step(x, y, do_step=False, model=m, opt=o)
+        _share_bias_grads(m)
+    for x, y in _batches(4):
+        want = _accumulating_step(x, y, do_step=False, model=eager_model, opt=eager_opt)
+        got = traced(x, y, do_step=False, model=model, opt=opt)
+        assert torch.equal(got, want)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert model[2].bias.grad.data_ptr() == model[0].bias.grad.data_ptr()
+    assert traced.stats.checked_replays == 3
