@@ -142,3 +142,41 @@ def test_view_of_pinned_size_runs_with_concrete_arguments(options):
     stats = traced.stats
     assert stats.calls == len(batches) and stats.eager_calls == 0, stats
     assert stats.records <= 3 and stats.records + stats.rerecords < len(batches), stats
+
+
+MAX_LEN = 6
+
+
+def truncating_step(x, *, model, opt):
+    head, tail = x[:, :MAX_LEN], x[:, -MAX_LEN:]  # the whole sequence when it is at most MAX_LEN long
+    loss = model(head).pow(2).mean() + model(tail).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("options", [{"symbolic_shape": True}, {"symbolic_shape": True, "without_host": True}],
+                         ids=["symbolic_shape", "without_host"])
+@pytest.mark.parametrize("lengths", [(10, 10, 8, 5, 5, 12, 4), (5, 5, 10, 10, 4, 12, 6)], ids=["long_first", "short_first"])
+def test_truncating_slices_match_eager_at_every_length(options, lengths):
+    """`x[:, :6]` on a sequence of at most 6 is the whole dim, for which torch's indexing
+    dispatches `aten.alias` instead of the recorded `aten.slice`: every such call of a trace of
+    symbolic sizes raised TraceMismatchError. The recorded slice now answers it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    emodel = copy.deepcopy(model)
+    eopt = torch.optim.SGD(emodel.parameters(), lr=0.1)
+    traced = tracejit.trace(truncating_step, **options)
+    generator = torch.Generator().manual_seed(2)
+    for i, n in enumerate(lengths):
+        x = torch.randn(3, n, 4, generator=generator)
+        want = truncating_step(x.clone(), model=emodel, opt=eopt)
+        got = traced(x.clone(), model=model, opt=opt)
+        assert torch.equal(got, want), f"call {i}"
+        assert_same_model(emodel, model, f"call {i}")
+    stats = traced.stats
+    # a new trace where the guards of the negative start's size (`x[:, -6:]`) say so, no more
+    assert stats.records <= 3 and stats.eager_calls == 0, stats
+    assert stats.checked_replays + stats.host_free_calls == len(lengths) - stats.records, stats

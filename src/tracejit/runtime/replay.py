@@ -21,7 +21,7 @@ import torch
 
 from ..errors import TraceMismatchError
 from ..record.amp import in_grad_scaler
-from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, split_call
+from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, rebuild_call, split_call
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
@@ -141,6 +141,10 @@ class Replayer:
             return self._diverge(func, args, kwargs, lambda: mismatch.extra_op(
                 record, func, statics, self._names(tensors), scalars, user_location()))
         op = record.ops[position]
+        if func is _ALIAS and op.op is _SLICE and kwargs == {}:
+            result = self._full_slice(op, args[0], position)
+            if result is not None:
+                return result
         if func is not op.op:
             return self._diverge(func, args, kwargs, lambda: mismatch.different_op(
                 record, position, func, statics, self._names(tensors), scalars, user_location()))
@@ -158,6 +162,22 @@ class Replayer:
             metas = _metas(op, result)
             if metas != op.out_metas:
                 return self._new_size(func, args, kwargs, result, metas)
+        self._map_outputs(op, result)
+        self.position = position + 1
+        return result
+
+    def _full_slice(self, op: Any, tensor: torch.Tensor, position: int) -> Any:
+        """torch's indexing dispatches `aten.alias` for a slice that covers its whole dim at the
+        call's sizes (`x[:, :6]` where `x.size(1) <= 6`) and `aten.slice` otherwise: a trace of
+        symbolic sizes recorded the slice, whose view of the whole dim is the alias. The recorded
+        slice runs in its place, or None if it does not cover the dim at these sizes."""
+        if self._check_inputs([tensor], op.inputs, position) is not None:
+            return None
+        start = self.program.scalar_offsets[position]
+        args, kwargs = rebuild_call(op.statics, [tensor], self.scalars[start:start + len(op.scalars)])
+        if not _covers_whole_dim(tensor, {**dict(zip(_SLICE_ARGUMENTS, args[1:])), **kwargs}):
+            return None
+        result = self.program.execute(position, tuple(args), kwargs, [tensor], self.state, self.scalars)
         self._map_outputs(op, result)
         self.position = position + 1
         return result
@@ -287,6 +307,8 @@ class Replayer:
         as separate memory, and a write through one would not show in the other. The recorder noted
         each overlap as a base (Recorder._overlapped); the call must overlap the same way. (An
         overlap the record had and this call has not is harmless: the program only orders them.)"""
+        if self.record.tensors[handle].cut is not None:
+            return None  # taken again after an excluded block: the program settled before it
         span = byte_span(tensor)
         if span is None:
             return None
@@ -465,6 +487,24 @@ class Replayer:
             if error is not None:
                 return error
         return None
+
+
+_ALIAS, _SLICE = torch.ops.aten.alias.default, torch.ops.aten.slice.Tensor
+_SLICE_ARGUMENTS = ("dim", "start", "end", "step")
+
+
+def _covers_whole_dim(tensor: torch.Tensor, arguments: dict) -> bool:
+    """True if `aten.slice(tensor, **arguments)` takes every element of its dim, as Python's
+    slice rules clamp its start and end to the dim's size."""
+    dim, step = arguments.get("dim", 0), arguments.get("step", 1)
+    if not isinstance(dim, int) or step != 1 or not -tensor.dim() <= dim < tensor.dim():
+        return False
+    start, end = arguments.get("start"), arguments.get("end")
+    if not all(value is None or isinstance(value, int) for value in (start, end)):
+        return False
+    size = tensor.shape[dim]
+    first, stop, _ = slice(start, end).indices(size)
+    return first == 0 and stop == size
 
 
 def _metas(op: Any, result: Any) -> tuple:
