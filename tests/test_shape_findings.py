@@ -180,3 +180,35 @@ def test_truncating_slices_match_eager_at_every_length(options, lengths):
     # a new trace where the guards of the negative start's size (`x[:, -6:]`) say so, no more
     assert stats.records <= 3 and stats.eager_calls == 0, stats
     assert stats.checked_replays + stats.host_free_calls == len(lengths) - stats.records, stats
+
+
+def padding_step(x, *, model, opt):
+    h = F.pad(model(x), (0, 0, 0, 1))  # one slot at the end of the sequence
+    loss = h.pow(2).mean() + F.pad(h, (1, 1), value=0.5).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_constant_padding_keeps_one_trace_of_symbolic_sizes():
+    """`F.pad` under symbolic sizes: its meta kernel reads every size as an int, which pinned them
+    all, so each sequence length recorded a trace of its own and the ninth raised
+    TraceCacheFullError. Its layout now comes from torch's decomposition."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    emodel = copy.deepcopy(model)
+    eopt = torch.optim.SGD(emodel.parameters(), lr=0.1)
+    traced = tracejit.trace(padding_step)
+    lengths = (5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 17, 6, 7)
+    generator = torch.Generator().manual_seed(3)
+    for i, n in enumerate(lengths):
+        x = torch.randn(4, n, 8, generator=generator)
+        want = padding_step(x.clone(), model=emodel, opt=eopt)
+        got = traced(x.clone(), model=model, opt=opt)
+        assert torch.equal(got, want), f"call {i}"
+        assert_same_model(emodel, model, f"call {i}")
+    stats = traced.stats
+    assert stats.records == 2 and stats.eager_calls == 0, stats  # the first length's, then one of symbols
+    assert stats.checked_replays == len(lengths) - 2, stats

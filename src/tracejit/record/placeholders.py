@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._decomp import decomposition_table
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -203,7 +204,9 @@ class PlaceholderExecutor:
             _quiet.running.active = True
             try:
                 with mode:
-                    return _masked_outputs(func, args, kwargs, func(*fake_args, **fake_kwargs)), real_of_fake
+                    # under symbolic sizes, an op whose meta kernel reads int sizes would pin them all
+                    run = _SIZE_READING_METAS.get(func, func) if sizes is not None else func
+                    return _masked_outputs(func, args, kwargs, run(*fake_args, **fake_kwargs)), real_of_fake
             except (DynamicOutputShapeException, DataDependentOutputException, UnsupportedOperatorException,
                     RuntimeError, ArithmeticError) as error:
                 explained = _explain(func, error, self._sizes)
@@ -212,6 +215,19 @@ class PlaceholderExecutor:
                 raise explained from error
             finally:
                 _quiet.running.active = False
+
+
+def _size_reading_metas() -> dict:
+    """Ops whose fake run reads every input size as an int (their C++ shape code), which pins each
+    symbol to the recorded size (`F.pad` in a step of varying sequence length recorded a new trace
+    per length), with the decomposition that derives their output layout from the symbols; the
+    record keeps the op itself."""
+    aten = torch.ops.aten
+    ops = (aten.constant_pad_nd.default,)  # F.unfold, torch.linspace: still pinned (docs/symbolic.md)
+    return {op: decomposition_table[op] for op in ops if op in decomposition_table}
+
+
+_SIZE_READING_METAS = _size_reading_metas()
 
 
 def _masked_outputs(func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
