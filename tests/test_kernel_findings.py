@@ -3,7 +3,7 @@ backend over several calls and compared with eager exactly:
 - a `_foreach_` chain over lanes of different dtypes (one kernel typed by lane 0) or layouts;
 - `fill_` of an integer tensor with a float, which went through float32;
 - `log2`/`log10`, computed as log(x) / ln b, one ulp short of the integer at powers of the base;
-- `gelu(+inf)` in float32, which eager's CPU kernel makes NaN;
+- `gelu(+inf)` in float32 and bfloat16, which eager's CPU kernel makes NaN;
 - a dynamic scalar out of range for the tensor's type, which eager refuses and the kernel wrapped;
 - a write the caller sees, held back in a group past a gather that raised;
 - a tensor made from Python data (`torch.tensor(v)`) with another dtype or shape than recorded,
@@ -188,6 +188,19 @@ def test_gelu_at_infinity_and_overflow_matches_eager(dtype):
     edges = [math.inf, -math.inf, 1.7e38, 1.71e38, 3e38, 10.0, -10.0, 0.0]  # erf is exactly +-1 or 0 here
     traced = assert_matches_eager(gelu_of, lambda call: (torch.tensor(edges[call:] + edges[:call], dtype=dtype),))
     assert kernels_fired(traced)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_gelu_of_half_types_at_infinity_matches_eager(dtype):
+    """eager's bfloat16 CPU gelu runs its float32 code (NaN at +inf, inf at 3e38), float16 does not;
+    the Triton kernel took bfloat16 for float16 (inf at +inf, 3.004e38 at 3e38)."""
+    edges = [math.inf, -math.inf, 3e38, 1.7e38, 10.0, -10.0, 1.0, 0.0]
+    with ts.interpreter():
+        traced = tracejit.trace(lambda x: F.gelu(x * 1) * 1, backend="triton", opt_level=3)
+        for call in range(3):
+            x = torch.tensor((edges[call:] + edges[:call]) * 4, dtype=dtype)
+            assert same(traced(x.clone()), F.gelu(x * 1) * 1), call
+        assert ts.triton_launchers(traced), "no Triton kernel ran"
 
 
 # -- 6. dynamic scalars out of range for the tensor's type -----------------------------------------------------

@@ -269,10 +269,10 @@ def _gelu_tanh_inner(c: Compute, x):
 def _gelu(c: Compute, x, approximate="none"):
     if approximate == "tanh":
         return c.mul(c.mul(0.5, x), c.add(1, c.tanh(_gelu_tanh_inner(c, x))))
-    if c.device_type == "cpu" and isinstance(x, Ref) and c.b.dtype(x) == torch.float32:
-        # eager's float32 CPU kernel (torch 2.13, every ATEN_CPU_CAPABILITY) halves last, so x above
-        # FLT_MAX / 2 gives inf, and gives NaN at +inf; its float64, half-type and CUDA kernels give
-        # inf there, as the formula below does
+    if c.device_type == "cpu" and isinstance(x, Ref) and c.b.dtype(x) in (torch.float32, torch.bfloat16):
+        # eager's float32 CPU kernel (torch 2.13, every ATEN_CPU_CAPABILITY), which bfloat16 runs
+        # too, halves last, so x above FLT_MAX / 2 gives inf, and gives NaN at +inf; its float64,
+        # float16 and CUDA kernels give inf there, as the formula below does
         halved_last = c.mul(c.mul(x, c.add(1, c.erf(c.mul(x, _SQRT1_2)))), 0.5)
         return c.where(c.eq(x, math.inf), math.nan, halved_last)
     return c.mul(c.mul(x, 0.5), c.add(1, c.erf(c.mul(x, _SQRT1_2))))
