@@ -96,8 +96,8 @@ class Replayer:
             self.handles.set(tensor, handle)
         for name, handle in self.record.kwarg_handles.items():
             self.handles.set(kwargs[name], handle)
-        # the memory of the inputs and of the externals bound so far (see _overlap_error):
-        # [first byte, end) by handle, in the order the recorder noted them
+        # the memory of the inputs and of the externals bound so far (see _overlap_error): by
+        # storage, (handle, first byte, end) in the order the recorder noted them
         self._spans = self._input_spans(args, kwargs)
 
     def _bind_external(self, tensor: torch.Tensor, handle: int) -> None:
@@ -312,29 +312,29 @@ class Replayer:
         span = byte_span(tensor)
         if span is None:
             return None
-        spans = self._spans
         start, end = span
-        other = next((h for h, (low, high) in spans.items() if start < high and low < end), None)
-        spans[handle] = span
+        spans = self._spans.setdefault(storage_address(tensor), [])  # only one storage's tensors overlap
+        other = next((h for h, low, high in spans if start < high and low < end), None)
         if other is None:
+            spans.append((handle, start, end))
             return None
         tensors = self.record.tensors
         root = tensors[other].base if tensors[other].base is not None else other
         if root == tensors[handle].base:
+            spans.append((handle, start, end))
             return None
-        del spans[handle]
         return self._input_error(position, slot, handle, f"a tensor in the memory of {tensors[other].label()}",
                                  f"shares memory with {tensors[other].label()} ({tensors[other].name}) now, "
                                  f"which it did not when recorded; the program computes them as separate memory")
 
-    def _input_spans(self, args: tuple, kwargs: dict) -> dict[int, tuple[int, int]]:
+    def _input_spans(self, args: tuple, kwargs: dict) -> dict[int, list[tuple[int, int, int]]]:
         inputs = [*zip(self.record.arg_handles, args)]
         inputs += [(handle, kwargs[name]) for name, handle in self.record.kwarg_handles.items()]
-        spans = {}
+        spans: dict[int, list[tuple[int, int, int]]] = {}
         for handle, tensor in inputs:
             span = byte_span(tensor) if isinstance(tensor, torch.Tensor) else None
             if span is not None and self.handles.get(tensor) == handle:
-                spans[handle] = span
+                spans.setdefault(storage_address(tensor), []).append((handle, *span))
         return spans
 
     def _literal_error(self, tensor: torch.Tensor, handle: int, position: int, slot: int):
