@@ -167,7 +167,7 @@ def training_flags(module: torch.nn.Module) -> int:
     return (flags << 1) | module.training
 
 
-_parameters: dict[int, tuple[weakref.ref, tuple]] = {}  # id(module) -> (module, its parameters)
+_parameters: dict[int, _Parameters] = {}  # id(module) -> its parameters (see _parameters_of)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
@@ -221,13 +221,41 @@ def gradient_hooks(tensor: torch.Tensor) -> tuple:
     return tuple(tensor._backward_hooks or ()), tuple(tensor._post_accumulate_grad_hooks or ())
 
 
+class _Parameters:
+    """A module's parameters, with what tells cheaply whether they still are: the objects under
+    each name of every submodule's `_parameters` and `_modules` dicts, and their sizes. Replacing
+    a parameter (`lin.weight = nn.Parameter(w)`, `load_state_dict(assign=True)`), registering one
+    or adding, replacing or removing a submodule changes one of them; the next call lists them
+    again."""
+
+    __slots__ = ("ref", "parameters", "dicts", "names", "values", "held", "sizes")
+
+    def __init__(self, module: torch.nn.Module, ref: weakref.ref) -> None:
+        self.ref = ref
+        self.parameters = tuple(module.parameters())
+        modules = tuple(module.modules())
+        held = tuple(entries for sub in modules for entries in (sub._parameters, sub._modules))
+        self.dicts = tuple(entries for entries in held for _ in entries)
+        self.names = tuple(name for entries in held for name in entries)
+        self.values = tuple(value for entries in held for value in entries.values())
+        self.held = held  # how many entries each holds (a dict replaced as a whole goes unseen)
+        self.sizes = tuple(map(len, held))
+
+    def current(self) -> bool:
+        """True while no parameter or submodule was replaced, added or removed (C-level loops:
+        this runs on every checked call of a trace that touched gradients)."""
+        return (all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
+                and tuple(map(len, self.held)) == self.sizes)
+
+
 def _parameters_of(module: torch.nn.Module) -> tuple:
     known = _parameters.get(id(module))
-    if known is None or known[0]() is not module:  # walking module.parameters() each call would cost more
+    if known is None or known.ref() is not module or not known.current():
         key = id(module)
-        known = _parameters[key] = (weakref.ref(module, lambda _, key=key: _parameters.pop(key, None)),
-                                    tuple(module.parameters()))
-    return known[1]
+        ref = known.ref if known is not None and known.ref() is module else weakref.ref(
+            module, lambda _, key=key: _parameters.pop(key, None))
+        known = _parameters[key] = _Parameters(module, ref)
+    return known.parameters
 
 
 def _module_state(module: torch.nn.Module) -> int:
