@@ -1025,7 +1025,7 @@ class trace(ProfileAccess):
             where = user_location()
             what = ("runs no backward pass itself" if not any(op.backward_of for op in entry.record.ops) else
                     "no backward pass inside the call used their autograd graph (a generator's output that "
-                    "only a detached copy of went into the call's loss, a view of a parameter)")
+                    "only a detached copy of went into the call's loss)")
             warnings.warn_explicit(
                 f"tracejit: {self.__name__}() returns tensors that require grad and {what}; "
                 f"with without_host=True later calls return them without an autograd graph, so a backward pass "
@@ -1289,8 +1289,15 @@ def _abandon(recorder: Any, error: BaseException) -> None:
 
 
 def _returns_graph(result: Any, live_graph: Callable[[torch.Tensor], bool]) -> bool:
-    """The call returns tensors with autograd history that no backward pass of the call freed."""
-    return any(t.requires_grad and live_graph(t) for t in _tensors_of(result))  # a leaf has no graph to lose
+    """The call returns tensors with autograd history that no backward pass of the call freed. A leaf
+    has no graph to lose, nor has a view of a leaf that requires grad (`model[2].bias[1:]`): calls
+    without the host make such views again with gradients on (HostFreeRunner._grad_mode_views)."""
+    return any(t.requires_grad and live_graph(t) and not _view_of_leaf(t) for t in _tensors_of(result))
+
+
+def _view_of_leaf(tensor: torch.Tensor) -> bool:
+    base = tensor._base
+    return base is not None and base.is_leaf and base.requires_grad
 
 
 def _containers_of(value: Any) -> list:

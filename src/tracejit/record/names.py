@@ -151,6 +151,13 @@ class ExternalNames:
         entry = self._found.entry(tensor)
         return entry[1] if entry else None
 
+    def had_state_entry(self, optimizer: Any, param: Any, key: Any) -> bool:
+        """Whether `optimizer.state[param][key]` held a value (not None) when the call began: one the
+        call put there where it found none is state the call created (torch.optim's lazy state, a
+        momentum buffer made from the first gradient), which the function creates only where it
+        finds none."""
+        return (id(optimizer), id(param), key) in self._found.state_entries
+
     def place_of(self, tensor: torch.Tensor) -> Locator | None:
         """Where the tensor is now, among the places that held a tensor when the call began: a call
         without the function assigns its value there anew, as the function does."""
@@ -205,6 +212,8 @@ def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
         found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
         for param, state in optimizer.state.items():
             owner_name, owner_locator = found.get(id(param), ("param", None))
+            found.state_entries.update((id(optimizer), id(param), key) for key, value in state.items()
+                                       if value is not None)
             for key, tensor in state.items():
                 if isinstance(tensor, torch.Tensor):
                     located = Locator(locator.root, locator.steps, owner_locator, key) if owner_locator else None
@@ -225,6 +234,8 @@ class _Found(dict):
         self.contents: list[tuple[Locator, str, Any]] = []  # (locator, name, _items) of each container
         self.refs: dict[int, weakref.ref] = {}  # id -> the tensor found, weakly
         self.module_attributes: list[tuple[Any, str, Locator]] = []  # modules' plain values, walked last
+        # (id(optimizer), id(parameter), key) of each optimizer state entry found (not None)
+        self.state_entries: set[tuple[int, int, Any]] = set()
 
     def add(self, tensor: torch.Tensor, name: str, locator: Locator | None) -> None:
         if id(tensor) not in self:

@@ -784,6 +784,8 @@ class HostFreeRunner:
                 body.append(f"h{literal_grads[id(obj)]}.grad = h{handle}")
                 continue
             holder = holders.get(id(obj))
+            if holder is not None and holder.kind == "state" and not self.checked:
+                self._escape_guards += self._created_state_guard(holder, src)
             if holder is None:
                 place = self._names.place_of(obj)
                 if place is not None:
@@ -825,7 +827,8 @@ class HostFreeRunner:
                     self.unplaced.append(f"t{handle}, {what},")
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
                 written.add(storage_address(obj))
-        body = [line for _, lines in self.stores for line in lines]
+        body = self._grad_mode_views(objects)
+        body += [line for _, lines in self.stores for line in lines]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
         body += self._bucket_gradients(kwargs, written, src)
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
@@ -846,6 +849,48 @@ class HostFreeRunner:
         body.append(f"return {_output_expr(self.record.output)}")
         return body
 
+
+    def _grad_mode_views(self, objects: dict[int, torch.Tensor]) -> list[str]:
+        """Lines that make the returned and kept views of a leaf requiring grad (`model[2].bias[1:]`,
+        `w.t()`) again with gradients on, as the function made them. The program runs without
+        gradients, and a view made so of a tensor requiring grad cannot be read once its base is
+        written in place with gradients on (the next step's update): torch raises "A view was created
+        in no_grad mode ...". Made again (as a strided view of the same memory), it has eager's
+        `requires_grad` and autograd history to its leaf, and follows the leaf's later updates. Only
+        views the binding call made with gradients on (a `grad_fn`): one the function made under
+        `torch.no_grad()` stays as eager has it."""
+        tensors, lines = self.record.tensors, []
+        for handle in sorted({h for h in range(len(tensors)) if tensors[h].flags & Flag.RETURNED}
+                             | set(self.program.graph.escaped)):
+            obj = objects.get(handle)
+            base = obj._base if obj is not None else None
+            if tensors[handle].kind is not Kind.INTERNAL or tensors[handle].base is None or base is None:
+                continue
+            try:
+                made_with_grad = obj.grad_fn is not None
+            except RuntimeError:  # made without gradients, its base written since: torch refuses it
+                continue
+            if made_with_grad and base.is_leaf and base.requires_grad:
+                local = f"h{handle}"
+                lines += ["SET_GRAD(True)", "try:", f"    {local} = {local}._view_func({local}._base)",
+                          "finally:", "    SET_GRAD(False)"]
+        return lines
+
+    def _created_state_guard(self, holder: Holder, src: _Source) -> list[str]:
+        """An optimizer state entry the bound call created, finding none (a momentum buffer made
+        from the first gradient, Adam's `step` and moments): the program makes it anew, as the
+        function does only while the entry is missing. With the entry there (the next call after a
+        fresh optimizer's first one, which replayed the record that created the state without
+        differing), the function would read and update it, an other trace: the call runs the
+        function, which records that one. An entry the bound call found and replaced (a
+        hand-written optimizer's `state["buf"] = state["buf"] * m + g`) is assigned on every call,
+        as the function does: no guard."""
+        param_ref, key = holder.key
+        if self._names.had_state_entry(holder.owner(), param_ref(), key):
+            return []
+        owner, param = src.constant(holder.owner, "r"), src.constant(param_ref, "r")
+        return [_fail(f"{owner}().state.get({param}(), EMPTY).get({key!r}) is not None",
+                      f"the optimizer state the program creates ({key!r}) exists now")]
 
     def _bucket_gradients(self, kwargs: dict, written: set[int], src: _Source) -> list[str]:
         """DistributedDataParallel with `gradient_as_bucket_view=True`: a parameter's `.grad` is a
