@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..ir.graph import INPUT_OPS, Graph, Op
-from ..record.calls import UNDECLARED_ALIASES, is_view_op
+from ..record.calls import RETURNS_INPUT_FOR_SOME_NUMBERS, UNDECLARED_ALIASES, is_view_op
 from .analysis import collective_roots, observable_roots
 
 ALIGNMENT = 64
@@ -56,6 +56,8 @@ def plan_memory(graph: Graph, min_bytes: int | None = None, fused: bool = False)
         if node.op is not Op.CALL or node.out_kind != "tensor" or out_overload(node.target) is None:
             continue
         value = graph.values[node.outputs[0]]
+        if any(graph.values[v].handle == value.handle for v in node.inputs):
+            continue  # it returned its input itself (`dropout(x, p, train=False)`): see made_by
         nbytes = _dense_bytes(value.meta)
         smallest = min_bytes if min_bytes is not None else DEFAULT_MIN_BYTES.get(value.meta.device.type,
                                                                               OTHER_DEVICES_MIN_BYTES)
@@ -65,6 +67,7 @@ def plan_memory(graph: Graph, min_bytes: int | None = None, fused: bool = False)
         candidates.append((nbytes, index, lifetimes[value.handle], value.handle))
     placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
     offsets: dict[int, tuple[int, int]] = {}
+    made_by: dict[int, int] = {}  # planned handle -> the index of the node writing it into its buffer
     for nbytes, index, (first, last), handle in sorted(candidates, key=lambda c: (-c[0], c[1])):
         offset = 0
         for other_offset, other_end, other_first, other_last in sorted(placed):
@@ -73,16 +76,18 @@ def plan_memory(graph: Graph, min_bytes: int | None = None, fused: bool = False)
                 offset = _align(other_end)
         placed.append((offset, offset + nbytes, first, last))
         offsets[handle] = (offset, nbytes)
+        made_by[handle] = index
     nodes = []
-    for node in graph.nodes:
+    for index, node in enumerate(graph.nodes):
         if node.op is Op.FUSED:
-            buffers = tuple(offsets.get(graph.values[v].handle) if v is not None and graph.values[v].version == 0
-                            else None for v in node.outputs)
+            buffers = tuple(offsets.get(graph.values[v].handle)
+                            if v is not None and made_by.get(graph.values[v].handle) == index else None
+                            for v in node.outputs)
             if any(b is not None for b in buffers):
                 node = replace(node, buffers=buffers)
         elif node.op is Op.CALL and node.outputs and node.outputs[0] is not None:
             handle = graph.values[node.outputs[0]].handle
-            if handle in offsets and graph.values[node.outputs[0]].version == 0:
+            if made_by.get(handle) == index:
                 offset, nbytes = offsets[handle]
                 node = replace(node, buffer=(offset, nbytes))
         nodes.append(node)
@@ -92,7 +97,14 @@ def plan_memory(graph: Graph, min_bytes: int | None = None, fused: bool = False)
 
 # UNDECLARED_ALIASES (record/calls.py): the lifetime of their input's memory is not the input
 # value's (GRU and LSTM cells split their gates so and keep the pieces for backward), so its buffer
-# is left to the allocator.
+# is left to the allocator. So is the input of a dropout that made a tensor of its own when recorded
+# (RETURNS_INPUT_FOR_SOME_NUMBERS): with p == 0 on a later call it returns its input itself.
+#
+# made_by: an op that returned its input itself when recorded (`dropout(x, p, train=False)`,
+# `type_as` or `flatten` that change nothing, under torch.inference_mode(); `lift_fresh`) made a
+# second value of the input's handle at version 0 (ir/build.py), whose storage lifetime is the
+# input's. Only the op that created the handle writes it into its buffer: the one returning it has
+# no `out=` variant, and ran with `out=None` (TypeError: 'NoneType' object is not callable).
 
 
 def _resizes_out(op) -> bool:
@@ -109,6 +121,8 @@ def _aliased_without_saying(graph: Graph, keep_unsafe_view: bool = False) -> set
         if node.op is Op.CALL and getattr(node.target, "_schema", None) is not None:
             name = node.target._schema.name.split("::")[-1]
             if name in UNDECLARED_ALIASES and not (keep_unsafe_view and name == "_unsafe_view"):
+                roots.update(graph.values[v].root for v in node.inputs)
+            elif name in RETURNS_INPUT_FOR_SOME_NUMBERS:
                 roots.update(graph.values[v].root for v in node.inputs)
     return roots
 

@@ -209,6 +209,23 @@ def _mutated(op: torch._ops.OpOverload) -> tuple[frozenset[int], frozenset[str]]
 UNDECLARED_ALIASES = frozenset({"unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk", "_unsafe_view"})
 
 
+# Ops that return their input tensor itself, not a copy and not a view, although their schemas
+# promise a new tensor: the dropouts when not training or with p == 0 (`return input;` in
+# ATen's Dropout.cpp). Like the other CompositeImplicitAutograd ops that can hand back their input
+# (`type_as`, `atleast_2d`, `sum_to_size`, `flatten`, `to`...), torch runs them above the
+# recorder while gradients are on, and hands them to it under torch.inference_mode(). Whether
+# these return their input depends on a number (`p`, a dynamic scalar) rather than on metadata
+# alone, so a recorded one may return its input on a later call: the memory plan leaves the
+# input's storage to the allocator (passes/plan_memory.py), and a fake run of one runs torch's
+# own kernel, whose aliasing is the real one's (torch._decomp's `dropout` copies its input).
+RETURNS_INPUT_FOR_SOME_NUMBERS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def returns_input_itself(op: Any) -> bool:
+    """An op of RETURNS_INPUT_FOR_SOME_NUMBERS."""
+    return isinstance(op, torch._ops.OpOverload) and op._schema.name.split("::")[-1] in RETURNS_INPUT_FOR_SOME_NUMBERS
+
+
 @functools.cache
 def aliases_its_input(op: Any) -> bool:
     """A view op, or one that aliases without saying so (UNDECLARED_ALIASES)."""

@@ -10,6 +10,7 @@ them as state, the user holds them -- and once the program has run they hold rea
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import SymbolicTraceError
+from .calls import returns_input_itself
 from .modes import torch_reads_unseen
 from .source import user_location
 from .symbolic_shapes import SymbolicSizes, has_symbolic_metadata
@@ -206,6 +208,10 @@ class PlaceholderExecutor:
                 with mode:
                     # under symbolic sizes, an op whose meta kernel reads int sizes would pin them all
                     run = _SIZE_READING_METAS.get(func, func) if sizes is not None else func
+                    if returns_input_itself(func):
+                        # ATen's own kernel, which returns its input itself where the real run does:
+                        # fake mode (and func.decompose) take torch._decomp's `dropout`, which copies it
+                        run = functools.partial(func._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
                     return _masked_outputs(func, args, kwargs, run(*fake_args, **fake_kwargs)), real_of_fake
             except (DynamicOutputShapeException, DataDependentOutputException, UnsupportedOperatorException,
                     RuntimeError, ArithmeticError) as error:
