@@ -131,6 +131,8 @@ class PlaceholderExecutor:
         Returns (result, the placeholders allocated for it).
         """
         fake_result, real_of_fake = self._run_fake(func, args, kwargs)
+        if self._views_an_input(fake_result, real_of_fake, args, kwargs):
+            return self.run_view(func, args, kwargs), []
         allocated: dict[int, torch.Tensor] = {}
 
         def to_real(value: Any) -> Any:
@@ -157,6 +159,18 @@ class PlaceholderExecutor:
             return allocated[id(value)]
 
         return tree_map(to_real, fake_result), list(allocated.values())
+
+    def _views_an_input(self, fake_result: Any, real_of_fake: dict, args: tuple, kwargs: dict) -> bool:
+        """An output in an input's memory from an op whose schema promises a new tensor
+        (`broadcast_tensors`, `meshgrid`, `atleast_2d` of a vector under torch.inference_mode()):
+        a view, which must be made for real as run_view makes one, not given memory of its own."""
+        outputs = [t for t in tree_leaves(fake_result) if isinstance(t, torch.Tensor) and id(t) not in real_of_fake]
+        if not outputs:
+            return False
+        inputs = {fake.untyped_storage()._cdata for fake in (
+            t if isinstance(t, FakeTensor) else self._fakes.get(t) for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)) if fake is not None}
+        return any(t.untyped_storage()._cdata in inputs for t in outputs)
 
     def run_view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run a view op for real (it computes only metadata) and on the fakes, pairing the outputs."""

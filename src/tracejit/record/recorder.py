@@ -340,7 +340,8 @@ class Recorder:
         else:
             kind, values = "value", []
         base = None
-        if aliases_its_input(func) and inputs:
+        declared = aliases_its_input(func)
+        if declared and inputs:
             first = self.tensors[inputs[0]]
             base = first.base if first.base is not None else first.handle
         outputs, metas = [], []
@@ -351,12 +352,30 @@ class Recorder:
                 continue
             handle = self.handles.get(value)
             if handle is None:
-                handle = self._new_handle(value, Kind.INTERNAL, f"op #{index}", producer=index, base=base)
-                if base is None and not isinstance(value, FakeTensor):  # views: watched through their base
+                view_of = base if declared else self._undeclared_base(value, inputs, tensors)
+                handle = self._new_handle(value, Kind.INTERNAL, f"op #{index}", producer=index, base=view_of)
+                if view_of is None and not isinstance(value, FakeTensor):  # views: watched through their base
                     self.storages[handle] = StorageWeakRef(value.untyped_storage())
             outputs.append(handle)
             metas.append(TensorMeta.of(value))
         return tuple(outputs), kind, tuple(metas)
+
+    def _undeclared_base(self, value: torch.Tensor, inputs: tuple[int, ...], tensors: list[torch.Tensor]) -> int | None:
+        """The base of the input whose memory an output shares although the op's schema promises a
+        new tensor: composite ops torch hands to the recorder whole under torch.inference_mode()
+        return views (`broadcast_tensors`, `atleast_2d` of a vector, `meshgrid`, `einsum("ij->ji")`),
+        which the memory plan took for memory of their own and overwrote the viewed input."""
+        if not tensors:
+            return None
+        try:
+            memory = value.untyped_storage()._cdata
+            for handle, tensor in zip(inputs, tensors):
+                if tensor.untyped_storage()._cdata == memory:
+                    info = self.tensors[handle]
+                    return info.base if info.base is not None else info.handle
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+            return None
+        return None
 
     def _check_const_writes(self, func: Any, written: list[torch.Tensor], index: int, source: Any) -> None:
         for tensor in written:
