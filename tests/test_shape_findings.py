@@ -212,3 +212,23 @@ def test_constant_padding_keeps_one_trace_of_symbolic_sizes():
     stats = traced.stats
     assert stats.records == 2 and stats.eager_calls == 0, stats  # the first length's, then one of symbols
     assert stats.checked_replays == len(lengths) - 2, stats
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_upsampling_under_symbolic_shape_replays_every_size_it_saw(mode, without_host):
+    """`F.interpolate` reads its input's sizes in C++: on a stand-in of symbolic size that
+    dispatched `aten.size`, which the record kept as an op, so the second call at a size seen
+    before raised TraceMismatchError ("aten.upsample_nearest2d instead of aten.size")."""
+    def upsample(x):
+        return F.interpolate(x * 2, scale_factor=2.0, mode=mode) + 1
+
+    traced = tracejit.trace(upsample, symbolic_shape=True, without_host=without_host)
+    generator = torch.Generator().manual_seed(4)
+    batches = (2, 2, 3, 2, 3, 3)
+    for i, n in enumerate(batches):
+        x = torch.randn(n, 2, 4, 4, generator=generator)
+        assert torch.equal(traced(x), upsample(x)), f"call {i}"
+    stats = traced.stats
+    assert stats.eager_calls == 0 and stats.records <= 2, stats
+    assert stats.checked_replays + stats.host_free_calls == len(batches) - stats.records, stats

@@ -956,7 +956,7 @@ def _rnn_step(x, *, rnn, opt):
 
 
 @pytest.mark.parametrize("cell", [torch.nn.GRU, torch.nn.LSTM], ids=["gru", "lstm"])
-def test_recurrent_layers_refuse_symbolic_sizes_clearly_and_train_per_size_by_default(cell):
+def test_recurrent_layers_under_symbolic_sizes_refuse_clearly_or_pin_and_train_per_size_by_default(cell):
     # torch's C++ needs concrete sizes there (at::native::lstm's numel(), the GRU gates' split of a
     # storage of symbolic size): a raw RuntimeError from inside torch before
     torch.manual_seed(0)
@@ -964,11 +964,19 @@ def test_recurrent_layers_refuse_symbolic_sizes_clearly_and_train_per_size_by_de
     rnn_b = copy.deepcopy(rnn_a)
     opt_a, opt_b = torch.optim.SGD(rnn_a.parameters(), lr=0.1), torch.optim.SGD(rnn_b.parameters(), lr=0.1)
     refusing = tracejit.trace(_rnn_step, symbolic_shape=True)
-    with pytest.raises(SymbolicTraceError, match=r"symbolic_shape=True cannot record _rnn_step\(\) at "
-                                                 r"test_symbolic_shape.py:\d+ in _rnn_step: loss = rnn\(x\)"):
-        refusing(torch.randn(2, 5, 4), rnn=rnn_b, opt=opt_b)
-    for a, b in zip(rnn_a.parameters(), rnn_b.parameters()):  # the failed attempt changed nothing
-        assert torch.equal(a, b) and b.grad is None
+    if cell is torch.nn.LSTM:
+        with pytest.raises(SymbolicTraceError, match=r"symbolic_shape=True cannot record _rnn_step\(\) at "
+                                                     r"test_symbolic_shape.py:\d+ in _rnn_step: loss = rnn\(x\)"):
+            refusing(torch.randn(2, 5, 4), rnn=rnn_b, opt=opt_b)
+        for a, b in zip(rnn_a.parameters(), rnn_b.parameters()):  # the failed attempt changed nothing
+            assert torch.equal(a, b) and b.grad is None
+    else:  # the GRU's C++ reads its sizes, which pins them: a trace per size, as eager computes
+        pinned_a, pinned_b = copy.deepcopy(rnn_a), copy.deepcopy(rnn_b)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pinned_a, pinned_b)]
+        for i, batch in enumerate([2, 3, 2]):
+            x = torch.randn(batch, 5, 4, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(refusing(x, rnn=pinned_b, opt=opts[1]), _rnn_step(x, rnn=pinned_a, opt=opts[0])), i
+        assert refusing.stats.records == 2 and refusing.stats.checked_replays == 1
     traced = tracejit.trace(_rnn_step, backend="aten")  # automatic: a static trace per batch size
     for i, batch in enumerate([2, 3, 2, 3, 2, 3]):
         x = torch.randn(batch, 5, 4, generator=torch.Generator().manual_seed(i))

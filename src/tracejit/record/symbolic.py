@@ -45,8 +45,12 @@ from .symbolic_shapes import SymbolicSizes
 # In-place ops that give a tensor another storage: a placeholder's storage must stay the one recorded.
 _STORAGE_REPLACING_OPS = frozenset({"resize_", "resize_as_", "set_"})
 _OPTIM_DIR = f"{os.sep}torch{os.sep}optim{os.sep}"
-# What a fake tensor dispatches to answer a metadata query (FakeTensor dispatches its device).
-_FAKE_METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+# What a fake tensor dispatches to answer a metadata query (FakeTensor dispatches its device; C++
+# code reading the sizes of one of symbolic size, as upsampling does, dispatches aten.size).
+_aten = torch.ops.aten
+_FAKE_METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default, _aten.size.default,
+                                _aten.stride.default, _aten.sym_size.default, _aten.sym_stride.default,
+                                _aten.sym_numel.default, _aten.sym_storage_offset.default})
 
 
 def sorted_kwargs(kwarg_handles: dict[str, int]) -> list[int]:
