@@ -120,3 +120,40 @@ def test_a_new_parameter_outside_the_optimizer_accumulates_its_gradient_without_
         assert torch.equal(got.detach(), want.detach()), f"call {i}"
         _assert_same(eager, model, f"call {i}")
     assert traced.stats.host_free_calls >= 2, traced.stats
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.register_parameter("scale", None)  # an optional parameter, absent
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out + self.shift if "shift" in self._parameters else out
+
+
+def test_a_parameter_registered_where_a_none_entry_was_removed_is_seen():
+    """`del m.scale` (a None entry) then `register_parameter("shift", p)`: as many entries as
+    before and every recorded name read as None, so the cached list missed `shift` and its
+    freezing (found by review of the cache)."""
+    torch.manual_seed(0)
+    eager = _Scaled()
+    model = copy.deepcopy(eager)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+    traced = tracejit.trace(_step, backend="aten", without_host=True)
+    for i in range(7):
+        if i == 2:
+            for m, opt in zip((eager, model), optimizers):
+                del m.scale
+                m.register_parameter("shift", nn.Parameter(torch.zeros(3)))
+                opt.add_param_group({"params": [m.shift]})
+        if i == 4:
+            eager.shift.requires_grad_(False)
+            model.shift.requires_grad_(False)
+        x, y = _batch(i)
+        want = _step(x, y, model=eager, opt=optimizers[0])
+        got = traced(x, y, model=model, opt=optimizers[1])
+        assert torch.equal(got.detach(), want.detach()), f"call {i}"
+        _assert_same(eager, model, f"call {i}")
+    assert traced.stats.host_free_calls >= 2, traced.stats

@@ -232,3 +232,21 @@ def test_upsampling_under_symbolic_shape_replays_every_size_it_saw(mode, without
     stats = traced.stats
     assert stats.eager_calls == 0 and stats.records <= 2, stats
     assert stats.checked_replays + stats.host_free_calls == len(batches) - stats.records, stats
+
+
+def cropping_step(x):
+    y = F.pad(x.transpose(0, 1), (-1, 0))  # crops a column of a strided input
+    return y * 1, y.reshape(-1) + 0
+
+
+def test_cropping_a_strided_input_keeps_atens_layout():
+    """`F.pad` by amounts none above 0 clones a narrowed view in ATen, keeping the input's layout;
+    torch's decomposition allocates contiguous there, and a record of its layout made the
+    `reshape` a view the real run could not take (found by review of the decomposition)."""
+    traced = tracejit.trace(cropping_step)
+    generator = torch.Generator().manual_seed(6)
+    for i, n in enumerate((5, 6, 7, 6, 8, 7)):
+        x = torch.randn(n, 4, generator=generator)
+        for got, want in zip(traced(x), cropping_step(x)):
+            assert torch.equal(got, want), f"call {i}"
+    assert traced.stats.eager_calls == 0 and traced.stats.checked_replays >= 2, traced.stats

@@ -4,6 +4,7 @@
 Each test failed before its fix (see the stop note of 2026-11-27).
 """
 
+import copy
 import re
 
 import pytest
@@ -97,3 +98,37 @@ def test_gradients_sharing_memory_from_the_record_on_match_eager():
             assert torch.equal(p.grad, q.grad)
         assert model[2].bias.grad.data_ptr() == model[0].bias.grad.data_ptr()
     assert traced.stats.checked_replays == 3
+
+
+class _WithAnEmptyHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.empty = nn.Linear(4, 0)  # a head with no classes: its gradients have no memory
+
+    def forward(self, x):
+        return torch.cat([self.body(x), self.empty(x)], 1)
+
+
+def _no_zeroing_step(x, *, model, opt):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_empty_gradients_do_not_count_as_sharing_memory():
+    """Every empty `.grad` has address 0: the address guard took them for one memory and no call
+    ran without the host (found by review of the guard)."""
+    torch.manual_seed(0)
+    model = _WithAnEmptyHead()
+    eager = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, model)]
+    traced = tracejit.trace(_no_zeroing_step, without_host=True)
+    generator = torch.Generator().manual_seed(5)
+    for i in range(6):
+        x = torch.randn(2, 4, generator=generator)
+        assert torch.equal(traced(x, model=model, opt=optimizers[1]), _no_zeroing_step(x, model=eager, opt=optimizers[0]))
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert torch.equal(p, q), i
+    assert traced.stats.host_free_calls == 4 and traced.stats.host_free_misses == 0, traced.stats

@@ -221,17 +221,33 @@ def gradient_hooks(tensor: torch.Tensor) -> tuple:
     return tuple(tensor._backward_hooks or ()), tuple(tensor._post_accumulate_grad_hooks or ())
 
 
-class _Parameters:
-    """A module's parameters, with what tells cheaply whether they still are: the objects under
-    each name of every submodule's `_parameters` and `_modules` dicts, and their sizes. Replacing
-    a parameter (`lin.weight = nn.Parameter(w)`, `load_state_dict(assign=True)`), registering one
-    or adding, replacing or removing a submodule changes one of them; the next call lists them
-    again."""
+# Bumped whenever any module registers a parameter or a submodule (assigning one included):
+# torch.nn's process-wide registration hooks, which only ever return None here.
+_REGISTRATIONS = [0]
 
-    __slots__ = ("ref", "parameters", "dicts", "names", "values", "held", "sizes")
+
+def _registered(*_: object) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+_MISSING = object()
+
+
+class _Parameters:
+    """A module's parameters, with what tells whether they still are: the objects under each name
+    of every submodule's `_parameters` and `_modules` dicts, and their sizes. Replacing a parameter
+    (`lin.weight = nn.Parameter(w)`, `load_state_dict(assign=True)`), registering one or adding,
+    replacing or removing a submodule changes one of them; the next call lists them again. They
+    are compared only after some module registered something (_REGISTRATIONS), which the
+    replacements do (a `del` alone does not, nor writing `_parameters` directly)."""
+
+    __slots__ = ("ref", "parameters", "dicts", "names", "values", "held", "sizes", "seen")
 
     def __init__(self, module: torch.nn.Module, ref: weakref.ref) -> None:
         self.ref = ref
+        self.seen = _REGISTRATIONS[0]
         self.parameters = tuple(module.parameters())
         modules = tuple(module.modules())
         held = tuple(entries for sub in modules for entries in (sub._parameters, sub._modules))
@@ -242,10 +258,15 @@ class _Parameters:
         self.sizes = tuple(map(len, held))
 
     def current(self) -> bool:
-        """True while no parameter or submodule was replaced, added or removed (C-level loops:
-        this runs on every checked call of a trace that touched gradients)."""
-        return (all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
-                and tuple(map(len, self.held)) == self.sizes)
+        """True while no parameter or submodule was replaced, added or removed (C-level loops)."""
+        if self.seen == _REGISTRATIONS[0]:
+            return True
+        # a name missing now reads as _MISSING: a None entry (`bias=False`) removed is a change too
+        if (all(map(operator.is_, map(dict.get, self.dicts, self.names, itertools.repeat(_MISSING)), self.values))
+                and tuple(map(len, self.held)) == self.sizes):
+            self.seen = _REGISTRATIONS[0]
+            return True
+        return False
 
 
 def _parameters_of(module: torch.nn.Module) -> tuple:

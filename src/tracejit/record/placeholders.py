@@ -222,6 +222,8 @@ class PlaceholderExecutor:
                 with mode:
                     # under symbolic sizes, an op whose meta kernel reads int sizes would pin them all
                     run = _SIZE_READING_METAS.get(func, func) if sizes is not None else func
+                    if run is not func and not (_pads_somewhere(args) or fake_args[0].is_contiguous()):
+                        run = func  # crops a strided input: ATen keeps its layout, the decomposition does not
                     if returns_input_itself(func):
                         # ATen's own kernel, which returns its input itself where the real run does:
                         # fake mode (and func.decompose) take torch._decomp's `dropout`, which copies it
@@ -248,6 +250,14 @@ def _size_reading_metas() -> dict:
 
 
 _SIZE_READING_METAS = _size_reading_metas()
+
+
+def _pads_somewhere(args: tuple) -> bool:
+    """`constant_pad_nd(x, pad)` with some amount above 0: ATen then allocates its output in the
+    input's suggested memory format, as the decomposition does (with none, it clones a narrowed
+    view, keeping the layout, which the decomposition does only if every amount is below 0)."""
+    pad = args[1] if len(args) > 1 else ()
+    return any(not isinstance(amount, int) or amount > 0 for amount in pad)
 
 
 def _masked_outputs(func: Any, args: tuple, kwargs: dict, result: Any) -> Any:

@@ -287,7 +287,7 @@ class HostFreeRunner:
                              IS_GRAD=torch.is_grad_enabled, SET_GRAD=torch._C._set_grad_enabled,
                              CONTEXT=call_context_key, PARAM_IDS=param_ids,
                              GRAD_STATE=self.gradient_state, SAME=same_object_key,
-                             SHARED=shared_memory, DATA_PTR=torch.Tensor.data_ptr)
+                             SHARED=shared_memory, DISTINCT_MEMORY=distinct_memory)
         admission = self._signature_checks(args, kwargs, grad_state, src)
         if reached and reached[0]:  # a layer of a closure's model frozen or unfrozen: another trace
             src.namespace["REQUIRES_GRAD_BITS"] = requires_grad_bits
@@ -366,8 +366,7 @@ class HostFreeRunner:
             # The program writes them as distinct memory. Each is checked to be no view, at its
             # recorded offset: two over one memory (`q.grad = p.grad.detach()`) start at one address.
             located = ", ".join(self._located_grads)
-            guards.append(_fail(f"len(set(map(DATA_PTR, ({located},)))) != {len(self._located_grads)}",
-                                "two parameters' .grad share memory now"))
+            guards.append(_fail(f"not DISTINCT_MEMORY(({located},))", "two parameters' .grad share memory now"))
         for handle, storage in self.record.constant_storage.items():
             # captured constants are folded into the program: one written or given other memory
             # since (`param.data = other`) makes the call a checked one, which names it
@@ -986,3 +985,9 @@ def _output_expr(spec: OutputSpec) -> str:
         return "{" + ", ".join(f"{k!r}: {_output_expr(c)}" for k, c in zip(spec.keys, spec.children)) + "}"
     inner = ", ".join(_output_expr(c) for c in spec.children)
     return f"({inner},)" if spec.kind == "tuple" else f"[{inner}]"
+
+
+def distinct_memory(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """No two of these tensors start at one address (empty ones have none: address 0)."""
+    addresses = [address for address in map(torch.Tensor.data_ptr, tensors) if address]
+    return len(set(addresses)) == len(addresses)
