@@ -21,6 +21,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from models import train_step
 from torch import nn
 
 import tracejit
@@ -52,14 +53,6 @@ def assert_same_state(eager: nn.Module, traced: nn.Module, opt_e, opt_t, where: 
                 assert torch.equal(value, state_t[key]), f"{where}: optimizer state {name}.{key}"
             else:
                 assert value == state_t[key], f"{where}: optimizer state {name}.{key}"
-
-
-def train_step(x, y, *, model, opt):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def sgd(params):

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from models import train_step
 from torch import nn
 
 import tracejit
@@ -35,14 +36,6 @@ def _assert_same(eager: nn.Module, traced: nn.Module, where: str) -> None:
             assert torch.equal(a.grad, b.grad), f"{where}: {name}.grad"
 
 
-def _step(x, y, *, model, opt):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def _accumulating_step(x, y, *, model, opt, do_step):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -57,7 +50,7 @@ def test_a_replaced_parameter_frozen_later_stays_frozen(mode):
     eager = _model()
     model = copy.deepcopy(eager)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
-    traced = tracejit.trace(_step, backend="aten", **MODES[mode])
+    traced = tracejit.trace(train_step, backend="aten", **MODES[mode])
     weight = torch.randn(8, 6)
     for i in range(8):
         if i == 2:  # a new first layer weight, which the optimizer follows
@@ -70,7 +63,7 @@ def test_a_replaced_parameter_frozen_later_stays_frozen(mode):
             eager[0].weight.requires_grad_(False)
             model[0].weight.requires_grad_(False)
         x, y = _batch(i)
-        want = _step(x, y, model=eager, opt=optimizers[0])
+        want = train_step(x, y, model=eager, opt=optimizers[0])
         got = traced(x, y, model=model, opt=optimizers[1])
         assert torch.equal(got.detach(), want.detach()), f"call {i}"
         _assert_same(eager, model, f"call {i}")
@@ -108,14 +101,14 @@ def test_a_new_parameter_outside_the_optimizer_accumulates_its_gradient_without_
     eager = _model()
     model = copy.deepcopy(eager)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, model)]
-    traced = tracejit.trace(_step, backend="aten", without_host=True)
+    traced = tracejit.trace(train_step, backend="aten", without_host=True)
     weight = torch.randn(8, 6)
     for i in range(6):
         if i == 1:  # a new first layer weight the optimizer does not hold: its .grad accumulates
             for m in (eager, model):
                 m[0].weight = nn.Parameter(weight.clone())
         x, y = _batch(i)
-        want = _step(x, y, model=eager, opt=optimizers[0])
+        want = train_step(x, y, model=eager, opt=optimizers[0])
         got = traced(x, y, model=model, opt=optimizers[1])
         assert torch.equal(got.detach(), want.detach()), f"call {i}"
         _assert_same(eager, model, f"call {i}")
@@ -141,7 +134,7 @@ def test_a_parameter_registered_where_a_none_entry_was_removed_is_seen():
     eager = _Scaled()
     model = copy.deepcopy(eager)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
-    traced = tracejit.trace(_step, backend="aten", without_host=True)
+    traced = tracejit.trace(train_step, backend="aten", without_host=True)
     for i in range(7):
         if i == 2:
             for m, opt in zip((eager, model), optimizers):
@@ -152,7 +145,7 @@ def test_a_parameter_registered_where_a_none_entry_was_removed_is_seen():
             eager.shift.requires_grad_(False)
             model.shift.requires_grad_(False)
         x, y = _batch(i)
-        want = _step(x, y, model=eager, opt=optimizers[0])
+        want = train_step(x, y, model=eager, opt=optimizers[0])
         got = traced(x, y, model=model, opt=optimizers[1])
         assert torch.equal(got.detach(), want.detach()), f"call {i}"
         _assert_same(eager, model, f"call {i}")
