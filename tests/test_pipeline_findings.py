@@ -144,6 +144,19 @@ SCHEDULERS = {
 }
 
 
+def _stand_ins_of_one_step(traced, i: int, eager: tuple, twin: tuple, schedules: list) -> int:
+    """One training step eager and traced, compared exactly, then the schedulers' step; returns
+    how many optimizer methods the stand-ins answered in the traced call."""
+    (model_a, opt_a), (model_b, opt_b) = eager, twin
+    x, y = batch("mlp", i)
+    before = traced.stats.optimizer_stand_ins
+    assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    for schedule in schedules:
+        schedule.step()
+    return traced.stats.optimizer_stand_ins - before
+
+
 @pytest.mark.parametrize("scheduler", list(SCHEDULERS))
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam_fused"])
 def test_a_scheduler_created_after_some_steps_keeps_the_stand_ins(trace, scheduler, optimizer):
@@ -158,13 +171,7 @@ def test_a_scheduler_created_after_some_steps_keeps_the_stand_ins(trace, schedul
     for i in range(12):
         if i == 4:
             schedules = [SCHEDULERS[scheduler](opt) for opt in (opt_a, opt_b)]
-        x, y = batch("mlp", i)
-        before = traced.stats.optimizer_stand_ins
-        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
-        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
-        answered.append(traced.stats.optimizer_stand_ins - before)
-        for schedule in schedules:
-            schedule.step()
+        answered.append(_stand_ins_of_one_step(traced, i, (model_a, opt_a), (model_b, opt_b), schedules))
     assert answered[-4:] == [2, 2, 2, 2], (answered, traced.stats)  # step() and zero_grad() on each call
 
 
@@ -181,13 +188,7 @@ def test_a_setting_step_reads_is_still_checked_beside_a_schedulers_keys(trace):
             for opt in (opt_a, opt_b):
                 opt.param_groups[0]["foreach"] = False  # was None: the same loop on CPU tensors
                 opt.param_groups[0]["name"] = "all"  # the user's own key
-        x, y = batch("mlp", i)
-        before = traced.stats.optimizer_stand_ins
-        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
-        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
-        answered.append(traced.stats.optimizer_stand_ins - before)
-        for schedule in schedules:
-            schedule.step()
+        answered.append(_stand_ins_of_one_step(traced, i, (model_a, opt_a), (model_b, opt_b), schedules))
     assert answered[3:6] == [2, 2, 2] and answered[6] == 0, (answered, traced.stats)
     assert answered[-1] == 2, (answered, traced.stats)  # noted again with the new setting
 
