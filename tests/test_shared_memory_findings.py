@@ -132,3 +132,120 @@ def test_empty_gradients_do_not_count_as_sharing_memory():
         for p, q in zip(model.parameters(), eager.parameters()):
             assert torch.equal(p, q), i
     assert traced.stats.host_free_calls == 4 and traced.stats.host_free_misses == 0, traced.stats
+
+
+# -- globals and inputs that come to share memory after the record (the stop note of 2026-11-28) --
+
+_C = pytest.param("c", marks=pytest.mark.skipif(tracejit.backends.resolve_backend("c") is None, reason="no C compiler"))
+_MODES = [({}, "api"), ({"without_host": True}, "api"), ({}, "aten")]
+_MODE_IDS = ["checked", "without_host", "checked-aten-level"]
+
+SCALE = torch.ones(8)
+OFFSET = torch.full((8,), 2.0)
+
+
+def _scale_between_reads(x):
+    """Reads OFFSET, writes SCALE, reads OFFSET again: a fused kernel computes both reads from one
+    load where the record saw two memories."""
+    before = OFFSET * 3 + x
+    SCALE.mul_(2)
+    return before, OFFSET * 3 + x
+
+
+def _trace_in_mode(function, mode, backend, monkeypatch):
+    options, level = mode
+    monkeypatch.setenv("TRACEJIT_REPLAY", level)  # read when the trace is made
+    return tracejit.trace(function, backend=backend, **options)
+
+
+def _eager_or_memory_error(traced, eager, x, backend, pattern):
+    """Each call matches eager bitwise, or raises where a fused kernel would compute otherwise."""
+    for _ in range(3):
+        want = eager(x)
+        try:
+            got = traced(x)
+        except tracejit.TraceMismatchError as error:
+            assert backend != "aten", str(error)
+            assert re.search(pattern, str(error)), str(error)
+            return
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert backend == "aten"
+
+
+@pytest.mark.parametrize("backend", ["aten", _C])
+@pytest.mark.parametrize("mode", _MODES, ids=_MODE_IDS)
+@pytest.mark.parametrize("how", ["rebound", "data"])
+def test_globals_made_one_memory_after_recording_match_eager_or_raise(how, mode, backend, monkeypatch):
+    """`SCALE = base; OFFSET = base[:]` (or the same through `.data`, which keeps the objects) after
+    three calls: the fused kernel read OFFSET once for both results (6 where eager has 3). The
+    generated steps of the aten level bound such globals without the memory check, and the compiled
+    program's guards compared neither objects' memory."""
+    global SCALE, OFFSET
+    SCALE, OFFSET = torch.ones(8), torch.full((8,), 2.0)
+    traced = _trace_in_mode(_scale_between_reads, mode, backend, monkeypatch)
+    x = torch.zeros(8)
+    for _ in range(3):
+        traced(x)
+    assert traced.stats.records == 1 and traced.stats.checked_replays + traced.stats.host_free_calls == 2
+    base = torch.ones(8)
+    if how == "rebound":
+        SCALE, OFFSET = base, base[:]
+    else:
+        SCALE.data, OFFSET.data = base, base[:]
+    eager_base = torch.ones(8)
+
+    def eager(x):
+        before = eager_base[:] * 3 + x
+        eager_base.mul_(2)
+        return before, eager_base[:] * 3 + x
+
+    _eager_or_memory_error(traced, eager, x, backend, r"shares memory with t\d+ \((OFFSET|SCALE)\) now")
+
+
+WEIGHT = torch.full((8,), 2.0)
+
+
+def _bump_then_scale(x):
+    x.add_(1)
+    return (x * WEIGHT,)
+
+
+@pytest.mark.parametrize("backend", ["aten", _C])
+@pytest.mark.parametrize("mode", _MODES, ids=_MODE_IDS)
+def test_an_input_that_is_a_global_the_function_reads_matches_eager_or_raises(mode, backend, monkeypatch):
+    """`f(WEIGHT)` where f writes its input and reads WEIGHT: the fused kernel read WEIGHT before
+    the write (6 where eager has 9). Inputs were compared with one another, never with the
+    externals."""
+    global WEIGHT
+    WEIGHT = torch.full((8,), 2.0)
+    traced = _trace_in_mode(_bump_then_scale, mode, backend, monkeypatch)
+    for _ in range(3):
+        traced(torch.zeros(8))
+    assert traced.stats.checked_replays + traced.stats.host_free_calls == 2
+    eager_weight = WEIGHT.clone()
+    want = (eager_weight.add_(1) * eager_weight,)
+    try:
+        got = traced(WEIGHT)
+    except tracejit.TraceMismatchError as error:
+        assert re.search(r"t\d+ \((external |)WEIGHT", str(error)), str(error)
+        return
+    assert torch.equal(got[0], want[0]) and torch.equal(WEIGHT, eager_weight)
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_parameter_given_new_memory_of_its_own_keeps_training_like_eager(without_host):
+    """`.data = w.clone()` moves a parameter to memory of its own: no sharing, so after one call that
+    runs the function (and binds the new memory) the fast path serves again, matching eager."""
+    models = [_model_and_sgd() for _ in range(2)]
+    traced = tracejit.trace(_accumulating_step, without_host=without_host, backend="aten")
+    for index, (x, y) in enumerate(_batches(10)):
+        if index == 5:
+            for model, _ in models:
+                model[0].weight.data = model[0].weight.data.clone()
+        want = _accumulating_step(x, y, do_step=True, model=models[0][0], opt=models[0][1])
+        got = traced(x, y, do_step=True, model=models[1][0], opt=models[1][1])
+        assert torch.equal(got, want)
+        assert all(map(torch.equal, models[1][0].parameters(), models[0][0].parameters()))
+    fast = traced.stats.host_free_calls if without_host else traced.stats.api_replays
+    assert fast >= 6

@@ -575,6 +575,9 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int] | None:
     """[first byte, last byte + 1) of the memory a tensor's elements occupy; None without memory."""
     if storage_address(tensor) == 0 or tensor.numel() == 0:
         return None
+    if tensor.is_contiguous():  # the usual case, per external on every replayed call
+        low = tensor.data_ptr()
+        return low, low + tensor.nbytes
     size = tensor.element_size()
     low = high = tensor.data_ptr()
     for extent, stride in zip(tensor.shape, tensor.stride()):

@@ -48,8 +48,9 @@ def _tensor_check(w: _Writer, expr: str, handle: int, external: TensorMeta | Non
                   indent: str) -> list[str]:
     """Check that the tensor at `expr` is the one mapped to `handle`. A tensor seen for the first
     time is bound where the record has an external: inline for a plain external of this metadata
-    not bound to another object yet (`B`, the replayer's bound externals), through the replayer's
-    `BIND` for constants; anything else is a MISS for the generic path to explain."""
+    not bound to another object yet (`B`, the replayer's bound externals) and in memory of its own
+    (`OVERLAPS`, the replayer's check: a global made a view of another after recording), through
+    the replayer's `BIND` for constants; anything else is a MISS for the generic path to explain."""
     t, e = w.name("t"), w.name("e")
     if external is not None:
         r = w.name("r")
@@ -57,7 +58,8 @@ def _tensor_check(w: _Writer, expr: str, handle: int, external: TensorMeta | Non
                         f" or {t}.dtype is not {w.constant(external.dtype)} or {_other_device(w, t, external.device)}"
                         f" or {t}.is_neg() or {t}.is_conj()")
         # a Python number where the record had a tensor (LBFGS's state["t"]): the generic path says so
-        unknown = [f"if {handle} in B or not isinstance({t}, TENSOR) or {meta_differs}: return MISS",
+        unknown = [f"if {handle} in B or not isinstance({t}, TENSOR) or {meta_differs} or OVERLAPS({t}, {handle}):"
+                   f" return MISS",
                    f"{r} = REF({t})", f"E[id({t})] = ({handle}, {r})", f"B[{handle}] = {r}"]
     else:
         unknown = [f"if not BIND({t}, {handle}): return MISS" if bindable else "return MISS"]
@@ -144,10 +146,12 @@ def generate_steps(record: Record, callables: list[Callable | None], fast: list[
                    profile_rows: list[int] | None = None, profiler: Any = None) -> list[Callable | None]:
     """One step function per position (None where the position needs the generic path).
 
-    A step is called as `step(args, kwargs, E, BIND, B, S)` with E the replay's id -> (handle, ref)
-    table, BIND(tensor, handle) -> bool the replayer's binding of a first-seen external or constant,
-    B its handle -> weak reference of the externals bound so far in the call, and S the call's flat
-    list of dynamic scalars, where the step stores the values it sees.
+    A step is called as `step(args, kwargs, E, BIND, B, S, OVERLAPS)` with E the replay's id ->
+    (handle, ref) table, BIND(tensor, handle) -> bool the replayer's binding of a first-seen external
+    or constant, B its handle -> weak reference of the externals bound so far in the call, S the
+    call's flat list of dynamic scalars, where the step stores the values it sees, and
+    OVERLAPS(tensor, handle) -> bool the replayer's check that a first-seen external is in memory
+    the record saw apart from the inputs' and the other externals' (noting it when it is).
     """
     w = _Writer()
     if profiler is not None:
@@ -160,6 +164,6 @@ def generate_steps(record: Record, callables: list[Callable | None], fast: list[
             continue
         row = profile_rows[op.index] if profile_rows is not None else None
         body = _step_source(w, record, op, callables[op.index], row, scalar_offset)
-        source.append(f"def step{op.index}(args, kwargs, E, BIND, B, S):\n" + "\n".join(f"    {line}" for line in body))
+        source.append(f"def step{op.index}(args, kwargs, E, BIND, B, S, OVERLAPS):\n" + "\n".join(f"    {line}" for line in body))
     exec(compile("\n\n".join(source) + "\n", f"<tracejit replay steps {record.function_name}>", "exec"), w.namespace)
     return [w.namespace.get(f"step{op.index}") for op in record.ops]

@@ -332,6 +332,9 @@ class HostFreeRunner:
         if not self.checked:
             guards += self._plain_root_guards(src)
         self._located_grads: list[str] = []
+        self._in_memory: list[tuple[str, torch.Tensor]] = []  # (local, object): externals whose memory is guarded
+        self._bound_storages: frozenset = frozenset()  # their storages, where the program writes memory
+        self._loose: list[tuple[str, torch.Tensor]] = []  # of them, those checked where they lie (_memory_guard)
         self._cleared_grads: list[str] = []  # parameters whose `.grad` the call leaves None
         self._meta: list[tuple[str, str]] = []  # (local, its layout check)
         self._bound_by_locator = {names.locator_of(t): t for t in objects.values() if t is not None}
@@ -361,6 +364,7 @@ class HostFreeRunner:
         if self._unconfirmed:  # the next call runs the function, which tells whether it reaches them again
             raise GuardFailure(f"t{self._unconfirmed[0]} was reached for the first time")
         guards += self._meta_checks(src)
+        guards += self._memory_guard(src)
         guards += self._gradient_hook_guards(objects, src, new_hooks)
         if len(self._located_grads) > 1:
             # The program writes them as distinct memory. Each is checked to be no view, at its
@@ -386,6 +390,7 @@ class HostFreeRunner:
                 guards.append(_fail(f"{expr} is not {constant}", f"{locator.describe()} is another tensor now"))
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
+        guards += self._inputs_apart_guard(args, kwargs, src)
         guards += self._input_gradients(objects, src)
         optimizers = reached_optimizers(self.function, kwargs)
         known = {id(optimizer) for _, optimizer in optimizers}
@@ -662,12 +667,10 @@ class HostFreeRunner:
             lines = [f"{local} = {ref}()"]
             same = f"{local} is None"
             what = f"{info.name} was freed"
-        checks = [] if same == "False" else [same]
-        if info.handle in self.program.hoisted_roots:  # views of it are kept: its storage must stay
-            checks.append(f"{local}.data_ptr() != {obj.data_ptr()}")
-            what += ", or has new storage"
-        if checks:
-            lines.append(_fail(" or ".join(checks), what))
+        if same != "False":
+            lines.append(_fail(same, what))
+        if not (is_grad and local in self._located_grads):  # gradients: DISTINCT_MEMORY below
+            self._in_memory.append((local, obj))
         # its layout: checked for all externals at once (see _meta_checks; the guard's dispatch keys
         # hold the math bits, so a negative view fails it and meets the precise check)
         self._meta.append((local, _layout_check(local, info, src)))
@@ -732,6 +735,60 @@ class HostFreeRunner:
         if lines:
             src.namespace.update(HOOKED=any_gradient_hooks, HOOK_KEYS=gradient_hooks)
         return lines
+
+    def _writes_memory(self) -> bool:
+        """Whether the program writes into memory the caller owns (an input, an external or a view
+        of one): only then can two of them over one memory compute otherwise than eager (a fused
+        kernel reads the old value of what another tensor's write changed)."""
+        tensors = self.record.tensors
+        return any(info.flags & Flag.MUTATED and (info.kind is not Kind.INTERNAL or (
+            info.base is not None and tensors[info.base].kind is not Kind.INTERNAL)) for info in tensors)
+
+    def _memory_guard(self, src: _Source) -> list[str]:
+        """The externals keep the memory they had when bound (`.data = other`, `set_()` keep the
+        object): the program computes them as the memory the binding call checked apart (see
+        Replayer._overlap_error), and views of them made once per binding stay views of it.
+        Plain tensors the program only reads (a batch a checked call may bind anew, see
+        api_replay._rebindable) are checked where they lie instead, with the inputs."""
+        watched, self._loose = self._in_memory, []
+        if self._writes_memory():
+            written = {h for op in self.record.ops for h in (*op.outputs, *op.mutated) if h is not None}
+            self._loose = [(local, obj) for local, obj in watched if self._is_loose(int(local[1:]), obj, written)]
+            watched = [item for item in watched if item not in self._loose]
+            self._bound_storages = frozenset(storage_address(obj) for _, obj in watched) - {0}
+        else:  # memory read only: only views of externals made once per binding depend on it
+            watched = [(local, obj) for local, obj in watched if int(local[1:]) in self.program.hoisted_roots]
+        if not watched:
+            return []
+        src.namespace["DATA_PTR"] = torch.Tensor.data_ptr
+        addresses = src.constant(tuple(obj.data_ptr() for _, obj in watched), "ptr")
+        locals_ = ", ".join(local for local, _ in watched)
+        return [_fail(f"tuple(map(DATA_PTR, ({locals_},))) != {addresses}",
+                      "an external has other memory now (`.data = ...`, `set_()`)")]
+
+    def _is_loose(self, handle: int, obj: torch.Tensor, written: set[int]) -> bool:
+        return (type(obj) is torch.Tensor and not obj.requires_grad and obj._base is None and handle not in written
+                and handle not in self.program.hoisted_roots and self.record.tensors[handle].base is None)
+
+    def _inputs_apart_guard(self, args: tuple, kwargs: dict, src: _Source) -> list[str]:
+        """The inputs, and the externals checked where they lie, lie in the other externals'
+        memory and in one another's exactly where the binding call's did (normally nowhere): the
+        program computes them as the memory they were then (a call passing a parameter, or a
+        view of one, as an input). Compared by storage."""
+        storages = self._bound_storages
+        if not storages and not self._loose:
+            return []
+        tensors = [(f"h{h}", t) for h, t in zip(self.record.arg_handles, args) if isinstance(t, torch.Tensor)]
+        tensors += [(f"h{h}", kwargs[n]) for n, h in self.record.kwarg_handles.items() if isinstance(kwargs[n], torch.Tensor)]
+        tensors += self._loose
+        if not tensors:
+            return []
+        src.namespace["MEMORY_APART"] = memory_apart
+        loose = bool(self._loose)  # with them, also where they lie in one another and the inputs
+        bound = memory_apart(tuple(t for _, t in tensors), storages, loose)
+        return [_fail(f"MEMORY_APART(({', '.join(local for local, _ in tensors)},), {src.constant(storages, 'sto')}, "
+                      f"{loose}) != {src.constant(bound, 'apart')}",
+                      "an input lies in an external's memory now, or no longer")]
 
     def _meta_checks(self, src: _Source) -> list[str]:
         """The shape, dtype and device checks of the externals bound so far: in one C++ call while
@@ -985,6 +1042,22 @@ def _output_expr(spec: OutputSpec) -> str:
         return "{" + ", ".join(f"{k!r}: {_output_expr(c)}" for k, c in zip(spec.keys, spec.children)) + "}"
     inner = ", ".join(_output_expr(c) for c in spec.children)
     return f"({inner},)" if spec.kind == "tuple" else f"[{inner}]"
+
+
+def memory_apart(tensors: tuple[torch.Tensor, ...], storages: frozenset, among: bool) -> tuple:
+    """Which of `tensors` lie in one of `storages` (bit i for tensors[i], by storage address),
+    and with `among` which lie in the storage of an earlier one, at what byte offset (the same
+    object too: an input that is an external)."""
+    bits, first, shared = 0, {}, []
+    for i, tensor in enumerate(tensors):
+        storage = storage_address(tensor)
+        if storage in storages:
+            bits |= 1 << i
+        if among and storage:
+            j, address = first.setdefault(storage, (i, tensor.data_ptr()))
+            if j != i:
+                shared.append((i, j, tensor.data_ptr() - address))
+    return bits, tuple(shared)
 
 
 def distinct_memory(tensors: tuple[torch.Tensor, ...]) -> bool:

@@ -241,6 +241,11 @@ def _recomputable(graph: Graph, node: Node) -> set[int]:
     return ok
 
 
+def _root(record: Record, handle: int) -> int:
+    base = record.tensors[handle].base
+    return handle if base is None else base
+
+
 class CheckedProgram:
     def __init__(self, record: Record, graph: Graph, profiler: Profiler | None = None,
                  kernels: dict[int, Any] | None = None):
@@ -253,6 +258,9 @@ class CheckedProgram:
         self.groups_fired = 0  # fused kernels run by the checked calls that finished (tests prove fusion ran)
         self.callables: list[Callable | None] = [None] * len(record.ops)
         self.group_at: list[_GroupRun | None] = [None] * len(record.ops)
+        # the memory fused kernels read or write (handles, by their root): only there does memory
+        # shared where the record had none compute otherwise than eager (Replayer._overlap_error)
+        fused_roots = set()
         for index, node in enumerate(graph.nodes):
             if node.op is Op.CALL:
                 self.callables[node.positions[0]] = callable_for(node)
@@ -260,6 +268,8 @@ class CheckedProgram:
                 group = _GroupRun(graph, node, kernels[index])
                 for position in node.positions:
                     self.group_at[position] = group
+                fused_roots.update(_root(record, h) for h in group.handle_of.values())
+        self.fused_roots = frozenset(fused_roots)
         # Fused members and data-dependent output shapes take the generic path.
         fast = [self.callables[op.index] is not None and not data_dependent_size(op, record) for op in record.ops]
         self.profile_rows = None

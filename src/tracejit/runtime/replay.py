@@ -117,7 +117,7 @@ class Replayer:
                 step = self._steps[position]
                 if step is not None:
                     result = step(args, kwargs, self._table, self._bind_first_seen, self.bound_externals,
-                                  self.scalars)
+                                  self.scalars, self._overlaps)
                     if result is not MISS:
                         self.position = position + 1
                         return result
@@ -305,8 +305,9 @@ class Replayer:
         """An external in the memory of an input or of another external, where the record saw it in
         memory of its own (`q.grad = p.grad.detach()` after recording): the program computes the two
         as separate memory, and a write through one would not show in the other. The recorder noted
-        each overlap as a base (Recorder._overlapped); the call must overlap the same way. (An
-        overlap the record had and this call has not is harmless: the program only orders them.)"""
+        each overlap as a base (Recorder._overlapped); the call must overlap the same way, where
+        a fused kernel meets one of the two. (An overlap the record had and this call has not is
+        harmless: the program only orders them.)"""
         if self.record.tensors[handle].cut is not None:
             return None  # taken again after an excluded block: the program settled before it
         span = byte_span(tensor)
@@ -320,8 +321,10 @@ class Replayer:
             return None
         tensors = self.record.tensors
         root = tensors[other].base if tensors[other].base is not None else other
-        if root == tensors[handle].base:
-            spans.append((handle, start, end))
+        own_root = tensors[handle].base if tensors[handle].base is not None else handle
+        fused = self.program.fused_roots
+        if root == tensors[handle].base or (root not in fused and own_root not in fused):
+            spans.append((handle, start, end))  # ...or both only met by ops that run as eager's
             return None
         return self._input_error(position, slot, handle, f"a tensor in the memory of {tensors[other].label()}",
                                  f"shares memory with {tensors[other].label()} ({tensors[other].name}) now, "
@@ -348,6 +351,10 @@ class Replayer:
         return self._input_error(position, slot, handle, f"a tensor created from Python data, {_describe(tensor)}",
                                  f"is created from Python data of another dtype or shape than recorded ({recorded}); "
                                  f"the program was compiled for the recorded one")
+
+    def _overlaps(self, tensor: torch.Tensor, handle: int) -> bool:
+        """The generated steps' memory check of a first-seen external (see _overlap_error)."""
+        return bool(self.program.fused_roots) and self._overlap_error(tensor, handle, self.position, 0) is not None
 
     def _bind_first_seen(self, tensor: torch.Tensor, handle: int) -> bool:
         """Binding hook of the generated steps: True if `tensor` may be bound as external `handle`."""
