@@ -199,6 +199,12 @@ class PlaceholderExecutor:
             # run its real kernel on dummy data.
             self._mode = FakeTensorMode(allow_fallback_kernels=False)
         mode, fakes = self._mode, self._fakes
+        if mode.cache_enabled and torch.is_inference_mode_enabled():
+            # torch's fake-tensor cache (one for all modes in the process) makes a hit's outputs
+            # anew from their metadata: an op returning a view its schema does not declare under
+            # inference mode (broadcast_tensors) would come back in memory of its own on a hit
+            # after another recording ran it (see _views_an_input)
+            mode.cache_enabled = False
         real_of_fake: dict[int, torch.Tensor] = {}
 
         sizes = self._sizes
