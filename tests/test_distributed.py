@@ -312,6 +312,30 @@ def test_collectives_the_function_issues_keep_checked_calls_at_the_aten_level(si
     assert traced.stats.api_replays == 0 and traced.stats.checked_replays >= 3
 
 
+@pytest.mark.skipif(__import__("tracejit").backends.resolve_backend("c") is None, reason="no C compiler")
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_functional_collective_without_a_wait_feeds_compiled_kernels(single_rank, without_host):
+    """`funcol.all_reduce` returns an AsyncCollectiveTensor, which waits when an op dispatches on
+    it and has no memory of its own: the program handed its address (0) to a fused C kernel and
+    the process died (SIGSEGV) on the first compiled call. The program waits where torch wraps."""
+    import torch.distributed._functional_collectives as funcol
+
+    import tracejit
+
+    def step(x, *, w):
+        reduced = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+        w.mul_(0.9).add_(reduced * 0.1)
+        return (reduced * 3).sin() + w
+
+    traced = tracejit.trace(step, backend="c", without_host=without_host)
+    w_eager, w = torch.zeros(1000), torch.zeros(1000)
+    for i in range(5):
+        x = torch.full((1000,), float(i))
+        want, got = step(x, w=w_eager), traced(x, w=w)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6) and torch.allclose(w, w_eager, rtol=1e-5, atol=1e-6)
+    assert traced.stats.checked_replays + traced.stats.host_free_calls >= 3
+
+
 def test_per_parameter_all_reduces_are_bucketed(single_rank, monkeypatch):
     import tracejit
 

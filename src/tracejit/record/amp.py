@@ -63,9 +63,10 @@ class ScalerStages:
 
     def save(self, kwargs: dict) -> list:
         scalers = [kwargs.get(name) for name in self.keywords] + [ref() for ref in self.others]
+        # a disabled scaler (`GradScaler(enabled=False)`) keeps no stages: its methods do nothing
         return [(scaler, {key: (state["stage"], dict(state["found_inf_per_device"]))
                           for key, state in scaler._per_optimizer_states.items()})
-                for scaler in scalers if isinstance(scaler, torch.amp.GradScaler)]
+                for scaler in scalers if isinstance(scaler, torch.amp.GradScaler) and scaler._enabled]
 
     @staticmethod
     def restore(saved: list) -> None:

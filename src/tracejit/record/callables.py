@@ -59,6 +59,16 @@ def _candidates(op: torch._ops.OpOverload) -> list[Callable]:
     return found
 
 
+def _waited(op: Any) -> Any:
+    """What a program runs for `op` outside ATen. A functional collective's result is wrapped in an
+    AsyncCollectiveTensor (`_c10d_functional._wrap_tensor_autograd`), a tensor without memory of its
+    own that waits for the collective when an op dispatches on it: a compiled kernel given its
+    address (0) crashed. The program waits where it is wrapped and goes on with the plain result."""
+    if getattr(op, "namespace", None) == "_c10d_functional" and op._schema.name.endswith("::_wrap_tensor_autograd"):
+        return torch.ops._c10d_functional.wait_tensor.default
+    return op
+
+
 def resolve_callable(op: Any, statics: tuple, metas: tuple[TensorMeta, ...], scalars: tuple) -> Callable:
     """A callable taking the same arguments as `op`, verified to reach the same overload.
 
@@ -66,7 +76,7 @@ def resolve_callable(op: Any, statics: tuple, metas: tuple[TensorMeta, ...], sca
     metadata of its tensors in argument order, and its dynamic scalars.
     """
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
-        return op
+        return _waited(op)
     if torch.Tag.nondeterministic_seeded in op.tags:
         return op._op  # an RNG op is never run an extra time, not even on meta tensors
     try:

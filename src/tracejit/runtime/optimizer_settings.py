@@ -83,6 +83,9 @@ def scaler_guards(function: Any, kwargs: dict, updated: tuple, constant: Any, fa
     scalers += [(f"{constant(ref, 'sr')}()", ref()) for ref in updated if ref() is not None and id(ref()) not in known]
     lines = []
     for expr, scaler in scalers:
+        if not scaler.__dict__.get("_enabled"):  # disabled: it has no other settings (nor state)
+            lines.append(fail(f"{expr}._enabled", f"the GradScaler {expr} was enabled"))
+            continue
         settings = {name: scaler.__dict__.get(name) for name in _SCALER_SETTINGS}
         lines.append(fail(f"({', '.join(f'{expr}.{name}' for name in settings)}) != "
                           f"{constant(tuple(settings.values()), 'sc')}", f"the settings of the GradScaler {expr} changed"))
