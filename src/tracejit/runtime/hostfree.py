@@ -391,6 +391,7 @@ class HostFreeRunner:
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
         guards += self._inputs_apart_guard(args, kwargs, src)
+        self._in_memory = self._loose = []  # they hold the binding call's tensors: kept, a freed one would live on
         guards += self._input_gradients(objects, src)
         optimizers = reached_optimizers(self.function, kwargs)
         known = {id(optimizer) for _, optimizer in optimizers}
