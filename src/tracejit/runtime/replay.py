@@ -58,6 +58,7 @@ class Replayer:
         self.new_variant = False
         self.replacing: CheckedProgram | None = None  # the provisional variant a new_variant records again
         self.inf_check_at = -1  # the position of GradScaler's inf check in this call, if it ran
+        self.outside_inf_check_at = -1  # ...of one on a `found_inf` made outside the call (no branch)
         # host reads of traced values this call made, by description: a record without host reads
         # whose call now makes them (BatchNorm's momentum set to None reads its batch count) must
         # not be re-bound to run without the host, where the value read would be frozen
@@ -230,6 +231,8 @@ class Replayer:
             self.program.materialize(self.state, handle, self.scalars)
             if in_grad_scaler():
                 self.inf_check_at = self.position
+        elif in_grad_scaler():
+            self.outside_inf_check_at = self.position
 
     def on_hidden_read(self, tensor: torch.Tensor, what: str) -> None:
         """torch reads `tensor` in C++ (record/modes.py HIDDEN_READS): it must hold its value, as for a
@@ -401,7 +404,14 @@ class Replayer:
         if self.inf_check_at == self.position and not self.may_rerecord and self.variants is not None:
             return self._other_branch(func, args, kwargs)
         if not self.may_rerecord:
-            raise error_factory()
+            error = error_factory()
+            if self.outside_inf_check_at == self.position and isinstance(error, TraceMismatchError):
+                error.args = (f"{error.args[0]}\n  GradScaler's inf check just read a found_inf made outside "
+                              f"the traced call (`scaler.unscale_(opt)` before it): the trace follows the "
+                              f"branch of an overflow step only when it computes found_inf itself. Call "
+                              f"`scaler.unscale_` inside the traced function, or trace the whole step.",
+                              *error.args[1:])
+            raise error
         self._start_rerecord()
         return self.recorder.on_op(func, args, kwargs)
 
