@@ -98,7 +98,7 @@ class Replayer:
         for name, handle in self.record.kwarg_handles.items():
             self.handles.set(kwargs[name], handle)
         # the memory of the inputs and of the externals bound so far (see _overlap_error): by
-        # storage, (handle, first byte, end) in the order the recorder noted them
+        # storage, (handle, first byte, end, the tensor held weakly) in the order they were bound
         self._spans = self._input_spans(args, kwargs)
 
     def _bind_external(self, tensor: torch.Tensor, handle: int) -> None:
@@ -318,29 +318,31 @@ class Replayer:
             return None
         start, end = span
         spans = self._spans.setdefault(storage_address(tensor), [])  # only one storage's tensors overlap
-        other = next((h for h, low, high in spans if start < high and low < end), None)
+        # a tensor freed since it was bound (a bucket the comm hook replaced) left its memory to
+        # the allocator: a tensor there now does not share it
+        other = next((h for h, low, high, ref in spans if start < high and low < end and ref() is not None), None)
         if other is None:
-            spans.append((handle, start, end))
+            spans.append((handle, start, end, weakref.ref(tensor)))
             return None
         tensors = self.record.tensors
         root = tensors[other].base if tensors[other].base is not None else other
         own_root = tensors[handle].base if tensors[handle].base is not None else handle
         fused = self.program.fused_roots
         if root == tensors[handle].base or (root not in fused and own_root not in fused):
-            spans.append((handle, start, end))  # ...or both only met by ops that run as eager's
+            spans.append((handle, start, end, weakref.ref(tensor)))  # ...or both only met by ops that run as eager's
             return None
         return self._input_error(position, slot, handle, f"a tensor in the memory of {tensors[other].label()}",
                                  f"shares memory with {tensors[other].label()} ({tensors[other].name}) now, "
                                  f"which it did not when recorded; the program computes them as separate memory")
 
-    def _input_spans(self, args: tuple, kwargs: dict) -> dict[int, list[tuple[int, int, int]]]:
+    def _input_spans(self, args: tuple, kwargs: dict) -> dict[int, list[tuple[int, int, int, weakref.ref]]]:
         inputs = [*zip(self.record.arg_handles, args)]
         inputs += [(handle, kwargs[name]) for name, handle in self.record.kwarg_handles.items()]
-        spans: dict[int, list[tuple[int, int, int]]] = {}
+        spans: dict[int, list[tuple[int, int, int, weakref.ref]]] = {}
         for handle, tensor in inputs:
             span = byte_span(tensor) if isinstance(tensor, torch.Tensor) else None
             if span is not None and self.handles.get(tensor) == handle:
-                spans.setdefault(storage_address(tensor), []).append((handle, *span))
+                spans.setdefault(storage_address(tensor), []).append((handle, *span, weakref.ref(tensor)))
         return spans
 
     def _literal_error(self, tensor: torch.Tensor, handle: int, position: int, slot: int):
