@@ -63,3 +63,36 @@ def ddp_refusal(module: DistributedDataParallel, inner_refusal: Callable[[torch.
     if why is not None:
         return f"the module it wraps cannot be answered whole: {why}"
     return None
+
+
+def ddp_python_state(module: DistributedDataParallel) -> tuple:
+    """What of a DDP module runs Python around its collectives, as a recording call found it:
+    the names of its communication hooks, whether it has a buffer hook, whether Join is on."""
+    d = module.__dict__
+    return (tuple(getattr(hook, "__qualname__", repr(hook)) for hook, _ in d.get("_comm_hooks") or ()),
+            "buffer_hook" in d, bool(getattr(d.get("_join_config"), "enable", False)))
+
+
+def ddp_changes_note(recorded: tuple) -> str:
+    """For a TraceMismatchError: how the DDP modules a record ran (`Record.ddp_states`, (weak
+    reference, ddp_python_state) pairs) differ now from when it was recorded, or ''."""
+    notes = []
+    for ref, (hooks, buffer_hook, joined) in recorded:
+        module = ref()
+        if module is None:
+            continue
+        now_hooks, now_buffer_hook, now_joined = ddp_python_state(module)
+        if now_joined != joined:
+            notes.append("runs inside a Join context (torch.distributed.algorithms.Join) now, and its forward "
+                         "issues Join's all-reduces, which the recorded call (outside Join) did not" if now_joined
+                         else "ran inside a Join context when recorded, and does not now")
+        if now_hooks != hooks:
+            notes.append(f"has the communication hooks {list(now_hooks)} now, {list(hooks)} when recorded "
+                         f"(register_comm_hook)")
+        if now_buffer_hook != buffer_hook:
+            notes.append("has a buffer hook now" if now_buffer_hook else "had a buffer hook when recorded")
+    if not notes:
+        return ""
+    return ("\n  note: the DistributedDataParallel module " + "; it ".join(notes) + ". A trace serves the DDP "
+            "configuration it was recorded with: make the change before the first call, or trace the step "
+            "used under it as a function of its own (another tracejit.trace).")

@@ -22,6 +22,7 @@ import torch
 from ..errors import TraceMismatchError
 from ..record.amp import in_grad_scaler
 from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, rebuild_call, split_call
+from ..record.ddp_calls import ddp_changes_note
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
@@ -401,7 +402,11 @@ class Replayer:
         if self.inf_check_at == self.position and not self.may_rerecord and self.variants is not None:
             return self._other_branch(func, args, kwargs)
         if not self.may_rerecord:
-            raise error_factory()
+            error = error_factory()
+            note = ddp_changes_note(self.record.ddp_states) if isinstance(error, TraceMismatchError) else ""
+            if note:  # the cause of a divergence inside DDP's forward or backward, which the ops do not show
+                error.args = (f"{error.args[0]}{note}", *error.args[1:])
+            raise error
         self._start_rerecord()
         return self.recorder.on_op(func, args, kwargs)
 
