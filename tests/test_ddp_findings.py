@@ -3,6 +3,9 @@ tests/distributed_workers.py; see docs/distributed.md):
 
 - a communication hook registered after tracing was ignored by `without_host=True` (the host-free
   calls kept the recorded plain all-reduce: silently other gradients than eager DDP's);
+- a communication hook with Python state (PowerSGD) registered before the first call: host-free
+  calls never ran it, so its state never advanced (silently other gradients from
+  `start_powerSGD_iter` on);
 - `Join([model])` entered after tracing: host-free calls skipped the all-reduces DDP's forward
   issues under Join, and gloo aborted the job.
 
@@ -112,6 +115,38 @@ def comm_hook_after_tracing(rank: int, world: int) -> dict:
     return facts
 
 
+def stateful_comm_hook(rank: int, world: int) -> dict:
+    """Comm hooks registered before the first call: PowerSGD (Python state that advances every
+    iteration) is refused without the host; stateless hooks (state None or the process group)
+    train as eager DDP without the host."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    facts: dict = {"failures": [], "runs": {}}
+    data = workers.batches(rank, steps=STEPS)
+    hooks = {
+        "powerSGD": lambda: (powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                    start_powerSGD_iter=4, min_compression_rate=0.5,
+                                                    random_seed=0), powersgd.powerSGD_hook),
+        "allreduce (process group)": lambda: (dist.group.WORLD, default_hooks.allreduce_hook),
+        "fp16 (None)": lambda: (None, default_hooks.fp16_compress_hook),
+    }
+    for kind, make in hooks.items():
+        runs = {}
+        for traced in (False, True):
+            model = DistributedDataParallel(workers.mlp())
+            model.register_comm_hook(*make())
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            step = tracejit.trace(workers.ddp_step, without_host=True) if traced else workers.ddp_step
+            runs[traced] = train_steps(step, model, opt, data)
+        run = runs[True]
+        run["same_as_eager"] = same_grads(runs[False], run)
+        del run["grads"]
+        facts["runs"][kind] = run
+    return facts
+
+
 def join_after_tracing(rank: int, world: int) -> dict:
     """5 even steps, then uneven inputs under Join (rank 0 four more, rank 1 two more), traced
     checked and without the host: the first call inside Join must not replay the program recorded
@@ -143,6 +178,7 @@ def join_after_tracing(rank: int, world: int) -> dict:
 
 
 SCENARIOS = {
+    "stateful_comm_hook": stateful_comm_hook,
     "comm_hook_after_tracing": comm_hook_after_tracing,
     "join_after_tracing": join_after_tracing,
 }
@@ -161,7 +197,7 @@ def play(tmp_path_factory, scenarios: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def hook_ranks(tmp_path_factory) -> list[dict]:
-    return play(tmp_path_factory, ["comm_hook_after_tracing"])
+    return play(tmp_path_factory, ["stateful_comm_hook", "comm_hook_after_tracing"])
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +216,27 @@ def test_a_comm_hook_registered_after_tracing_is_not_ignored_without_the_host(ho
         assert run["error_type"] == "TraceMismatchError" and run["step"] == HOOKED_AT, (
             rank, run["error_type"], run["step"], run["error"][:300], f"same as eager: {run['same_as_eager']}")
         assert "has the communication hooks" in run["error"] and "register_comm_hook" in run["error"], run["error"]
+
+
+def test_a_comm_hook_with_python_state_is_refused_without_the_host(hook_ranks):
+    steps = set()
+    for rank, facts in enumerate(hook_ranks):
+        run = facts["stateful_comm_hook"]["runs"]["powerSGD"]
+        assert run["error_type"] == "HostDependencyError", (rank, run["error_type"], run["step"], run["error"][:300],
+                                                            f"same as eager: {run['same_as_eager']}")
+        assert "DistributedDataParallel module `model`" in run["error"], run["error"]
+        assert "powerSGD_hook with a PowerSGDState" in run["error"], run["error"]
+        steps.add(run["step"])
+    assert len(steps) == 1 and steps != {None}  # every rank at the same call, before PowerSGD compresses
+
+
+@pytest.mark.parametrize("kind", ["allreduce (process group)", "fp16 (None)"])
+def test_a_stateless_comm_hook_trains_as_eager_without_the_host(hook_ranks, kind):
+    for rank, facts in enumerate(hook_ranks):
+        run = facts["stateful_comm_hook"]["runs"][kind]
+        assert run["error_type"] is None, (rank, run["error"])
+        assert run["same_as_eager"], rank
+        assert run["host_free_calls"] >= 2, (rank, run)
 
 
 @pytest.mark.parametrize("mode", ["without_host", "checked"])

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -63,6 +64,18 @@ def ddp_refusal(module: DistributedDataParallel, inner_refusal: Callable[[torch.
     if why is not None:
         return f"the module it wraps cannot be answered whole: {why}"
     return None
+
+
+def stateful_comm_hooks(module: DistributedDataParallel) -> list[str]:
+    """The communication hooks of a DDP module that have Python state (`register_comm_hook(state,
+    hook)` with a state other than None or a process group: PowerSGD's `PowerSGDState` counts
+    iterations and switches from all-reduce to compression, an optimizer-overlap hook holds the
+    optimizer), described as `hook with a State`. A hook runs in every backward and may change its
+    state and what it computes; a stateless one (`allreduce_hook`, `fp16_compress_hook`) computes
+    what it computed when recorded."""
+    return [f"{getattr(hook, '__qualname__', repr(hook))} with a {type(state).__qualname__}"
+            for hook, state in module.__dict__.get("_comm_hooks") or ()
+            if state is not None and not isinstance(state, dist.ProcessGroup)]
 
 
 def ddp_python_state(module: DistributedDataParallel) -> tuple:
