@@ -50,7 +50,7 @@ from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
 from .runtime.api_replay import ApiInterrupted, ApiProgram, NotReplayable, gradient_owners, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
-from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner
+from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner, refuse_stateful_comm_hooks
 from .runtime.profile import CLOCK, ProfileAccess, Profiler
 from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.python_state import python_state, refuse_python_state_changes
@@ -1033,6 +1033,8 @@ class trace(ProfileAccess):
                 f"and optimizer step), call it under torch.no_grad() for inference, or trace without without_host.",
                 GradientWarning, where.filename or "<unknown>", where.line or 0)
         try:
+            # before the program's own refusals: a PowerSGD hook's random draws are its state's doing
+            refuse_stateful_comm_hooks(entry.record, kwargs)
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry)
             entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state, scalars,

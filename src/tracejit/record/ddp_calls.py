@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -63,3 +64,48 @@ def ddp_refusal(module: DistributedDataParallel, inner_refusal: Callable[[torch.
     if why is not None:
         return f"the module it wraps cannot be answered whole: {why}"
     return None
+
+
+def stateful_comm_hooks(module: DistributedDataParallel) -> list[str]:
+    """The communication hooks of a DDP module that have Python state (`register_comm_hook(state,
+    hook)` with a state other than None or a process group: PowerSGD's `PowerSGDState` counts
+    iterations and switches from all-reduce to compression, an optimizer-overlap hook holds the
+    optimizer), described as `hook with a State`. A hook runs in every backward and may change its
+    state and what it computes; a stateless one (`allreduce_hook`, `fp16_compress_hook`) computes
+    what it computed when recorded."""
+    return [f"{getattr(hook, '__qualname__', repr(hook))} with a {type(state).__qualname__}"
+            for hook, state in module.__dict__.get("_comm_hooks") or ()
+            if state is not None and not isinstance(state, dist.ProcessGroup)]
+
+
+def ddp_python_state(module: DistributedDataParallel) -> tuple:
+    """What of a DDP module runs Python around its collectives, as a recording call found it:
+    the names of its communication hooks, whether it has a buffer hook, whether Join is on."""
+    d = module.__dict__
+    return (tuple(getattr(hook, "__qualname__", repr(hook)) for hook, _ in d.get("_comm_hooks") or ()),
+            "buffer_hook" in d, bool(getattr(d.get("_join_config"), "enable", False)))
+
+
+def ddp_changes_note(recorded: tuple) -> str:
+    """For a TraceMismatchError: how the DDP modules a record ran (`Record.ddp_states`, (weak
+    reference, ddp_python_state) pairs) differ now from when it was recorded, or ''."""
+    notes = []
+    for ref, (hooks, buffer_hook, joined) in recorded:
+        module = ref()
+        if module is None:
+            continue
+        now_hooks, now_buffer_hook, now_joined = ddp_python_state(module)
+        if now_joined != joined:
+            notes.append("runs inside a Join context (torch.distributed.algorithms.Join) now, and its forward "
+                         "issues Join's all-reduces, which the recorded call (outside Join) did not" if now_joined
+                         else "ran inside a Join context when recorded, and does not now")
+        if now_hooks != hooks:
+            notes.append(f"has the communication hooks {list(now_hooks)} now, {list(hooks)} when recorded "
+                         f"(register_comm_hook)")
+        if now_buffer_hook != buffer_hook:
+            notes.append("has a buffer hook now" if now_buffer_hook else "had a buffer hook when recorded")
+    if not notes:
+        return ""
+    return ("\n  note: the DistributedDataParallel module " + "; it ".join(notes) + ". A trace serves the DDP "
+            "configuration it was recorded with: make the change before the first call, or trace the step "
+            "used under it as a function of its own (another tracejit.trace).")

@@ -36,6 +36,7 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch.utils.hooks import RemovableHandle
 
+from .ddp_calls import ddp_python_state, is_ddp
 from .modes import TensorHooks
 from .own_hooks import own, remove_own
 from .source import user_location
@@ -206,6 +207,8 @@ class Seen:
     def store(self, record) -> None:
         """Keep them, weakly, with the record they were used by."""
         record.modules_called = tuple(self._modules)
+        record.ddp_states = tuple((ref, ddp_python_state(module)) for ref in self._modules
+                                  if (module := ref()) is not None and is_ddp(module))
         record.optimizers_stepped = tuple(self._optimizers)
         record.scalers_updated = tuple(self._scalers)
 

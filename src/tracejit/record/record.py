@@ -207,6 +207,9 @@ class Record:
     modules_called: tuple = ()
     optimizers_stepped: tuple = ()  # likewise the optimizers whose step() ran (noted without the host only)
     scalers_updated: tuple = ()  # and the torch.amp.GradScalers whose update() ran (without the host only)
+    # (weak reference, ddp_calls.ddp_python_state) of each DistributedDataParallel module whose
+    # forward ran: a TraceMismatchError says what of it changed since (a comm hook, Join)
+    ddp_states: tuple = ()
     inference_mode: bool = False  # the call began under torch.inference_mode() (part of its signature)
     # (ops before it, handle): a `.grad` set to None by Python (`opt.zero_grad()`), which no op shows;
     # a program that raises after that point clears it too (runtime/hostfree.py)

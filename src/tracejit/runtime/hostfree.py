@@ -28,7 +28,7 @@ from ..ir.graph import Graph
 from ..record.amp import is_inf_check
 from ..record.autocast_keys import any_autocast_enabled, outside_autocast
 from ..record.calls import data_dependent_size
-from ..record.ddp_calls import is_ddp
+from ..record.ddp_calls import is_ddp, stateful_comm_hooks
 from ..record.names import (
     ExternalNames,
     Locator,
@@ -126,6 +126,37 @@ def refuse_host_dependencies(record: Record) -> None:
             f"block at {block.source}, which must run on every call. Move it out of the traced function "
             f"or trace without without_host."
         )
+
+
+def refuse_stateful_comm_hooks(record: Record, kwargs: dict) -> None:
+    """Raise if a DistributedDataParallel module the call ran has a communication hook with Python
+    state: the hook runs in Python in every backward, reads and changes its state (PowerSGD counts
+    iterations and switches from all-reduce to compression at `start_powerSGD_iter`), and a
+    program run without the function would repeat the recorded call's gradient exchange forever."""
+    keyword = {name: value for name, value in kwargs.items() if isinstance(value, torch.nn.Module)}
+    for module in guarded_modules([*map(weakref.ref, keyword.values()), *record.modules_called]):
+        hooks = stateful_comm_hooks(module) if is_ddp(module) else []
+        if hooks:
+            raise HostDependencyError(
+                f"without_host=True cannot skip {record.function_name}(): the DistributedDataParallel module "
+                f"{_module_name(module, keyword)} has a communication hook with Python state ("
+                f"{', '.join(hooks)}). The hook runs in Python in every backward and may change its state "
+                f"and what it computes (PowerSGD counts iterations and switches from all-reduce to "
+                f"compression at start_powerSGD_iter), which a program run without the function would "
+                f"never do: it would repeat the recorded call's gradient exchange forever.\n"
+                f"Remedies: a stateless hook (state None or a process group: allreduce_hook, "
+                f"fp16_compress_hook, bf16_compress_hook) runs without the host; or trace without "
+                f"without_host: checked calls run the hook, and raise TraceMismatchError when it changes what "
+                f"it computes.")
+
+
+def _module_name(module: torch.nn.Module, keyword: dict[str, torch.nn.Module]) -> str:
+    """How the function's caller knows a module: a keyword argument or a submodule of one."""
+    for name, value in keyword.items():
+        for path, sub in value.named_modules():
+            if sub is module:
+                return f"`{name}{'.' + path if path else ''}`"
+    return f"around a {type(getattr(module, 'module', module)).__qualname__}, reached without a keyword argument,"
 
 
 class _Source:

@@ -14,7 +14,10 @@ closure, a global, a helper function): the recording call noted each module whos
   beyond those the record ran with (a hook dict empty at binding is only looked at when a hook
   was registered anywhere since: see `hook_registered_since`);
 - the same submodules under the same names (`model[1] = nn.Tanh()` is another module), and no
-  global module hook beyond the recorded ones.
+  global module hook beyond the recorded ones;
+- for a DistributedDataParallel module, the same communication hooks and buffer hook (Python that
+  runs around its collectives: one registered since computes other gradients) and the same Join
+  configuration (a forward inside `Join([model])` issues Join's all-reduces too).
 
 Settings held in mutable objects (a list, a dict, an object of the user's) are not compared; see
 docs/guide.md ("without_host=True").
@@ -92,12 +95,32 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
                                               if key not in _NOT_SETTINGS and immutable(value)}
         if settings:
             conditions.append(identity_checks(d, settings, constant))
+        if is_ddp(module):
+            conditions += _ddp_python_state(d, attributes, constant)
         children = attributes["_modules"]
         conditions.append(f"len({d}['_modules']) != {len(children)}" if children else f"{d}['_modules']")
         conditions += [f"{d}['_modules'][{name!r}] is not None" for name, child in children.items() if child is None]
+        what = "a communication hook, Join, " if is_ddp(module) else "mode, a setting, "
         lines.append(fail(" or ".join(conditions),
-                          f"the {type(module).__qualname__} module changed (mode, a setting, hooks, forward or submodules)"))
+                          f"the {type(module).__qualname__} module changed ({what}hooks, forward or submodules)"))
     return lines
+
+
+def _ddp_python_state(d: str, attributes: dict, constant: Callable[[Any, str], str]) -> list[str]:
+    """Conditions true when what a DistributedDataParallel module runs in Python around its
+    collectives differs from binding: its communication hooks (`register_comm_hook`, a list of
+    (hook, state) pairs: a hook registered since computes other gradients than the recorded
+    all-reduce), its buffer hook, and its Join configuration (`Join([model])` sets it, and a
+    forward then issues Join's all-reduces, which the program does not have)."""
+    hooks = tuple(map(tuple, attributes.get("_comm_hooks") or ()))
+    conditions = [f"tuple(map(tuple, {d}.get('_comm_hooks') or ())) != {constant(hooks, 'ch')}" if hooks
+                  else f"{d}.get('_comm_hooks')"]
+    buffer_hook = attributes.get("buffer_hook")
+    conditions.append(f"'buffer_hook' in {d}" if buffer_hook is None
+                      else f"{d}.get('buffer_hook') is not {constant(buffer_hook, 'bh')}")
+    join = attributes.get("_join_config")  # a NamedTuple of bools, compared by value
+    conditions.append(f"{d}.get('_join_config') != {constant(join, 'jc')}")
+    return conditions
 
 
 def _holds_tensors(module: torch.nn.Module) -> bool:

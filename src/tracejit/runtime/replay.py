@@ -22,6 +22,7 @@ import torch
 from ..errors import TraceMismatchError
 from ..record.amp import in_grad_scaler
 from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, rebuild_call, split_call
+from ..record.ddp_calls import ddp_changes_note
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
 from ..record.record import Kind, Record, TensorMeta
@@ -407,12 +408,16 @@ class Replayer:
             return self._other_branch(func, args, kwargs)
         if not self.may_rerecord:
             error = error_factory()
-            if self.outside_inf_check_at == self.position and isinstance(error, TraceMismatchError):
-                error.args = (f"{error.args[0]}\n  GradScaler's inf check just read a found_inf made outside "
-                              f"the traced call (`scaler.unscale_(opt)` before it): the trace follows the "
-                              f"branch of an overflow step only when it computes found_inf itself. Call "
-                              f"`scaler.unscale_` inside the traced function, or trace the whole step.",
-                              *error.args[1:])
+            if isinstance(error, TraceMismatchError):
+                # the cause of a divergence inside DDP's forward or backward, which the ops do not show
+                note = ddp_changes_note(self.record.ddp_states)
+                if self.outside_inf_check_at == self.position:
+                    note += ("\n  GradScaler's inf check just read a found_inf made outside the traced call "
+                             "(`scaler.unscale_(opt)` before it): the trace follows the branch of an overflow "
+                             "step only when it computes found_inf itself. Call `scaler.unscale_` inside the "
+                             "traced function, or trace the whole step.")
+                if note:
+                    error.args = (f"{error.args[0]}{note}", *error.args[1:])
             raise error
         self._start_rerecord()
         return self.recorder.on_op(func, args, kwargs)
