@@ -21,7 +21,7 @@ from ..record.autocast_keys import outside_autocast
 from ..record.record import TensorMeta, math_bits
 from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
-from .portable import PortableGraph, TestCase, to_graph
+from .portable import PortableGraph, TestCase, default_dtype, to_graph
 from .schema import byte_span, extent, may_overlap
 
 _MISSING = object()  # an input the call did not give (None is a value given, and refused as not a tensor)
@@ -39,9 +39,13 @@ class LoadedGraph(ProfileAccess):
         # what changes no number is on at the default opt_level, as for a trace (options.EXACT_OPT_LEVEL)
         options = CompileOptions(opt_level, resolve_backend(backend),
                                  fuse_dimshuffle=GraphOptimizationConfig().fuse_dimshuffle(opt_level))
-        self.program, _ = compile_host_free(to_graph(portable), options, portable.name, self._profiler)
-        self.graph: Graph = self.program.graph
-        self._template = self._environment_template()
+        # factory ops stored without a dtype follow the default dtype the graph was traced with, in
+        # compiling (constant folding) and in every call, whatever the caller's is
+        self._default_dtype = portable.default_dtype
+        with default_dtype(self._default_dtype):
+            self.program, _ = compile_host_free(to_graph(portable), options, portable.name, self._profiler)
+            self.graph: Graph = self.program.graph
+            self._template = self._environment_template()
         self._scalars = [s for op in portable.ops for s in op.scalars]
         values = portable.values
         self._inputs = [(i.name, i.meta, None if i.value is None else values[i.value].handle) for i in portable.inputs]
@@ -91,7 +95,8 @@ class LoadedGraph(ProfileAccess):
         torch._C._set_grad_enabled(False)  # an inference graph builds no autograd history
         try:
             # a caller's autocast would cast the recorded ops again (record/autocast_keys.py)
-            with self._lock, outside_autocast():  # calls from several threads take turns: the program reuses its buffers
+            # calls from several threads take turns (the program reuses its buffers)
+            with self._lock, outside_autocast(), default_dtype(self._default_dtype):
                 self.program.run(env, self._scalars)
             self._write_back(args, kwargs, tensors)
         finally:

@@ -9,6 +9,8 @@ pipeline compiles (load).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +77,9 @@ class PortableGraph:
     testcases: list[TestCase] = field(default_factory=list)
     user_info: Any = None
     metadata: dict | None = None
+    # torch's default dtype when the graph was traced: factory ops stored without a dtype
+    # (`torch.full`, `torch.arange(4.)`) and Python-number promotion follow it; see default_dtype()
+    default_dtype: torch.dtype = torch.float32
 
     @property
     def num_handles(self) -> int:
@@ -88,6 +93,26 @@ class PortableGraph:
 
     def parameter_numel(self) -> int:
         return sum(c.tensor.numel() for c in self.constants)
+
+
+# the default dtypes torch.set_default_dtype accepts (and a file may record)
+DEFAULT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run under torch's default dtype `dtype` (a graph's recorded one): set only when it differs
+    from the caller's, restored after. torch's default dtype is process-wide, so threads calling
+    graphs of different default dtypes at the same time see each other's."""
+    previous = torch.get_default_dtype()
+    if previous == dtype:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class _Renumber:

@@ -29,7 +29,7 @@ from ..ir.meta_check import mispredicted_dtype
 from ..record.autocast_keys import outside_autocast
 from ..record.calls import is_view_op, rebuild_call
 from ..record.record import TENSOR, KwargStatic, ScalarSlot
-from .portable import PortableGraph, PortableOp
+from .portable import PortableGraph, PortableOp, default_dtype
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 
@@ -199,8 +199,9 @@ def check_graph(graph: PortableGraph) -> None:
     """Run every op on fake tensors of its declared inputs; raise LoadError where the declared
     outputs are not what the op produces."""
     check_handles(graph)
+    # the ops run under the default dtype the graph was traced with, as a loaded graph's calls do
     with _quiet_fake_tensor_log(), FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=False), \
-            outside_autocast():  # a caller's autocast would cast the stored ops again
+            outside_autocast(), default_dtype(graph.default_dtype):  # a caller's autocast would cast the ops again
         for index, op in enumerate(graph.ops):
             where = f"op #{index} {op.target}"
             check_arguments(op, where)
