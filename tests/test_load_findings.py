@@ -97,3 +97,54 @@ def test_a_default_dtype_torch_refuses_is_a_load_error():
         archive.writestr("weights.safetensors", weights)
     with pytest.raises(LoadError, match="default_dtype: int64 cannot be torch's default dtype"):
         tracejit.load(out.getvalue())
+
+
+# -- 2: storage offsets ------------------------------------------------------------------------
+
+
+def strided_read(x):
+    return x.as_strided((2, 2), (4, 1), x.storage_offset() + 1) * 1
+
+
+def strided_write(x):
+    x.as_strided((2,), (1,), x.storage_offset() + 1).zero_()
+    return x * 1
+
+
+def test_an_input_at_another_storage_offset_reads_inside_itself():
+    g, data = roundtrip(strided_read, torch.arange(12.).reshape(3, 4))
+    assert "storage_offset" not in graph_document(data)["graphs"][0]["inputs"][0]  # traced at offset 0
+    big = torch.arange(100., 120.).reshape(5, 4)
+    x = big[2:]
+    torch.testing.assert_close(g(x)[0], strided_read(x))
+    assert torch.equal(big, torch.arange(100., 120.).reshape(5, 4))
+
+
+def test_an_input_at_another_storage_offset_writes_inside_itself():
+    g, _ = roundtrip(strided_write, torch.arange(12.).reshape(3, 4) + 1)
+    big_eager, big_loaded = torch.arange(100., 120.).reshape(5, 4), torch.arange(100., 120.).reshape(5, 4)
+    expected = strided_write(big_eager[2:])
+    out = g(big_loaded[2:])[0]
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(big_loaded, big_eager)
+
+
+def test_a_graph_traced_on_a_view_records_its_storage_offset():
+    big = torch.arange(100., 120.).reshape(5, 4)
+    traced = tracejit.trace(strided_read, capture_as_const=True)
+    traced(big[2:])
+    buf = io.BytesIO()
+    traced.dump(buf)
+    assert graph_document(buf.getvalue())["graphs"][0]["inputs"][0]["storage_offset"] == 8
+    g = tracejit.load(buf.getvalue())
+    fresh = torch.arange(12.).reshape(3, 4) * 3
+    torch.testing.assert_close(g(fresh)[0], strided_read(fresh))  # copied to offset 8: reads fresh[0, 1:3]
+    other = torch.arange(200., 220.).reshape(5, 4)[2:]  # at the traced offset: runs in place
+    torch.testing.assert_close(g(other)[0], strided_read(other))
+
+
+def test_a_graph_without_absolute_offsets_stores_none():
+    g, data = roundtrip(lambda x: x[1:] * 2, torch.arange(12.).reshape(3, 4))
+    assert all("storage_offset" not in i for i in graph_document(data)["graphs"][0]["inputs"])
+    x = torch.arange(100., 120.).reshape(5, 4)[2:]
+    torch.testing.assert_close(g(x)[0], x[1:] * 2)

@@ -18,7 +18,7 @@ from ..ir.graph import Value
 from ..record.record import CONJ_BIT, NEG_BIT, TensorMeta
 from ..record.source import SourceLocation
 from . import schema
-from .limits import MAX_GRAPHS, MAX_OPS, MAX_TESTCASES, MAX_VALUES
+from .limits import MAX_GRAPHS, MAX_NUMEL, MAX_OPS, MAX_TESTCASES, MAX_VALUES
 from .portable import (
     DEFAULT_DTYPES,
     PortableConstant,
@@ -64,6 +64,13 @@ def _meta_form(meta: TensorMeta) -> dict:
     return form
 
 
+def _input_form(item: PortableInput) -> dict:
+    form = {"name": item.name, "value": item.value, **_meta_form(item.meta)}
+    if item.storage_offset:  # only where the graph takes absolute storage offsets and it is not 0
+        form["storage_offset"] = item.storage_offset
+    return form
+
+
 def _encode_graph(graph: PortableGraph, tensors: dict[str, torch.Tensor]) -> dict:
     values = []
     for value in graph.values:
@@ -78,7 +85,7 @@ def _encode_graph(graph: PortableGraph, tensors: dict[str, torch.Tensor]) -> dic
         constants.append({"value": constant.value, "tensor": key, "name": constant.name})
     form = {
         "name": graph.name,
-        "inputs": [{"name": i.name, "value": i.value, **_meta_form(i.meta)} for i in graph.inputs],
+        "inputs": [_input_form(i) for i in graph.inputs],
         "outputs": [{"name": o.name, "value": o.value} for o in graph.outputs],
         "values": values,
         "constants": constants,
@@ -227,12 +234,16 @@ class _GraphReader:
 
     def _input(self, index: int, form: Any) -> PortableInput:
         where = f"{self.where}.inputs[{index}]"
-        schema.mapping(form, where, {"name", "value", "shape", "stride", "dtype", "device"}, {"math_bits"})
+        schema.mapping(form, where, {"name", "value", "shape", "stride", "dtype", "device"},
+                       {"math_bits", "storage_offset"})
         value = None if form["value"] is None else self._value_id(form["value"], f"{where}.value")
         meta = self._meta(form, where)
         if value is not None and self.values[value].meta != meta:
             raise LoadError(f"{where}: its metadata differs from the metadata of value {value}")
-        return PortableInput(schema.name(form["name"], f"{where}.name"), meta, value)
+        offset = schema.integer(form.get("storage_offset", 0), f"{where}.storage_offset", 0, MAX_NUMEL)
+        if offset + schema.extent(meta.shape, meta.stride) > MAX_NUMEL:
+            raise LoadError(f"{where}.storage_offset: {offset} plus the input's span is more than {MAX_NUMEL} elements")
+        return PortableInput(schema.name(form["name"], f"{where}.name"), meta, value, offset)
 
     def _output(self, index: int, form: Any) -> PortableOutput:
         where = f"{self.where}.outputs[{index}]"

@@ -21,7 +21,7 @@ from ..record.autocast_keys import outside_autocast
 from ..record.record import TensorMeta, math_bits
 from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
-from .portable import PortableGraph, TestCase, default_dtype, to_graph
+from .portable import PortableGraph, TestCase, default_dtype, to_graph, uses_storage_offsets
 from .schema import byte_span, extent, may_overlap
 
 _MISSING = object()  # an input the call did not give (None is a value given, and refused as not a tensor)
@@ -50,6 +50,10 @@ class LoadedGraph(ProfileAccess):
         values = portable.values
         self._inputs = [(i.name, i.meta, None if i.value is None else values[i.value].handle) for i in portable.inputs]
         self._positions = {name: index for index, (name, _, _) in enumerate(self._inputs)}
+        # a graph taking absolute storage offsets (`as_strided(x, size, stride, offset)`) addresses an
+        # input's storage from the offset it was traced with: an input at another one runs as a copy there
+        self._offsets = ([i.storage_offset for i in portable.inputs] if uses_storage_offsets(portable.ops)
+                         else [None] * len(portable.inputs))
         # inputs whose memory an op writes: traced (dump() refuses anything else) with inputs of their
         # own, so a call passing one overlapping another input would compute something else
         written = {values[w].root for op in portable.ops for w in op.writes}
@@ -122,7 +126,8 @@ class LoadedGraph(ProfileAccess):
             if position < len(args):
                 raise TypeError(f"{self.name}() got input {name!r} both positionally and by name")
             given[position] = value
-        checked = [self._checked(name, meta, value) for (name, meta, _), value in zip(self._inputs, given)]
+        checked = [self._checked(name, meta, value, offset)
+                   for (name, meta, _), value, offset in zip(self._inputs, given, self._offsets)]
         if any(self._written_inputs):
             self._check_no_overlap(given)
         return checked
@@ -151,7 +156,7 @@ class LoadedGraph(ProfileAccess):
                                      f"graph writes {names[i]!r} in place and was traced with inputs of their own "
                                      f"memory: pass separate tensors (a .clone())")
 
-    def _checked(self, name: str, meta: TensorMeta, value: Any) -> torch.Tensor:
+    def _checked(self, name: str, meta: TensorMeta, value: Any, offset: int | None = None) -> torch.Tensor:
         if value is _MISSING:
             raise TypeError(f"{self.name}() is missing input {name!r} ({meta})")
         if not isinstance(value, torch.Tensor):
@@ -163,21 +168,26 @@ class LoadedGraph(ProfileAccess):
                              f"got {got}")
         # another layout of the same values, or a negative or conjugate view (whose memory a kernel
         # would read without the negation): copy into the traced layout, which applies the bits
-        if tuple(value.stride()) != meta.stride or math_bits(value):
+        # (and, in a graph taking absolute storage offsets, an input at another storage offset)
+        moved = offset is not None and value.storage_offset() != offset
+        if tuple(value.stride()) != meta.stride or math_bits(value) or moved:
             if may_overlap(meta.shape, meta.stride):
-                return self._into_overlapping(name, meta, value)
+                return self._into_overlapping(name, meta, value, offset or 0)
+            if offset:  # the memory before it holds zeros, not another call's values
+                storage = torch.zeros(offset + extent(meta.shape, meta.stride), dtype=meta.dtype, device=meta.device)
+                return storage.as_strided(meta.shape, meta.stride, offset).copy_(value)
             value = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device).copy_(value)
         return value
 
-    def _into_overlapping(self, name: str, meta: TensorMeta, value: torch.Tensor) -> torch.Tensor:
+    def _into_overlapping(self, name: str, meta: TensorMeta, value: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Another layout of an input traced with elements sharing memory (`torch.randn(3).expand(4, 3)`):
         representable only when the elements that share memory there hold equal values."""
         span = extent(meta.shape, meta.stride)
         where = torch.arange(span, device=meta.device).as_strided(meta.shape, meta.stride).reshape(-1)
-        storage = torch.empty(span, dtype=meta.dtype, device=meta.device)
+        storage = torch.zeros(offset + span, dtype=meta.dtype, device=meta.device)
         value = value.resolve_conj().resolve_neg()
-        storage[where] = value.reshape(-1)
-        result = storage.as_strided(meta.shape, meta.stride)
+        storage[where + offset] = value.reshape(-1)
+        result = storage.as_strided(meta.shape, meta.stride, offset)
         equal = result == value
         if meta.dtype.is_floating_point or meta.dtype.is_complex:
             equal |= result.isnan() & value.isnan()

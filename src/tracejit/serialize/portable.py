@@ -27,6 +27,9 @@ class PortableInput:
     name: str
     meta: TensorMeta  # the signature the graph was traced with
     value: int | None  # the value it binds; None when no op reads it
+    # where its elements start in their storage, as traced; 0 unless the graph takes absolute
+    # storage offsets (uses_storage_offsets), the only graphs in which it matters
+    storage_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,7 @@ def from_graph(graph: Graph, record: Record, handles: list[int], input_names: li
     constants). Raises ValueError naming what a dump cannot hold."""
     renumber = _Renumber(graph)
     input_value = {graph.values[n.outputs[0]].handle: n.outputs[0] for n in graph.nodes if n.op in (Op.ARG, Op.KWARG)}
-    inputs = [PortableInput(name, record.tensors[h].meta, renumber(input_value.get(h)))
-              for name, h in zip(input_names, handles)]
+    input_ids = [renumber(input_value.get(h)) for h in handles]
     constants, ops = [], []
     for node in graph.nodes:
         if node.op is Op.EXTERNAL:
@@ -174,9 +176,18 @@ def from_graph(graph: Graph, record: Record, handles: list[int], input_names: li
                                   _short_source(node.source) if keep_opr_name else None))
         elif node.op not in INPUT_OPS:
             raise ValueError(f"dump(): cannot store the {node.op.value} node {node.name}")
+    absolute = uses_storage_offsets(ops)
+    inputs = [PortableInput(name, record.tensors[h].meta, vid, record.tensors[h].storage_offset if absolute else 0)
+              for name, h, vid in zip(input_names, handles, input_ids)]
     outputs = [PortableOutput(name, renumber(v)) for name, v in zip(output_names, graph.outputs)]
     names = renumber.names if keep_var_name >= 2 else {}
     return PortableGraph(graph.function_name, renumber.values, inputs, outputs, constants, ops, names)
+
+
+def uses_storage_offsets(ops: list[PortableOp]) -> bool:
+    """Whether an op takes a storage offset (`as_strided(x, size, stride, storage_offset)`): an
+    absolute position in its input's storage, which follows the offset the input was traced with."""
+    return any(any(a.name == "storage_offset" for a in op.target._schema.arguments) for op in ops)
 
 
 def _constant_name(record: Record, handle: int, name: str, depth: int = 0) -> str:
