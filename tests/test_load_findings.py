@@ -7,6 +7,7 @@ import io
 import json
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,30 @@ def test_a_graph_without_absolute_offsets_stores_none():
     assert all("storage_offset" not in i for i in graph_document(data)["graphs"][0]["inputs"])
     x = torch.arange(100., 120.).reshape(5, 4)[2:]
     torch.testing.assert_close(g(x)[0], x[1:] * 2)
+
+
+# -- 3: inputs sharing memory through different storages -----------------------------------------
+
+
+def scale_then_add(x, y):
+    x.mul_(2)
+    return x + y
+
+
+def test_inputs_sharing_memory_through_two_storages_are_refused():
+    g, _ = roundtrip(scale_then_add, torch.randn(4), torch.randn(4))
+    a = np.arange(1, 6, dtype=np.float32)
+    x, y = torch.from_numpy(a[:4]), torch.from_numpy(a[1:])
+    assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="input 'x' shares memory with input 'y'"):
+        g(x, y)
+    assert a.tolist() == [1, 2, 3, 4, 5]  # refused before anything ran
+
+
+def test_disjoint_views_of_one_array_through_two_storages_run():
+    g, _ = roundtrip(scale_then_add, torch.randn(2), torch.randn(2))
+    a, b = np.arange(1, 5, dtype=np.float32), np.arange(1, 5, dtype=np.float32)
+    out = g(torch.from_numpy(a[:2]), torch.from_numpy(a[2:]))[0]
+    expected = scale_then_add(torch.from_numpy(b[:2]), torch.from_numpy(b[2:]))
+    torch.testing.assert_close(out, expected)
+    assert a.tolist() == b.tolist()

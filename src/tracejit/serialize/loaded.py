@@ -242,12 +242,12 @@ class LoadedGraph(ProfileAccess):
         return f"{self.name} was loaded without profiling; pass profiling=True to tracejit.load to collect a profile"
 
 
-def _memory_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    """(storage address, first byte, end byte) of the memory a tensor's elements occupy; None
-    for a tensor without elements."""
-    storage = tensor.untyped_storage().data_ptr()
+def _memory_span(tensor: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """(device, first byte address, end byte address) of the memory a tensor's elements occupy;
+    None for a tensor without elements. Addresses, not storages: two storages may share memory
+    (two `torch.from_numpy` views of one array)."""
     span = byte_span(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
-    if span is None or storage == 0:
+    address = tensor.data_ptr()
+    if span is None or address == 0:
         return None
-    start = tensor.data_ptr() - storage
-    return storage, start + span[0], start + span[1]
+    return tensor.device, address + span[0], address + span[1]
