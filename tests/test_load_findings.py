@@ -10,6 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from dumping import tracejit_cli
 
 import tracejit
 from tracejit.errors import LoadError
@@ -176,3 +177,26 @@ def test_disjoint_views_of_one_array_through_two_storages_run():
     expected = scale_then_add(torch.from_numpy(b[:2]), torch.from_numpy(b[2:]))
     torch.testing.assert_close(out, expected)
     assert a.tolist() == b.tolist()
+
+
+# -- 4: an input named `self` --------------------------------------------------------------------
+
+
+def scale(self, factor):  # a Tensor-method-style function
+    return self * factor
+
+
+def test_an_input_named_self(tmp_path):
+    traced = tracejit.trace(scale, capture_as_const=True)
+    traced(torch.randn(3), torch.randn(3))
+    info = traced.dump(str(tmp_path / "self.tjit"), input_data="#rand(0,1)")  # runs its own round trip
+    assert info.max_errors == [0.0]
+    g = tracejit.load(str(tmp_path / "self.tjit"))
+    assert g.input_names == ["self", "factor"]
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 3.0, 4.0])
+    torch.testing.assert_close(g(self=a, factor=b)[0], scale(a, b))
+    torch.testing.assert_close(g(a, factor=b)[0], scale(a, b))
+    done = tracejit_cli("run", "self.tjit", "--iters", "1", "--check", "--input", "self=#rand(0,1)",
+                        cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "check: 1 of 1 test cases passed" in done.stdout

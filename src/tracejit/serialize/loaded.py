@@ -86,7 +86,7 @@ class LoadedGraph(ProfileAccess):
 
     # -- calling --------------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple | dict:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> tuple | dict:  # an input may be named `self`
         tensors = self._bind(args, kwargs)
         start = CLOCK() if self._profiler is not None else 0.0
         env = list(self._template)
