@@ -200,3 +200,17 @@ def test_an_input_named_self(tmp_path):
                         cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "check: 1 of 1 test cases passed" in done.stdout
+
+
+# -- 5: inputs of another layout -----------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "mkldnn", "nested"])
+def test_an_input_of_another_layout_is_refused_naming_it(layout):
+    g, _ = roundtrip(lambda x: x * 2 + 1, torch.randn(3, 4))
+    dense = torch.randn(3, 4)
+    x = {"sparse_coo": dense.to_sparse, "sparse_csr": dense.to_sparse_csr, "mkldnn": dense.to_mkldnn,
+         "nested": lambda: torch.nested.nested_tensor([dense[0], dense[1]])}[layout]()
+    with pytest.raises(ValueError, match=f"input 'x' must be a dense tensor of layout strided .*got a {layout} tensor"):
+        g(x)

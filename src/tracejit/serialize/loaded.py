@@ -162,6 +162,11 @@ class LoadedGraph(ProfileAccess):
         if not isinstance(value, torch.Tensor):
             got = "None" if value is None else type(value).__name__
             raise TypeError(f"{self.name}(): input {name!r} must be a tensor ({meta}), got {got}")
+        if value.layout != torch.strided or value.is_nested:  # their shape or strides alone raise deep in torch
+            layout = "nested" if value.is_nested else str(value.layout).removeprefix("torch.").lstrip("_")
+            hint = "" if value.is_nested else " (convert it with .to_dense())"
+            raise ValueError(f"{self.name}(): input {name!r} must be a dense tensor of layout strided ({meta}), "
+                             f"got a {layout} tensor{hint}")
         if tuple(value.shape) != meta.shape or value.dtype != meta.dtype or value.device != meta.device:
             got = f"{value.device.type} {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
             raise ValueError(f"{self.name}(): input {name!r} must be {meta} (the signature it was traced with), "
