@@ -5,6 +5,7 @@ metadata changes, arg_names, short reads). Expected values come from eager on th
 import contextlib
 import io
 import json
+import re
 import zipfile
 
 import numpy as np
@@ -214,3 +215,37 @@ def test_an_input_of_another_layout_is_refused_naming_it(layout):
          "nested": lambda: torch.nested.nested_tensor([dense[0], dense[1]])}[layout]()
     with pytest.raises(ValueError, match=f"input 'x' must be a dense tensor of layout strided .*got a {layout} tensor"):
         g(x)
+
+
+# -- 6: integer #rand specs randint rejects ------------------------------------------------------
+
+
+def ids_plus_bytes(ids, u8):
+    return ids * 2 + u8
+
+
+@pytest.fixture(scope="module")
+def integer_file(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ints")
+    traced = tracejit.trace(ids_plus_bytes, capture_as_const=True)
+    traced(torch.randint(0, 9, (3,)), torch.randint(0, 255, (3,), dtype=torch.uint8))
+    traced.dump(str(directory / "ints.tjit"))
+    return traced, directory
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("u8=#rand(-5,5)", r"input 'u8': #rand\(-5,5\) reaches outside the values of the uint8 input \(0 to 255\)"),
+    ("ids=#rand(0.2,0.7)", r"input 'ids': #rand\(0.2,0.7\) holds no integer for the int64 input"),
+    ("u8=#rand(0,300)", r"input 'u8': #rand\(0,300\) reaches outside"),
+    ("ids=#rand(0,inf)", r"input 'ids': #rand\(0,inf\) needs finite bounds"),
+])
+def test_an_integer_rand_spec_randint_rejects_is_one_line(integer_file, spec, message):
+    traced, directory = integer_file
+    done = tracejit_cli("run", "ints.tjit", "--iters", "1", "--input", spec, cwd=str(directory))
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert re.search(message, done.stderr.strip().splitlines()[-1]), done.stderr
+    name, _, rand = spec.partition("=")
+    other = "u8" if name == "ids" else "ids"
+    with pytest.raises(ValueError, match=r"dump\(\): input_data: " + message):
+        traced.dump(io.BytesIO(), input_data=f"{name}:{rand};{other}:#rand(0,9)")

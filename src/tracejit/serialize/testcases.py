@@ -9,6 +9,7 @@ without a name fills every input (a `.npy` file only a graph with one input).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -53,13 +54,33 @@ def _random(arguments: str, name: str, meta: TensorMeta, generator: torch.Genera
     if kind == "bool":
         data = torch.rand(shape, generator=generator) < 0.5
     elif kind == "int":
-        data = torch.randint(int(low), int(high), shape, generator=generator, dtype=meta.dtype)
+        data = _random_integers(arguments, name, meta.dtype, low, high, shape, generator)
     else:
         data = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
         if kind == "complex":  # real and imaginary parts each uniform in [min, max)
             data = torch.complex(data, torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low)
         data = data.to(meta.dtype)
     return data.as_strided(meta.shape, meta.stride).contiguous() if overlapping else data
+
+
+def _random_integers(arguments: str, name: str, dtype: torch.dtype, low: float, high: float,
+                     shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """`randint(int(min), int(max))`; a spec it cannot draw from is a ValueError naming the input."""
+    spec, dtype_name = f"#rand({arguments})", str(dtype).removeprefix("torch.")
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"input {name!r}: {spec} needs finite bounds for the {dtype_name} input")
+    first, end = int(low), int(high)
+    if not first < end:
+        raise ValueError(f"input {name!r}: {spec} holds no integer for the {dtype_name} input: it draws from "
+                         f"int(min) = {first} to int(max) = {end}, exclusive")
+    info = torch.iinfo(dtype)
+    if first < info.min or end - 1 > info.max:
+        raise ValueError(f"input {name!r}: {spec} reaches outside the values of the {dtype_name} input "
+                         f"({info.min} to {info.max})")
+    try:
+        return torch.randint(first, end, shape, generator=generator, dtype=dtype)
+    except (RuntimeError, OverflowError) as error:  # any other complaint of randint's
+        raise ValueError(f"input {name!r}: {spec} for the {dtype_name} input: {str(error).splitlines()[0]}") from None
 
 
 def _from_array(value: Any, name: str, meta: TensorMeta, repeat: int) -> torch.Tensor:
