@@ -249,3 +249,27 @@ def test_an_integer_rand_spec_randint_rejects_is_one_line(integer_file, spec, me
     other = "u8" if name == "ids" else "ids"
     with pytest.raises(ValueError, match=r"dump\(\): input_data: " + message):
         traced.dump(io.BytesIO(), input_data=f"{name}:{rand};{other}:#rand(0,9)")
+
+
+# -- 7: 0-d inputs from 0-d arrays ---------------------------------------------------------------
+
+
+def times(x, s):
+    return x * s
+
+
+@pytest.mark.parametrize("scalar", [np.array(3.0, dtype=np.float32), np.float32(3.0)])
+def test_a_0d_input_from_a_0d_array(tmp_path, scalar):
+    traced = tracejit.trace(times, capture_as_const=True)
+    traced(torch.randn(3), torch.tensor(2.0))
+    path = str(tmp_path / "scale.tjit")
+    info = traced.dump(path, input_data={"x": np.ones(3, np.float32), "s": scalar})
+    assert info.max_errors == [0.0]
+    g = tracejit.load(path)
+    case = g.testcases[0]
+    assert case.inputs["s"].shape == () and case.inputs["s"].item() == 3.0
+    torch.testing.assert_close(g(**case.inputs)[0], times(torch.ones(3), torch.tensor(3.0)))
+    np.save(tmp_path / "s0d.npy", np.float32(4.0))
+    done = tracejit_cli("run", "scale.tjit", "--iters", "1", "--input", "s=s0d.npy", cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "output 0: cpu float32[3], min 4, max 4, mean 4" in done.stdout

@@ -84,9 +84,10 @@ def _random_integers(arguments: str, name: str, dtype: torch.dtype, low: float, 
 
 
 def _from_array(value: Any, name: str, meta: TensorMeta, repeat: int) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        try:
-            value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (np.ndarray, np.generic)):
+        value = np.asarray(value)
+        try:  # not np.ascontiguousarray, which makes a 0-d array 1-d
+            value = torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
         except TypeError:
             raise ValueError(f"input {name!r}: numpy dtype {value.dtype} has no torch counterpart") from None
     tensor = value.detach().repeat_interleave(repeat, dim=0) if repeat > 1 else value.detach()
@@ -103,7 +104,7 @@ def _from_array(value: Any, name: str, meta: TensorMeta, repeat: int) -> torch.T
 def tensor_from_spec(spec: Any, name: str, meta: TensorMeta, repeat: int = 1,
                      generator: torch.Generator | None = None) -> torch.Tensor:
     """One input's test data from a spec string, a tensor or a numpy array."""
-    if isinstance(spec, (torch.Tensor, np.ndarray)):
+    if isinstance(spec, (torch.Tensor, np.ndarray, np.generic)):
         return _from_array(spec, name, meta, repeat)
     if not isinstance(spec, str):
         raise TypeError(f"input {name!r}: expected a spec string, a tensor or an array, got {type(spec).__name__}")
