@@ -273,3 +273,54 @@ def test_a_0d_input_from_a_0d_array(tmp_path, scalar):
     done = tracejit_cli("run", "scale.tjit", "--iters", "1", "--input", "s=s0d.npy", cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "output 0: cpu float32[3], min 4, max 4, mean 4" in done.stdout
+
+
+# -- 8: in-place metadata changes of an input ----------------------------------------------------
+
+
+def transpose_in_place(x):
+    return x.t_().mul_(2)
+
+
+def squeeze_in_place(x):
+    return x.squeeze_() + 1
+
+
+def unsqueeze_in_place(x):
+    return x.unsqueeze_(0) * 3
+
+
+def resize_in_place(x):
+    x.resize_(2, 6)
+    return x + 1
+
+
+def as_strided_in_place(x):
+    return x.as_strided_((2, 2), (1, 2)) * 1
+
+
+CHANGES = [(transpose_in_place, (3, 4)), (squeeze_in_place, (1, 4)), (unsqueeze_in_place, (3, 4)),
+           (resize_in_place, (3, 4)), (as_strided_in_place, (3, 4))]
+
+
+@pytest.mark.parametrize("fn, shape", CHANGES, ids=[fn.__name__ for fn, _ in CHANGES])
+def test_an_input_changed_in_place_in_the_traced_layout_changes_as_in_eager(fn, shape):
+    g, _ = roundtrip(fn, torch.randn(shape))
+    x_eager = torch.randn(shape)
+    x_loaded = x_eager.clone()
+    expected = fn(x_eager)
+    out = g(x_loaded)[0]
+    torch.testing.assert_close(out, expected)
+    assert (x_loaded.shape, x_loaded.stride()) == (x_eager.shape, x_eager.stride())
+    torch.testing.assert_close(x_loaded, x_eager)
+
+
+@pytest.mark.parametrize("fn, shape", CHANGES, ids=[fn.__name__ for fn, _ in CHANGES])
+def test_an_input_changed_in_place_in_another_layout_is_refused_before_running(fn, shape):
+    g, _ = roundtrip(fn, torch.randn(shape))
+    x = torch.randn(tuple(reversed(shape))).t()  # the traced shape, another layout
+    before = x.clone()
+    with pytest.raises(ValueError, match=r"input 'x' comes with strides .* and the graph changes its shape or "
+                                         r"strides in place \(aten\."):
+        g(x)
+    assert x.shape == before.shape and torch.equal(x, before)

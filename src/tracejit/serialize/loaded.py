@@ -58,6 +58,17 @@ class LoadedGraph(ProfileAccess):
         # own, so a call passing one overlapping another input would compute something else
         written = {values[w].root for op in portable.ops for w in op.writes}
         self._written_inputs = [handle is not None and handle in written for _, _, handle in self._inputs]
+        # inputs whose shape or strides an op changes in place (`x.t_()`, `x.squeeze_()`, `x.resize_()`):
+        # the op that does, by input. Such an input runs only as the caller's own tensor: a copy in the
+        # traced layout would take the change, which no copy hands back to the caller's tensor
+        self._reshaping_ops: list[str | None] = []
+        for item in portable.inputs:
+            found = None
+            if item.value is not None:
+                handle = values[item.value].handle
+                found = next((op.name for op in portable.ops for w in op.writes
+                              if values[w].handle == handle and values[w].meta != item.meta), None)
+            self._reshaping_ops.append(found)
         # An output that shares memory with what the graph keeps between calls (a weight, a view of
         # one: `w.t()`, `b[:2]`, hoisted or not) is handed out as a copy: eager returns fresh memory
         # for a constant made by the call, and a caller writing into its result must not change the
@@ -128,6 +139,14 @@ class LoadedGraph(ProfileAccess):
             given[position] = value
         checked = [self._checked(name, meta, value, offset)
                    for (name, meta, _), value, offset in zip(self._inputs, given, self._offsets)]
+        for (name, meta, _), value, ran, op in zip(self._inputs, given, checked, self._reshaping_ops):
+            if op is not None and ran is not value:
+                offset = f" at storage offset {value.storage_offset()}" if value.storage_offset() else ""
+                raise ValueError(f"{self.name}(): input {name!r} comes with strides {list(value.stride())}{offset}, "
+                                 f"not the traced {list(meta.stride)}, and the graph changes its shape or strides in "
+                                 f"place ({op}), which a copy in the traced layout could not hand back to the "
+                                 f"given tensor; pass it in the traced layout: torch.empty_strided("
+                                 f"{list(meta.shape)}, {list(meta.stride)}).copy_({name})")
         if any(self._written_inputs):
             self._check_no_overlap(given)
         return checked
