@@ -324,3 +324,41 @@ def test_an_input_changed_in_place_in_another_layout_is_refused_before_running(f
                                          r"strides in place \(aten\."):
         g(x)
     assert x.shape == before.shape and torch.equal(x, before)
+
+
+# -- 9: arg_names that would swap inputs ---------------------------------------------------------
+
+
+def minus_twice(x, *, y):
+    return x - 2 * y
+
+
+def two_positional(a, b):
+    return a - 2 * b
+
+
+@pytest.mark.parametrize("fn, arg_names, message", [
+    (minus_twice, ["y", "x"], "positional argument 'x' 'y', the name of a keyword argument"),
+    (minus_twice, ["y", "z"], "positional argument 'x' 'y', the name of a keyword argument"),
+    (minus_twice, ["z", "x"], "keyword argument 'y' 'x', the name of a positional argument"),
+    (two_positional, ["b", "a"], "positional argument 'a' 'b', the name of another positional argument"),
+])
+def test_arg_names_giving_an_input_another_inputs_name_are_refused(fn, arg_names, message):
+    traced = tracejit.trace(fn, capture_as_const=True)
+    if fn is minus_twice:
+        traced(torch.ones(1), y=torch.ones(1))
+    else:
+        traced(torch.ones(1), torch.ones(1))
+    with pytest.raises(ValueError, match=r"dump\(\): arg_names names the input of " + re.escape(message)
+                       + r"; that would swap them"):
+        traced.dump(io.BytesIO(), arg_names=arg_names)
+
+
+def test_arg_names_renaming_inputs_to_new_names_still_work():
+    traced = tracejit.trace(minus_twice, capture_as_const=True)
+    traced(torch.ones(1), y=torch.ones(1))
+    buf = io.BytesIO()
+    traced.dump(buf, arg_names=["x", "y2"])
+    g = tracejit.load(buf.getvalue())
+    a, b = torch.tensor([1.0]), torch.tensor([10.0])
+    torch.testing.assert_close(g(x=a, y2=b)[0], minus_twice(a, y=b))

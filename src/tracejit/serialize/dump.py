@@ -205,12 +205,15 @@ def _portable(graph: Graph, record: Record, opts: DumpOptions,
     if len(input_names) != len(handles):
         raise ValueError(f"dump(): arg_names has {len(input_names)} names, {record.function_name}() has "
                          f"{len(handles)} tensor inputs ({', '.join(recorded)})")
-    keywords = set(record.kwarg_handles)
-    for given, own in zip(input_names[len(record.arg_handles):], recorded[len(record.arg_handles):]):
-        if given != own and given in keywords:  # `a` given where the recorded `b` goes: a silent swap
-            raise ValueError(f"dump(): arg_names names the input of keyword argument {own!r} {given!r}, the "
-                             f"name of another keyword argument; tensor keyword arguments come after the "
-                             f"positional ones, sorted by name: {', '.join(recorded)}")
+    positional = len(record.arg_handles)
+    for index, (given, own) in enumerate(zip(input_names, recorded)):
+        # `a` given where the recorded `b` goes: calling the graph by the function's names swaps them
+        if given != own and given in recorded:
+            kind = "positional argument" if index < positional else "keyword argument"
+            other = "positional argument" if recorded.index(given) < positional else "keyword argument"
+            raise ValueError(f"dump(): arg_names names the input of {kind} {own!r} {given!r}, the name of "
+                             f"{'another' if kind == other else 'a'} {other}; that would swap them (tensor keyword "
+                             f"arguments come after the positional ones, sorted by name: {', '.join(recorded)})")
     output_names = list(opts.output_names) if opts.output_names is not None else [None] * len(graph.outputs)
     if len(output_names) != len(graph.outputs):
         raise ValueError(f"dump(): output_names has {len(output_names)} names, {record.function_name}() returns "
