@@ -362,3 +362,56 @@ def test_arg_names_renaming_inputs_to_new_names_still_work():
     g = tracejit.load(buf.getvalue())
     a, b = torch.tensor([1.0]), torch.tensor([10.0])
     torch.testing.assert_close(g(x=a, y2=b)[0], minus_twice(a, y=b))
+
+
+# -- 10: streams with short reads, and a stream at its end ---------------------------------------
+
+
+class ShortReads(io.RawIOBase):
+    """A raw binary stream (a pipe, a socket) that hands out at most `step` bytes per read."""
+
+    def __init__(self, data, step):
+        self.data, self.pos, self.step, self.given = data, 0, step, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        n = min(len(b), self.step, len(self.data) - self.pos)
+        b[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def plus_one_twice(x):
+    return x * 2 + 1
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 1000])
+def test_a_stream_with_short_reads_loads(step):
+    _, data = roundtrip(plus_one_twice, torch.randn(3))
+    g = tracejit.load(ShortReads(data, step))
+    x = torch.tensor([1.0, -2.0, 0.5])
+    torch.testing.assert_close(g(x)[0], plus_one_twice(x))
+
+
+def test_a_short_read_stream_that_is_no_zip_is_refused_after_its_first_bytes():
+    stream = ShortReads(b"\x00" * 1000, 1)
+    with pytest.raises(LoadError, match="it is not a zip archive"):
+        tracejit.load(stream)
+    assert stream.pos == 4
+
+
+def test_loading_a_stream_at_its_end_says_so(tmp_path):
+    traced = tracejit.trace(plus_one_twice, capture_as_const=True)
+    traced(torch.randn(3))
+    buf = io.BytesIO()
+    traced.dump(buf)
+    with pytest.raises(LoadError, match=r"read 0 bytes from the file object: it is at its end \(position "
+                                        rf"{len(buf.getvalue())}\) .*seek\(0\)"):
+        tracejit.load(buf)
+    buf.seek(0)
+    assert tracejit.load(buf).input_names == ["x"]
+    (tmp_path / "empty.tjit").write_bytes(b"")
+    with pytest.raises(LoadError, match=r"empty.tjit' is empty \(0 bytes\)"):
+        tracejit.load(str(tmp_path / "empty.tjit"))
