@@ -86,6 +86,9 @@ class TensorInfo:
     # block may have replaced or changed it): the number of handles that existed then. A replay
     # binds whatever tensor the host passes here, of the recorded metadata; see recorder.py.
     cut: int | None = None
+    # an input's storage offset in the recorded call: ops taking an absolute offset (`as_strided`)
+    # address its storage from it (a dumped graph copies another offset's input there)
+    storage_offset: int = 0
 
     def label(self) -> str:
         return f"t{self.handle}"

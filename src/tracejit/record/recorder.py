@@ -119,6 +119,10 @@ class Recorder:
             for name, value in kwargs.items()
             if isinstance(value, torch.Tensor)
         }
+        for handle, tensor in zip(self.arg_handles, args):
+            self.tensors[handle].storage_offset = tensor.storage_offset()
+        for name, handle in self.kwarg_handles.items():
+            self.tensors[handle].storage_offset = kwargs[name].storage_offset()
         self._share_overlapping_inputs(args, kwargs)
 
     def _share_overlapping_inputs(self, args: tuple, kwargs: dict) -> None:

@@ -69,13 +69,26 @@ def read_bytes(source: Any) -> bytes:
                 data = _bounded_read(f, MAX_TOTAL_BYTES + 1, archive=True)
         except OSError as error:
             raise LoadError(f"cannot read {os.fspath(source)!r}: {error.strerror or error}") from None
+        if not data:
+            raise LoadError(f"{os.fspath(source)!r} is empty (0 bytes): not a tracejit graph file")
     elif hasattr(source, "read"):
         data = _bounded_read(source, MAX_TOTAL_BYTES + 1, archive=True)
+        if not data:  # `dump(buf)` then `load(buf)`: the stream is at its end
+            where = _position(source)
+            raise LoadError(f"read 0 bytes from the file object: it is at its end{where} (after writing to a stream, "
+                            f"seek(0) before loading from it, or pass buf.getvalue())")
     else:
         raise TypeError(f"tracejit.load: expected a path, a binary file object or bytes, got {type(source).__name__}")
     if len(data) > MAX_TOTAL_BYTES:
         raise LoadError(f"the file is larger than the limit of {MAX_TOTAL_BYTES} bytes")
     return data
+
+
+def _position(stream: Any) -> str:
+    try:
+        return f" (position {stream.tell()})"
+    except (AttributeError, OSError, ValueError):
+        return ""
 
 
 def unpack(data: bytes) -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -134,17 +147,27 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
 
 def _bounded_read(stream: BinaryIO, limit: int, archive: bool = False) -> bytes:
     """At most `limit` bytes; for an `archive` (a whole file), none after a start that is not the
-    zip magic (`/dev/zero` is refused after 4 bytes, not 64 GiB)."""
+    zip magic (`/dev/zero` is refused after 4 bytes, not 64 GiB). A read may return fewer bytes
+    than asked for (a pipe, a socket, a raw stream): only an empty one ends the data."""
     chunks, size = [], 0
+    checked = not archive  # the first bytes are the zip magic, once there are enough of them
     while size < limit:
-        if archive and size == len(_ZIP_MAGIC) and chunks[0] != _ZIP_MAGIC:
-            break
-        chunk = stream.read(len(_ZIP_MAGIC) if archive and not size else min(1 << 24, limit - size))
+        want = len(_ZIP_MAGIC) - size if not checked else min(1 << 24, limit - size)
+        chunk = stream.read(want)
+        if chunk is None:  # a non-blocking raw stream with no data yet
+            raise LoadError("the file object has no data ready (a non-blocking stream returned None); "
+                            "pass a blocking stream or the file's bytes")
         if not chunk:
             break
-        if not isinstance(chunk, bytes):
+        if not isinstance(chunk, (bytes, bytearray)):
             raise TypeError(f"tracejit.load: the file object must be opened in binary mode, it returned "
                             f"{type(chunk).__name__}")
-        chunks.append(chunk)
+        if len(chunk) > want:  # a stream handing out more than asked for: keep within the bounds
+            chunk = chunk[:want]
+        chunks.append(bytes(chunk))
         size += len(chunk)
+        if not checked and size >= len(_ZIP_MAGIC):
+            if b"".join(chunks)[:len(_ZIP_MAGIC)] != _ZIP_MAGIC:
+                break
+            checked = True
     return b"".join(chunks)

@@ -26,7 +26,7 @@ from .format import VERSION, encode
 from .load import read_graphs, select
 from .loaded import LoadedGraph
 from .options import DumpOptions
-from .portable import PortableGraph, TestCase, from_graph
+from .portable import PortableGraph, TestCase, default_dtype, from_graph
 from .precision import to_half_compute, to_half_storage
 from .schema import byte_span
 from .tagged import WEIGHT_DTYPES, TaggedValueError, encode_statics
@@ -71,15 +71,17 @@ def dump_trace(traced: Any, file: Any, **options: Any) -> DumpInfo:
         raise ValueError("dump(): append=True adds a graph to an existing file, so file must be a path")
     reference = replace(build_graph(record, host_visible=False, capture_as_const=True), escaped=frozenset())
     graph, passes = reference, []
+    dtype = traced_default_dtype(traced)
     if opts.optimize_for_inference:
-        result = run_pipeline(reference, 0, check=True, passes=INFERENCE_PIPELINE)
+        with default_dtype(dtype):  # the passes fold and check ops as the trace ran them
+            result = run_pipeline(reference, 0, check=True, passes=INFERENCE_PIPELINE)
         graph, passes = result.graph, [name for name, _, _ in result.history[1:]]
     externals = _returned_externals(traced, record)
-    portable = _portable(graph, record, opts, externals)
+    portable = _portable(graph, record, opts, externals, dtype)
     portable.user_info = opts.user_info
     portable.metadata = _metadata(traced, opts, passes) if opts.enable_metadata else None
     if opts.input_data is not None:
-        portable.testcases = _testcases(_portable(reference, record, DumpOptions(), externals), portable, opts)
+        portable.testcases = _testcases(_portable(reference, record, DumpOptions(), externals, dtype), portable, opts)
     graphs = _existing(file, portable.name) if opts.append else []
     data = pack(*encode(graphs + [portable]))
     info = _info(portable, len(data), passes)
@@ -187,20 +189,31 @@ def _returned_externals(traced: Any, record: Record) -> dict[int, torch.Tensor]:
             if record.tensors[h].kind is Kind.EXTERNAL and h in live}
 
 
+def traced_default_dtype(traced: Any) -> torch.dtype:
+    """torch's default dtype when the dumped trace was recorded (part of its call context,
+    signature.call_context_key), whatever the default is when dump() runs."""
+    dtype = traced._entries()[0].key[-1][5]
+    return dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
+
+
 def _portable(graph: Graph, record: Record, opts: DumpOptions,
-              externals: dict[int, torch.Tensor] | None = None) -> PortableGraph:
+              externals: dict[int, torch.Tensor] | None = None,
+              default_dtype: torch.dtype = torch.float32) -> PortableGraph:
     handles = input_handles(record)
     recorded = [record.tensors[h].name for h in handles]
     input_names = list(opts.arg_names) if opts.arg_names is not None else recorded
     if len(input_names) != len(handles):
         raise ValueError(f"dump(): arg_names has {len(input_names)} names, {record.function_name}() has "
                          f"{len(handles)} tensor inputs ({', '.join(recorded)})")
-    keywords = set(record.kwarg_handles)
-    for given, own in zip(input_names[len(record.arg_handles):], recorded[len(record.arg_handles):]):
-        if given != own and given in keywords:  # `a` given where the recorded `b` goes: a silent swap
-            raise ValueError(f"dump(): arg_names names the input of keyword argument {own!r} {given!r}, the "
-                             f"name of another keyword argument; tensor keyword arguments come after the "
-                             f"positional ones, sorted by name: {', '.join(recorded)}")
+    positional = len(record.arg_handles)
+    for index, (given, own) in enumerate(zip(input_names, recorded)):
+        # `a` given where the recorded `b` goes: calling the graph by the function's names swaps them
+        if given != own and given in recorded:
+            kind = "positional argument" if index < positional else "keyword argument"
+            other = "positional argument" if recorded.index(given) < positional else "keyword argument"
+            raise ValueError(f"dump(): arg_names names the input of {kind} {own!r} {given!r}, the name of "
+                             f"{'another' if kind == other else 'a'} {other}; that would swap them (tensor keyword "
+                             f"arguments come after the positional ones, sorted by name: {', '.join(recorded)})")
     output_names = list(opts.output_names) if opts.output_names is not None else [None] * len(graph.outputs)
     if len(output_names) != len(graph.outputs):
         raise ValueError(f"dump(): output_names has {len(output_names)} names, {record.function_name}() returns "
@@ -211,6 +224,7 @@ def _portable(graph: Graph, record: Record, opts: DumpOptions,
         portable = to_half_compute(portable)
     elif opts.enable_io16xc32:
         portable = to_half_storage(portable)
+    portable.default_dtype = default_dtype
     _check_storable(portable)
     return portable
 
@@ -248,6 +262,7 @@ def _metadata(traced: Any, opts: DumpOptions, passes: list[str]) -> dict:
         "format_version": VERSION, "tracejit": __version__, "torch": torch.__version__,
         "function": getattr(traced, "__qualname__", traced.__name__), "inference_passes": passes,
         "precision": "io16xc32" if opts.enable_io16xc32 else ("ioc16" if opts.enable_ioc16 else "as traced"),
+        "default_dtype": str(traced_default_dtype(traced)).removeprefix("torch."),
     }
 
 

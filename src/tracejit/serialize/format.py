@@ -18,8 +18,16 @@ from ..ir.graph import Value
 from ..record.record import CONJ_BIT, NEG_BIT, TensorMeta
 from ..record.source import SourceLocation
 from . import schema
-from .limits import MAX_GRAPHS, MAX_OPS, MAX_TESTCASES, MAX_VALUES
-from .portable import PortableConstant, PortableGraph, PortableInput, PortableOp, PortableOutput, TestCase
+from .limits import MAX_GRAPHS, MAX_NUMEL, MAX_OPS, MAX_TESTCASES, MAX_VALUES
+from .portable import (
+    DEFAULT_DTYPES,
+    PortableConstant,
+    PortableGraph,
+    PortableInput,
+    PortableOp,
+    PortableOutput,
+    TestCase,
+)
 from .tagged import (
     TaggedValueError,
     decode_number,
@@ -56,6 +64,13 @@ def _meta_form(meta: TensorMeta) -> dict:
     return form
 
 
+def _input_form(item: PortableInput) -> dict:
+    form = {"name": item.name, "value": item.value, **_meta_form(item.meta)}
+    if item.storage_offset:  # only where the graph takes absolute storage offsets and it is not 0
+        form["storage_offset"] = item.storage_offset
+    return form
+
+
 def _encode_graph(graph: PortableGraph, tensors: dict[str, torch.Tensor]) -> dict:
     values = []
     for value in graph.values:
@@ -68,9 +83,9 @@ def _encode_graph(graph: PortableGraph, tensors: dict[str, torch.Tensor]) -> dic
         key = f"{graph.name}/param/{constant.name if constant.name else index}"
         tensors[key] = storage_form(constant.tensor, graph.values[constant.value].meta)
         constants.append({"value": constant.value, "tensor": key, "name": constant.name})
-    return {
+    form = {
         "name": graph.name,
-        "inputs": [{"name": i.name, "value": i.value, **_meta_form(i.meta)} for i in graph.inputs],
+        "inputs": [_input_form(i) for i in graph.inputs],
         "outputs": [{"name": o.name, "value": o.value} for o in graph.outputs],
         "values": values,
         "constants": constants,
@@ -79,6 +94,9 @@ def _encode_graph(graph: PortableGraph, tensors: dict[str, torch.Tensor]) -> dic
         "user_info": graph.user_info,
         "metadata": graph.metadata,
     }
+    if graph.default_dtype != torch.float32:  # only where it is not torch's own default: older files lack it
+        form["default_dtype"] = dtype_name(graph.default_dtype)
+    return form
 
 
 def _encode_op(op: PortableOp) -> dict:
@@ -159,9 +177,10 @@ def decode(raw: bytes, tensors: dict[str, torch.Tensor]) -> list[PortableGraph]:
 
 class _GraphReader:
     _FIELDS = frozenset({"name", "inputs", "outputs", "values", "constants", "ops", "testcases", "user_info", "metadata"})
+    _OPTIONAL = frozenset({"default_dtype"})
 
     def __init__(self, form: Any, tensors: dict[str, torch.Tensor], used: set[str]):
-        self.form = schema.mapping(form, "graph", self._FIELDS)
+        self.form = schema.mapping(form, "graph", self._FIELDS, self._OPTIONAL)
         self.where = f"graph {schema.describe(form.get('name'))}"
         self.tensors = tensors
         self.used = used
@@ -180,7 +199,8 @@ class _GraphReader:
         constants = [self._constant(i, f) for i, f in enumerate(schema.array(form["constants"], "constants", MAX_VALUES))]
         ops = [self._op(i, f) for i, f in enumerate(schema.array(form["ops"], "ops", MAX_OPS))]
         graph = PortableGraph(name, self.values, inputs, outputs, constants, ops, names,
-                              user_info=form["user_info"], metadata=self._metadata(form["metadata"]))
+                              user_info=form["user_info"], metadata=self._metadata(form["metadata"]),
+                              default_dtype=self._default_dtype(form.get("default_dtype", "float32")))
         graph.testcases = [self._testcase(i, f, graph)
                            for i, f in enumerate(schema.array(form["testcases"], "testcases", MAX_TESTCASES))]
         return graph
@@ -214,12 +234,16 @@ class _GraphReader:
 
     def _input(self, index: int, form: Any) -> PortableInput:
         where = f"{self.where}.inputs[{index}]"
-        schema.mapping(form, where, {"name", "value", "shape", "stride", "dtype", "device"}, {"math_bits"})
+        schema.mapping(form, where, {"name", "value", "shape", "stride", "dtype", "device"},
+                       {"math_bits", "storage_offset"})
         value = None if form["value"] is None else self._value_id(form["value"], f"{where}.value")
         meta = self._meta(form, where)
         if value is not None and self.values[value].meta != meta:
             raise LoadError(f"{where}: its metadata differs from the metadata of value {value}")
-        return PortableInput(schema.name(form["name"], f"{where}.name"), meta, value)
+        offset = schema.integer(form.get("storage_offset", 0), f"{where}.storage_offset", 0, MAX_NUMEL)
+        if offset + schema.extent(meta.shape, meta.stride) > MAX_NUMEL:
+            raise LoadError(f"{where}.storage_offset: {offset} plus the input's span is more than {MAX_NUMEL} elements")
+        return PortableInput(schema.name(form["name"], f"{where}.name"), meta, value, offset)
 
     def _output(self, index: int, form: Any) -> PortableOutput:
         where = f"{self.where}.outputs[{index}]"
@@ -295,6 +319,16 @@ class _GraphReader:
         if not isinstance(maxerr, (int, float)) or isinstance(maxerr, bool) or not 0 <= maxerr < float("inf"):
             raise LoadError(f"{where}.maxerr: expected a number >= 0, got {schema.describe(maxerr)}")
         return TestCase(inputs, outputs, float(maxerr))
+
+    def _default_dtype(self, form: Any) -> torch.dtype:
+        try:
+            dtype = parse_dtype(form)
+        except TaggedValueError as error:
+            raise LoadError(f"{self.where}.default_dtype: {error}") from None
+        if dtype not in DEFAULT_DTYPES:
+            raise LoadError(f"{self.where}.default_dtype: {dtype_name(dtype)} cannot be torch's default dtype "
+                            f"(one of {', '.join(dtype_name(d) for d in DEFAULT_DTYPES)})")
+        return dtype
 
     def _metadata(self, form: Any) -> dict | None:
         if form is not None and not isinstance(form, dict):

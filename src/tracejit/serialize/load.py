@@ -21,7 +21,7 @@ from ..options import BACKENDS
 from .container import read_bytes, unpack
 from .format import decode
 from .loaded import LoadedGraph
-from .portable import PortableGraph, to_graph
+from .portable import PortableGraph, default_dtype, to_graph
 from .validate import check_graph
 
 
@@ -43,7 +43,8 @@ def _validated(graph: PortableGraph) -> PortableGraph:
         if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
             raise LoadError(f"graph {graph.name!r} runs on {device}, which this machine does not have")
     try:
-        verify(to_graph(graph), metadata=False)  # check_graph compares the metadata, naming the op
+        with default_dtype(graph.default_dtype):
+            verify(to_graph(graph), metadata=False)  # check_graph compares the metadata, naming the op
     except GraphVerificationError as error:
         problems = str(error).splitlines()[1:4]
         raise LoadError(f"graph {graph.name!r} is malformed: {'; '.join(p.strip() for p in problems)}") from None

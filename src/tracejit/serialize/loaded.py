@@ -21,7 +21,7 @@ from ..record.autocast_keys import outside_autocast
 from ..record.record import TensorMeta, math_bits
 from ..runtime.compiler import CompileOptions, compile_host_free
 from ..runtime.profile import CLOCK, ProfileAccess, Profiler
-from .portable import PortableGraph, TestCase, to_graph
+from .portable import PortableGraph, TestCase, default_dtype, to_graph, uses_storage_offsets
 from .schema import byte_span, extent, may_overlap
 
 _MISSING = object()  # an input the call did not give (None is a value given, and refused as not a tensor)
@@ -39,17 +39,36 @@ class LoadedGraph(ProfileAccess):
         # what changes no number is on at the default opt_level, as for a trace (options.EXACT_OPT_LEVEL)
         options = CompileOptions(opt_level, resolve_backend(backend),
                                  fuse_dimshuffle=GraphOptimizationConfig().fuse_dimshuffle(opt_level))
-        self.program, _ = compile_host_free(to_graph(portable), options, portable.name, self._profiler)
-        self.graph: Graph = self.program.graph
-        self._template = self._environment_template()
+        # factory ops stored without a dtype follow the default dtype the graph was traced with, in
+        # compiling (constant folding) and in every call, whatever the caller's is
+        self._default_dtype = portable.default_dtype
+        with default_dtype(self._default_dtype):
+            self.program, _ = compile_host_free(to_graph(portable), options, portable.name, self._profiler)
+            self.graph: Graph = self.program.graph
+            self._template = self._environment_template()
         self._scalars = [s for op in portable.ops for s in op.scalars]
         values = portable.values
         self._inputs = [(i.name, i.meta, None if i.value is None else values[i.value].handle) for i in portable.inputs]
         self._positions = {name: index for index, (name, _, _) in enumerate(self._inputs)}
+        # a graph taking absolute storage offsets (`as_strided(x, size, stride, offset)`) addresses an
+        # input's storage from the offset it was traced with: an input at another one runs as a copy there
+        self._offsets = ([i.storage_offset for i in portable.inputs] if uses_storage_offsets(portable.ops)
+                         else [None] * len(portable.inputs))
         # inputs whose memory an op writes: traced (dump() refuses anything else) with inputs of their
         # own, so a call passing one overlapping another input would compute something else
         written = {values[w].root for op in portable.ops for w in op.writes}
         self._written_inputs = [handle is not None and handle in written for _, _, handle in self._inputs]
+        # inputs whose shape or strides an op changes in place (`x.t_()`, `x.squeeze_()`, `x.resize_()`):
+        # the op that does, by input. Such an input runs only as the caller's own tensor: a copy in the
+        # traced layout would take the change, which no copy hands back to the caller's tensor
+        self._reshaping_ops: list[str | None] = []
+        for item in portable.inputs:
+            found = None
+            if item.value is not None:
+                handle = values[item.value].handle
+                found = next((op.name for op in portable.ops for w in op.writes
+                              if values[w].handle == handle and values[w].meta != item.meta), None)
+            self._reshaping_ops.append(found)
         # An output that shares memory with what the graph keeps between calls (a weight, a view of
         # one: `w.t()`, `b[:2]`, hoisted or not) is handed out as a copy: eager returns fresh memory
         # for a constant made by the call, and a caller writing into its result must not change the
@@ -78,7 +97,7 @@ class LoadedGraph(ProfileAccess):
 
     # -- calling --------------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple | dict:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> tuple | dict:  # an input may be named `self`
         tensors = self._bind(args, kwargs)
         start = CLOCK() if self._profiler is not None else 0.0
         env = list(self._template)
@@ -91,7 +110,8 @@ class LoadedGraph(ProfileAccess):
         torch._C._set_grad_enabled(False)  # an inference graph builds no autograd history
         try:
             # a caller's autocast would cast the recorded ops again (record/autocast_keys.py)
-            with self._lock, outside_autocast():  # calls from several threads take turns: the program reuses its buffers
+            # calls from several threads take turns (the program reuses its buffers)
+            with self._lock, outside_autocast(), default_dtype(self._default_dtype):
                 self.program.run(env, self._scalars)
             self._write_back(args, kwargs, tensors)
         finally:
@@ -117,7 +137,16 @@ class LoadedGraph(ProfileAccess):
             if position < len(args):
                 raise TypeError(f"{self.name}() got input {name!r} both positionally and by name")
             given[position] = value
-        checked = [self._checked(name, meta, value) for (name, meta, _), value in zip(self._inputs, given)]
+        checked = [self._checked(name, meta, value, offset)
+                   for (name, meta, _), value, offset in zip(self._inputs, given, self._offsets)]
+        for (name, meta, _), value, ran, op in zip(self._inputs, given, checked, self._reshaping_ops):
+            if op is not None and ran is not value:
+                offset = f" at storage offset {value.storage_offset()}" if value.storage_offset() else ""
+                raise ValueError(f"{self.name}(): input {name!r} comes with strides {list(value.stride())}{offset}, "
+                                 f"not the traced {list(meta.stride)}, and the graph changes its shape or strides in "
+                                 f"place ({op}), which a copy in the traced layout could not hand back to the "
+                                 f"given tensor; pass it in the traced layout: torch.empty_strided("
+                                 f"{list(meta.shape)}, {list(meta.stride)}).copy_({name})")
         if any(self._written_inputs):
             self._check_no_overlap(given)
         return checked
@@ -146,33 +175,43 @@ class LoadedGraph(ProfileAccess):
                                      f"graph writes {names[i]!r} in place and was traced with inputs of their own "
                                      f"memory: pass separate tensors (a .clone())")
 
-    def _checked(self, name: str, meta: TensorMeta, value: Any) -> torch.Tensor:
+    def _checked(self, name: str, meta: TensorMeta, value: Any, offset: int | None = None) -> torch.Tensor:
         if value is _MISSING:
             raise TypeError(f"{self.name}() is missing input {name!r} ({meta})")
         if not isinstance(value, torch.Tensor):
             got = "None" if value is None else type(value).__name__
             raise TypeError(f"{self.name}(): input {name!r} must be a tensor ({meta}), got {got}")
+        if value.layout != torch.strided or value.is_nested:  # their shape or strides alone raise deep in torch
+            layout = "nested" if value.is_nested else str(value.layout).removeprefix("torch.").lstrip("_")
+            hint = "" if value.is_nested else " (convert it with .to_dense())"
+            raise ValueError(f"{self.name}(): input {name!r} must be a dense tensor of layout strided ({meta}), "
+                             f"got a {layout} tensor{hint}")
         if tuple(value.shape) != meta.shape or value.dtype != meta.dtype or value.device != meta.device:
             got = f"{value.device.type} {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
             raise ValueError(f"{self.name}(): input {name!r} must be {meta} (the signature it was traced with), "
                              f"got {got}")
         # another layout of the same values, or a negative or conjugate view (whose memory a kernel
         # would read without the negation): copy into the traced layout, which applies the bits
-        if tuple(value.stride()) != meta.stride or math_bits(value):
+        # (and, in a graph taking absolute storage offsets, an input at another storage offset)
+        moved = offset is not None and value.storage_offset() != offset
+        if tuple(value.stride()) != meta.stride or math_bits(value) or moved:
             if may_overlap(meta.shape, meta.stride):
-                return self._into_overlapping(name, meta, value)
+                return self._into_overlapping(name, meta, value, offset or 0)
+            if offset:  # the memory before it holds zeros, not another call's values
+                storage = torch.zeros(offset + extent(meta.shape, meta.stride), dtype=meta.dtype, device=meta.device)
+                return storage.as_strided(meta.shape, meta.stride, offset).copy_(value)
             value = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device).copy_(value)
         return value
 
-    def _into_overlapping(self, name: str, meta: TensorMeta, value: torch.Tensor) -> torch.Tensor:
+    def _into_overlapping(self, name: str, meta: TensorMeta, value: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Another layout of an input traced with elements sharing memory (`torch.randn(3).expand(4, 3)`):
         representable only when the elements that share memory there hold equal values."""
         span = extent(meta.shape, meta.stride)
         where = torch.arange(span, device=meta.device).as_strided(meta.shape, meta.stride).reshape(-1)
-        storage = torch.empty(span, dtype=meta.dtype, device=meta.device)
+        storage = torch.zeros(offset + span, dtype=meta.dtype, device=meta.device)
         value = value.resolve_conj().resolve_neg()
-        storage[where] = value.reshape(-1)
-        result = storage.as_strided(meta.shape, meta.stride)
+        storage[where + offset] = value.reshape(-1)
+        result = storage.as_strided(meta.shape, meta.stride, offset)
         equal = result == value
         if meta.dtype.is_floating_point or meta.dtype.is_complex:
             equal |= result.isnan() & value.isnan()
@@ -227,12 +266,12 @@ class LoadedGraph(ProfileAccess):
         return f"{self.name} was loaded without profiling; pass profiling=True to tracejit.load to collect a profile"
 
 
-def _memory_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    """(storage address, first byte, end byte) of the memory a tensor's elements occupy; None
-    for a tensor without elements."""
-    storage = tensor.untyped_storage().data_ptr()
+def _memory_span(tensor: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """(device, first byte address, end byte address) of the memory a tensor's elements occupy;
+    None for a tensor without elements. Addresses, not storages: two storages may share memory
+    (two `torch.from_numpy` views of one array)."""
     span = byte_span(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
-    if span is None or storage == 0:
+    address = tensor.data_ptr()
+    if span is None or address == 0:
         return None
-    start = tensor.data_ptr() - storage
-    return storage, start + span[0], start + span[1]
+    return tensor.device, address + span[0], address + span[1]

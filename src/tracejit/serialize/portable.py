@@ -9,6 +9,8 @@ pipeline compiles (load).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,9 @@ class PortableInput:
     name: str
     meta: TensorMeta  # the signature the graph was traced with
     value: int | None  # the value it binds; None when no op reads it
+    # where its elements start in their storage, as traced; 0 unless the graph takes absolute
+    # storage offsets (uses_storage_offsets), the only graphs in which it matters
+    storage_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,9 @@ class PortableGraph:
     testcases: list[TestCase] = field(default_factory=list)
     user_info: Any = None
     metadata: dict | None = None
+    # torch's default dtype when the graph was traced: factory ops stored without a dtype
+    # (`torch.full`, `torch.arange(4.)`) and Python-number promotion follow it; see default_dtype()
+    default_dtype: torch.dtype = torch.float32
 
     @property
     def num_handles(self) -> int:
@@ -88,6 +96,26 @@ class PortableGraph:
 
     def parameter_numel(self) -> int:
         return sum(c.tensor.numel() for c in self.constants)
+
+
+# the default dtypes torch.set_default_dtype accepts (and a file may record)
+DEFAULT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run under torch's default dtype `dtype` (a graph's recorded one): set only when it differs
+    from the caller's, restored after. torch's default dtype is process-wide, so threads calling
+    graphs of different default dtypes at the same time see each other's."""
+    previous = torch.get_default_dtype()
+    if previous == dtype:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class _Renumber:
@@ -123,8 +151,7 @@ def from_graph(graph: Graph, record: Record, handles: list[int], input_names: li
     constants). Raises ValueError naming what a dump cannot hold."""
     renumber = _Renumber(graph)
     input_value = {graph.values[n.outputs[0]].handle: n.outputs[0] for n in graph.nodes if n.op in (Op.ARG, Op.KWARG)}
-    inputs = [PortableInput(name, record.tensors[h].meta, renumber(input_value.get(h)))
-              for name, h in zip(input_names, handles)]
+    input_ids = [renumber(input_value.get(h)) for h in handles]
     constants, ops = [], []
     for node in graph.nodes:
         if node.op is Op.EXTERNAL:
@@ -149,9 +176,18 @@ def from_graph(graph: Graph, record: Record, handles: list[int], input_names: li
                                   _short_source(node.source) if keep_opr_name else None))
         elif node.op not in INPUT_OPS:
             raise ValueError(f"dump(): cannot store the {node.op.value} node {node.name}")
+    absolute = uses_storage_offsets(ops)
+    inputs = [PortableInput(name, record.tensors[h].meta, vid, record.tensors[h].storage_offset if absolute else 0)
+              for name, h, vid in zip(input_names, handles, input_ids)]
     outputs = [PortableOutput(name, renumber(v)) for name, v in zip(output_names, graph.outputs)]
     names = renumber.names if keep_var_name >= 2 else {}
     return PortableGraph(graph.function_name, renumber.values, inputs, outputs, constants, ops, names)
+
+
+def uses_storage_offsets(ops: list[PortableOp]) -> bool:
+    """Whether an op takes a storage offset (`as_strided(x, size, stride, storage_offset)`): an
+    absolute position in its input's storage, which follows the offset the input was traced with."""
+    return any(any(a.name == "storage_offset" for a in op.target._schema.arguments) for op in ops)
 
 
 def _constant_name(record: Record, handle: int, name: str, depth: int = 0) -> str:

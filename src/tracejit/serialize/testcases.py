@@ -9,6 +9,7 @@ without a name fills every input (a `.npy` file only a graph with one input).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ def _random(arguments: str, name: str, meta: TensorMeta, generator: torch.Genera
     if kind == "bool":
         data = torch.rand(shape, generator=generator) < 0.5
     elif kind == "int":
-        data = torch.randint(int(low), int(high), shape, generator=generator, dtype=meta.dtype)
+        data = _random_integers(arguments, name, meta.dtype, low, high, shape, generator)
     else:
         data = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
         if kind == "complex":  # real and imaginary parts each uniform in [min, max)
@@ -62,10 +63,31 @@ def _random(arguments: str, name: str, meta: TensorMeta, generator: torch.Genera
     return data.as_strided(meta.shape, meta.stride).contiguous() if overlapping else data
 
 
+def _random_integers(arguments: str, name: str, dtype: torch.dtype, low: float, high: float,
+                     shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """`randint(int(min), int(max))`; a spec it cannot draw from is a ValueError naming the input."""
+    spec, dtype_name = f"#rand({arguments})", str(dtype).removeprefix("torch.")
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"input {name!r}: {spec} needs finite bounds for the {dtype_name} input")
+    first, end = int(low), int(high)
+    if not first < end:
+        raise ValueError(f"input {name!r}: {spec} holds no integer for the {dtype_name} input: it draws from "
+                         f"int(min) = {first} to int(max) = {end}, exclusive")
+    info = torch.iinfo(dtype)
+    if first < info.min or end - 1 > info.max:
+        raise ValueError(f"input {name!r}: {spec} reaches outside the values of the {dtype_name} input "
+                         f"({info.min} to {info.max})")
+    try:
+        return torch.randint(first, end, shape, generator=generator, dtype=dtype)
+    except (RuntimeError, OverflowError) as error:  # any other complaint of randint's
+        raise ValueError(f"input {name!r}: {spec} for the {dtype_name} input: {str(error).splitlines()[0]}") from None
+
+
 def _from_array(value: Any, name: str, meta: TensorMeta, repeat: int) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        try:
-            value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (np.ndarray, np.generic)):
+        value = np.asarray(value)
+        try:  # not np.ascontiguousarray, which makes a 0-d array 1-d
+            value = torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
         except TypeError:
             raise ValueError(f"input {name!r}: numpy dtype {value.dtype} has no torch counterpart") from None
     tensor = value.detach().repeat_interleave(repeat, dim=0) if repeat > 1 else value.detach()
@@ -82,7 +104,7 @@ def _from_array(value: Any, name: str, meta: TensorMeta, repeat: int) -> torch.T
 def tensor_from_spec(spec: Any, name: str, meta: TensorMeta, repeat: int = 1,
                      generator: torch.Generator | None = None) -> torch.Tensor:
     """One input's test data from a spec string, a tensor or a numpy array."""
-    if isinstance(spec, (torch.Tensor, np.ndarray)):
+    if isinstance(spec, (torch.Tensor, np.ndarray, np.generic)):
         return _from_array(spec, name, meta, repeat)
     if not isinstance(spec, str):
         raise TypeError(f"input {name!r}: expected a spec string, a tensor or an array, got {type(spec).__name__}")

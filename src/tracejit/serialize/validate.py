@@ -29,7 +29,8 @@ from ..ir.meta_check import mispredicted_dtype
 from ..record.autocast_keys import outside_autocast
 from ..record.calls import is_view_op, rebuild_call
 from ..record.record import TENSOR, KwargStatic, ScalarSlot
-from .portable import PortableGraph, PortableOp
+from .portable import PortableGraph, PortableOp, default_dtype
+from .schema import extent
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 
@@ -199,12 +200,14 @@ def check_graph(graph: PortableGraph) -> None:
     """Run every op on fake tensors of its declared inputs; raise LoadError where the declared
     outputs are not what the op produces."""
     check_handles(graph)
+    offsets = {i.value: i.storage_offset for i in graph.inputs if i.value is not None and i.storage_offset}
+    # the ops run under the default dtype the graph was traced with, as a loaded graph's calls do
     with _quiet_fake_tensor_log(), FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=False), \
-            outside_autocast():  # a caller's autocast would cast the stored ops again
+            outside_autocast(), default_dtype(graph.default_dtype):  # a caller's autocast would cast the ops again
         for index, op in enumerate(graph.ops):
             where = f"op #{index} {op.target}"
             check_arguments(op, where)
-            samples = [_fake(graph, v) for v in op.inputs]
+            samples = [_fake(graph, v, offsets.get(v, 0)) for v in op.inputs]
             args, kwargs = rebuild_call(op.statics, samples, list(op.scalars))
             _check_pin_memory(op, args, kwargs, where)
             _check_dim(op, args, kwargs, where)
@@ -264,8 +267,11 @@ def _quiet_fake_tensor_log():
         logger.disabled = disabled
 
 
-def _fake(graph: PortableGraph, vid: int) -> torch.Tensor:
+def _fake(graph: PortableGraph, vid: int, offset: int = 0) -> torch.Tensor:
     meta = graph.values[vid].meta
+    if offset:  # an input at the storage offset it was traced with (as a call gets it, loaded.py)
+        storage = torch.empty(offset + extent(meta.shape, meta.stride), dtype=meta.dtype, device=meta.device)
+        return storage.as_strided(meta.shape, meta.stride, offset)
     return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
 
 
