@@ -5,7 +5,9 @@ Each test failed before its fix (see the stop note of 2026-11-27).
 """
 
 import copy
+import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -249,3 +251,120 @@ def test_a_parameter_given_new_memory_of_its_own_keeps_training_like_eager(witho
         assert all(map(torch.equal, models[1][0].parameters(), models[0][0].parameters()))
     fast = traced.stats.host_free_calls if without_host else traced.stats.api_replays
     assert fast >= 6
+
+
+# -- found by the review of this change (stop note of 2026-11-28) --
+
+FLAT = torch.zeros(16)
+HALF = FLAT[0:8]
+
+
+def _bump_then_scale_half(x):
+    x.add_(1)
+    return (x * HALF,)
+
+
+@pytest.mark.parametrize("mode", _MODES[:2], ids=_MODE_IDS[:2])
+def test_an_input_moving_onto_an_externals_bytes_in_its_storage_raises(mode, monkeypatch):
+    """Inputs beside HALF in its flat buffer bound the program; then the caller passes HALF's own
+    bytes. The guard compared which storage an input lies in, not where: 6 where eager has 9."""
+    if tracejit.backends.resolve_backend("c") is None:
+        pytest.skip("no C compiler")
+    global FLAT, HALF
+    FLAT = torch.zeros(16)
+    HALF = FLAT[0:8]
+    HALF.fill_(2.0)
+    traced = _trace_in_mode(_bump_then_scale_half, mode, "c", monkeypatch)
+    for _ in range(3):
+        traced(torch.zeros(8))
+    for _ in range(3):
+        FLAT[8:16].zero_()
+        traced(FLAT[8:16])
+    with pytest.raises(tracejit.TraceMismatchError, match=r"shares memory with t\d+ \(x\) now"):
+        traced(FLAT[0:8])
+
+
+@pytest.mark.parametrize("mode", _MODES[:2], ids=_MODE_IDS[:2])
+def test_a_read_only_global_moved_onto_a_written_ones_bytes_raises(mode, monkeypatch):
+    """`OFFSET.data = S[0:8]` where SCALE is S[0:8] after a binding with the two side by side in S:
+    OFFSET is only read (its memory is checked where it lies), and the check compared storages."""
+    if tracejit.backends.resolve_backend("c") is None:
+        pytest.skip("no C compiler")
+    global SCALE, OFFSET
+    SCALE, OFFSET = torch.ones(8), torch.full((8,), 2.0)
+    traced = _trace_in_mode(_scale_between_reads, mode, "c", monkeypatch)
+    x = torch.zeros(8)
+    for _ in range(3):
+        traced(x)
+    shared = torch.ones(16)
+    SCALE.data, OFFSET.data = shared[0:8], shared[8:16]
+    for _ in range(3):
+        traced(x)
+    OFFSET.data = shared[0:8]
+    with pytest.raises(tracejit.TraceMismatchError, match=r"shares memory with t\d+ \((OFFSET|SCALE)\) now"):
+        traced(x)
+
+
+DOTTED = torch.full((4,), 1.0)
+FUSED_READ = torch.full((4,), 2.0)
+FILLED = torch.zeros(8)
+FILL_AT = torch.arange(4, 8)
+
+
+def _fill_between_fused_reads(x):
+    dotted = DOTTED @ DOTTED
+    before = FUSED_READ * 3 + x
+    FILLED.index_fill_(0, FILL_AT, 5.0)
+    return before, FUSED_READ * 3 + x, dotted
+
+
+@pytest.mark.parametrize("mode", _MODES, ids=_MODE_IDS)
+def test_every_tensor_an_external_overlaps_is_checked_not_only_the_first(mode, monkeypatch):
+    """FILLED made to cover DOTTED (read by no fused kernel) and FUSED_READ: the check stopped at
+    DOTTED, a harmless pair, and never looked at FUSED_READ (15 where eager has 6)."""
+    if tracejit.backends.resolve_backend("c") is None:
+        pytest.skip("no C compiler")
+    global DOTTED, FUSED_READ, FILLED
+    DOTTED, FUSED_READ, FILLED = torch.full((4,), 1.0), torch.full((4,), 2.0), torch.zeros(8)
+    traced = _trace_in_mode(_fill_between_fused_reads, mode, "c", monkeypatch)
+    x = torch.zeros(4)
+    for _ in range(3):
+        traced(x)
+    flat = torch.zeros(8)
+    DOTTED.data, FUSED_READ.data, FILLED.data = flat[0:4], flat[4:8], flat[0:8]
+    flat[0:4].fill_(1.0)
+    flat[4:8].fill_(2.0)
+    with pytest.raises(tracejit.TraceMismatchError, match=r"shares memory with t\d+ \(FUSED_READ\) now"):
+        traced(x)
+
+
+class _Source:
+    """Hands out a tensor tracejit cannot find by a path (only its weak reference does)."""
+
+    latest = None
+
+    def get(self):
+        return self.latest()
+
+
+SOURCE = _Source()
+WEIGHTS = torch.randn(256)
+
+
+def _reads_from_the_source(y):
+    x = SOURCE.get()
+    y.add_(1)  # the program writes memory the caller owns: its memory is guarded
+    return (x @ WEIGHTS + y).sum()
+
+
+def test_a_binding_that_stops_part_way_lets_go_of_the_calls_tensors():
+    """A binding that stopped early (a tensor reached for the first time without a path) left the
+    call's externals in the runner's memory-guard lists: the batch lived on after the call."""
+    traced = tracejit.trace(_reads_from_the_source, without_host=True)
+    batch = torch.randn(256, 256)
+    SOURCE.latest = weakref.ref(batch)
+    traced(torch.ones(256))
+    freed = weakref.ref(batch)
+    del batch
+    gc.collect()
+    assert freed() is None

@@ -293,9 +293,17 @@ class HostFreeRunner:
         # them: a call may skip the function only after two calls reached the same objects
         self._unlocated: dict[int, weakref.ref] = {}
 
-    def bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
-             grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None,
-             grad_owners: dict[int, int] | None = None, reached: tuple | None = None) -> None:
+    def bind(self, *args: Any, **kwargs: Any) -> None:
+        """See _bind. The lists of the binding call's tensors it fills are emptied however it ends
+        (a GuardFailure or HostDependencyError part-way): kept, a freed tensor would live on."""
+        try:
+            self._bind(*args, **kwargs)
+        finally:
+            self._in_memory = self._loose = []
+
+    def _bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
+              grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None,
+              grad_owners: dict[int, int] | None = None, reached: tuple | None = None) -> None:
         """Specialize the call to the inputs' signature and the objects and scalar values a host-run
         call just used (`scalars`: its dynamic scalars; None: the record's own). A checked runner
         gets the externals the API-level checker holds as `E` (`external_slots`: handle -> slot):
@@ -422,7 +430,6 @@ class HostFreeRunner:
         guards += [f"h{handle} = a{index}" for index, handle in enumerate(self.record.arg_handles)]
         guards += [f"h{handle} = kw[{name!r}]" for name, handle in self.record.kwarg_handles.items()]
         guards += self._inputs_apart_guard(args, kwargs, src)
-        self._in_memory = self._loose = []  # they hold the binding call's tensors: kept, a freed one would live on
         guards += self._input_gradients(objects, src)
         optimizers = reached_optimizers(self.function, kwargs)
         known = {id(optimizer) for _, optimizer in optimizers}
@@ -1077,19 +1084,19 @@ def _output_expr(spec: OutputSpec) -> str:
 
 
 def memory_apart(tensors: tuple[torch.Tensor, ...], storages: frozenset, among: bool) -> tuple:
-    """Which of `tensors` lie in one of `storages` (bit i for tensors[i], by storage address),
-    and with `among` which lie in the storage of an earlier one, at what byte offset (the same
-    object too: an input that is an external)."""
-    bits, first, shared = 0, {}, []
+    """Where `tensors` lie in `storages` ((i, byte offset into the storage) for each tensors[i] in
+    one), and with `among` which lie in the storage of an earlier one, at what byte offset (the
+    same object too: an input that is an external)."""
+    inside, first, shared = [], {}, []
     for i, tensor in enumerate(tensors):
         storage = storage_address(tensor)
         if storage in storages:
-            bits |= 1 << i
+            inside.append((i, tensor.data_ptr() - storage))
         if among and storage:
             j, address = first.setdefault(storage, (i, tensor.data_ptr()))
             if j != i:
                 shared.append((i, j, tensor.data_ptr() - address))
-    return bits, tuple(shared)
+    return tuple(inside), tuple(shared)
 
 
 def distinct_memory(tensors: tuple[torch.Tensor, ...]) -> bool:

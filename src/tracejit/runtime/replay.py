@@ -319,22 +319,22 @@ class Replayer:
             return None
         start, end = span
         spans = self._spans.setdefault(storage_address(tensor), [])  # only one storage's tensors overlap
-        # a tensor freed since it was bound (a bucket the comm hook replaced) left its memory to
-        # the allocator: a tensor there now does not share it
-        other = next((h for h, low, high, ref in spans if start < high and low < end and ref() is not None), None)
-        if other is None:
-            spans.append((handle, start, end, weakref.ref(tensor)))
-            return None
         tensors = self.record.tensors
-        root = tensors[other].base if tensors[other].base is not None else other
         own_root = tensors[handle].base if tensors[handle].base is not None else handle
         fused = self.program.fused_roots
-        if root == tensors[handle].base or (root not in fused and own_root not in fused):
-            spans.append((handle, start, end, weakref.ref(tensor)))  # ...or both only met by ops that run as eager's
-            return None
-        return self._input_error(position, slot, handle, f"a tensor in the memory of {tensors[other].label()}",
-                                 f"shares memory with {tensors[other].label()} ({tensors[other].name}) now, "
-                                 f"which it did not when recorded; the program computes them as separate memory")
+        for other, low, high, ref in spans:
+            # a tensor freed since it was bound (a bucket the comm hook replaced) left its memory to
+            # the allocator: a tensor there now does not share it
+            if not (start < high and low < end) or ref() is None:
+                continue
+            root = tensors[other].base if tensors[other].base is not None else other
+            if root == tensors[handle].base or (root not in fused and own_root not in fused):
+                continue  # recorded as one memory, or both only met by ops that run as eager's
+            return self._input_error(position, slot, handle, f"a tensor in the memory of {tensors[other].label()}",
+                                     f"shares memory with {tensors[other].label()} ({tensors[other].name}) now, "
+                                     f"which it did not when recorded; the program computes them as separate memory")
+        spans.append((handle, start, end, weakref.ref(tensor)))
+        return None
 
     def _input_spans(self, args: tuple, kwargs: dict) -> dict[int, list[tuple[int, int, int, weakref.ref]]]:
         inputs = [*zip(self.record.arg_handles, args)]
