@@ -25,8 +25,9 @@ STEPS = 10
 ALL_REDUCE = "tracejit.all_reduce_.default"
 
 
-def run(rank: int, world: int, directory: str, scenarios: list[str]) -> None:
-    """Entry point of a spawned rank: play `scenarios`, save {name: facts} to rank<rank>.pt."""
+def play_scenarios(table: dict, rank: int, world: int, directory: str, scenarios: list[str]) -> None:
+    """Join the gloo group and play `scenarios` from `table`, saving {name: facts} to rank<rank>.pt
+    after each (a scenario that raises has its traceback as its failure)."""
     torch.set_num_threads(1)
     os.environ["TRACEJIT_BACKEND"] = "aten"  # as in the parent test session; scenarios name others
     warnings.simplefilter("ignore")
@@ -37,12 +38,17 @@ def run(rank: int, world: int, directory: str, scenarios: list[str]) -> None:
     for name in scenarios:
         started = time.perf_counter()
         try:
-            facts = SCENARIOS[name](rank, world)
+            facts = table[name](rank, world)
         except Exception:
             facts = {"failures": [f"raised:\n{traceback.format_exc()}"]}
         facts["seconds"] = time.perf_counter() - started
         results[name] = facts
         torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
+
+
+def run(rank: int, world: int, directory: str, scenarios: list[str]) -> None:
+    """Entry point of a spawned rank: play `scenarios`, save {name: facts} to rank<rank>.pt."""
+    play_scenarios(SCENARIOS, rank, world, directory, scenarios)
     if any(SCENARIOS_LEAVE_GROUP_BROKEN.intersection(scenarios)):
         os._exit(0)  # a collective abandoned on purpose may still wait inside gloo: do not join it
     dist.destroy_process_group()

@@ -15,11 +15,7 @@ scenario saved on both ranks.
 
 from __future__ import annotations
 
-import datetime
 import os
-import time
-import traceback
-import warnings
 
 import distributed_workers as workers
 import pytest
@@ -39,21 +35,7 @@ HOOKED_AT = 5  # after the first host-free calls (a trace's first calls record a
 
 def run(rank: int, world: int, directory: str, scenarios: list[str]) -> None:
     """Entry point of a spawned rank: play `scenarios`, save {name: facts} to rank<rank>.pt."""
-    torch.set_num_threads(1)
-    os.environ["TRACEJIT_BACKEND"] = "aten"  # bit for bit eager
-    warnings.simplefilter("ignore")
-    store = dist.FileStore(os.path.join(directory, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for name in scenarios:
-        started = time.perf_counter()
-        try:
-            facts = SCENARIOS[name](rank, world)
-        except Exception:
-            facts = {"failures": [f"raised:\n{traceback.format_exc()}"]}
-        facts["seconds"] = time.perf_counter() - started
-        results[name] = facts
-        torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
+    workers.play_scenarios(SCENARIOS, rank, world, directory, scenarios)
     os._exit(0)  # the scenarios leave calls that raised inside DDP's backward: do not tear gloo down
 
 
