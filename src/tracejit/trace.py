@@ -58,7 +58,7 @@ from .runtime.realize import Realizer
 from .runtime.replay import Replayer
 from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
-from .runtime.turns import end_turn, register, take_turn
+from .runtime.turns import register, take_turn
 from .runtime.undo import StateSnapshot
 from .runtime.variants import ShapeVariants
 from .signature import (
@@ -248,7 +248,9 @@ class trace(ProfileAccess):
                 f"tracejit: {self.__name__}() was called again while its own call runs on this thread "
                 f"(from an exclude_from_trace() block or a hook). A traced function cannot call itself; "
                 f"call the undecorated function there.")
-        take_turn(self, thread)  # another thread's call finishes first: they share the program's buffers
+        lock = self._lock
+        if not lock.acquire(False):
+            take_turn(self, thread)  # another thread's call finishes first: they share the program's buffers
         try:
             self._running_on = thread
             try:
@@ -267,7 +269,7 @@ class trace(ProfileAccess):
             finally:
                 self._running_on = None
         finally:
-            end_turn(self)
+            lock.release()
 
     def _after_the_host_free_path(self, args: tuple, kwargs: dict) -> Any:
         entry = self._fast_api

@@ -168,14 +168,18 @@ class GeneratorWatch:
         self.others.clear()
 
 
-_torch_internal = threading.local()  # .reading: torch's own code reads a value (not the host)
+class _TorchInternal(threading.local):
+    reading = False  # torch's own code reads a value (not the host); a class default: read on every host read
+
+
+_torch_internal = _TorchInternal()
 
 
 @contextlib.contextmanager
 def torch_reads_unseen() -> Iterator[None]:
     """Reads torch makes itself while tracejit works (FakeTensorMode.from_tensor memoizes a 0-d
     integer tensor's value with item() since torch 2.14) are not the function's host reads."""
-    before = getattr(_torch_internal, "reading", False)
+    before = _torch_internal.reading
     _torch_internal.reading = True
     try:
         yield
@@ -186,7 +190,7 @@ def torch_reads_unseen() -> Iterator[None]:
 def _host_read_hook(original: Any, what: str) -> Any:
     def hook(self, *args, **kwargs):
         context = current_context()
-        if context is None or context.excluded or getattr(_torch_internal, "reading", False):
+        if context is None or context.excluded or _torch_internal.reading:
             return original(self, *args, **kwargs)
         # Neither the read (numpy's detach, item's _local_scalar_dense) nor what it takes to make
         # the value real is part of the program.
@@ -374,11 +378,15 @@ class CallContext:
         return self.trace.__name__
 
 
-_local = threading.local()
+class _Local(threading.local):
+    context: CallContext | None = None  # read on every call: a class default, never a failed lookup
+
+
+_local = _Local()
 
 
 def current_context() -> CallContext | None:
-    return getattr(_local, "context", None)
+    return _local.context
 
 
 @contextlib.contextmanager
@@ -453,7 +461,7 @@ def _composite_attention(forward: Any) -> Any:
     Thread-local, as the mode stack is; eager calls and excluded blocks keep the fast path."""
     @functools.wraps(forward)
     def composite(module, *args, **kwargs):
-        context = getattr(_local, "context", None)
+        context = _local.context
         if context is None or context.excluded or torch._C._is_torch_function_mode_enabled():
             return forward(module, *args, **kwargs)
         with _Composite():

@@ -22,7 +22,8 @@ def register(traced: Any) -> None:
 
 
 def take_turn(traced: Any, thread: int) -> None:
-    """Acquire `traced`'s lock for a call on `thread`; `end_turn` gives it back."""
+    """Acquire `traced`'s lock for a call on `thread`, which another thread holds (the caller
+    tried `acquire(blocking=False)` first); the call releases it."""
     lock = traced._lock
     if lock.acquire(blocking=False):
         return
@@ -31,10 +32,6 @@ def take_turn(traced: Any, thread: int) -> None:
         lock.acquire()
     else:
         _wait_unless_deadlocked(traced, lock, thread, held)
-
-
-def end_turn(traced: Any) -> None:
-    traced._lock.release()
 
 
 def _held_by(thread: int) -> list:
