@@ -364,6 +364,7 @@ def test_a_binding_that_stops_part_way_lets_go_of_the_calls_tensors():
     batch = torch.randn(256, 256)
     SOURCE.latest = weakref.ref(batch)
     traced(torch.ones(256))
+    assert traced.stats.records == 1  # the call recorded and the binding ran (and stopped part-way)
     freed = weakref.ref(batch)
     del batch
     gc.collect()
