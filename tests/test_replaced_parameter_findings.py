@@ -36,6 +36,15 @@ def _assert_same(eager: nn.Module, traced: nn.Module, where: str) -> None:
             assert torch.equal(a.grad, b.grad), f"{where}: {name}.grad"
 
 
+def _compared_step(i: int, traced, eager: nn.Module, model: nn.Module, optimizers: list) -> None:
+    """Call i of train_step, eagerly on `eager` and traced on `model`: the same loss and state."""
+    x, y = _batch(i)
+    want = train_step(x, y, model=eager, opt=optimizers[0])
+    got = traced(x, y, model=model, opt=optimizers[1])
+    assert torch.equal(got.detach(), want.detach()), f"call {i}"
+    _assert_same(eager, model, f"call {i}")
+
+
 def _accumulating_step(x, y, *, model, opt, do_step):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -62,11 +71,7 @@ def test_a_replaced_parameter_frozen_later_stays_frozen(mode):
         if i == 4:
             eager[0].weight.requires_grad_(False)
             model[0].weight.requires_grad_(False)
-        x, y = _batch(i)
-        want = train_step(x, y, model=eager, opt=optimizers[0])
-        got = traced(x, y, model=model, opt=optimizers[1])
-        assert torch.equal(got.detach(), want.detach()), f"call {i}"
-        _assert_same(eager, model, f"call {i}")
+        _compared_step(i, traced, eager, model, optimizers)
     stats = traced.stats
     assert stats.checked_replays + stats.host_free_calls >= 4, stats
 
@@ -107,11 +112,7 @@ def test_a_new_parameter_outside_the_optimizer_accumulates_its_gradient_without_
         if i == 1:  # a new first layer weight the optimizer does not hold: its .grad accumulates
             for m in (eager, model):
                 m[0].weight = nn.Parameter(weight.clone())
-        x, y = _batch(i)
-        want = train_step(x, y, model=eager, opt=optimizers[0])
-        got = traced(x, y, model=model, opt=optimizers[1])
-        assert torch.equal(got.detach(), want.detach()), f"call {i}"
-        _assert_same(eager, model, f"call {i}")
+        _compared_step(i, traced, eager, model, optimizers)
     assert traced.stats.host_free_calls >= 2, traced.stats
 
 
@@ -144,9 +145,5 @@ def test_a_parameter_registered_where_a_none_entry_was_removed_is_seen():
         if i == 4:
             eager.shift.requires_grad_(False)
             model.shift.requires_grad_(False)
-        x, y = _batch(i)
-        want = train_step(x, y, model=eager, opt=optimizers[0])
-        got = traced(x, y, model=model, opt=optimizers[1])
-        assert torch.equal(got.detach(), want.detach()), f"call {i}"
-        _assert_same(eager, model, f"call {i}")
+        _compared_step(i, traced, eager, model, optimizers)
     assert traced.stats.host_free_calls >= 2, traced.stats
