@@ -82,3 +82,48 @@ def test_an_external_whose_layout_changes_after_the_guard_learned_is_not_bound(w
             break
         assert torch.equal(got, want)
         assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+
+
+def _changed_input(change):
+    x = torch.randn(5, 4)
+    if change == "requires_grad":
+        return x.requires_grad_()
+    if change == "layout":  # same shape, transposed strides
+        return torch.randn(4, 5).t()
+    if change == "dtype":
+        return x.double()
+    if change == "inference":
+        with torch.inference_mode():
+            return torch.randn(5, 4)
+    if change == "negative_view":
+        return torch.randn(5, 4)._neg_view()
+    return x.as_subclass(_Marked)
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("without_host", [False, True])
+@pytest.mark.parametrize("change", ["requires_grad", "layout", "dtype", "inference", "negative_view", "subclass"])
+def test_an_input_of_another_signature_after_the_guard_learned_is_not_admitted(without_host, change):
+    # the input signature checks of host-free and checked calls run in one C++ call once learned:
+    # an input differing in any recorded fact must still select another trace (or raise eager's error)
+    model_a, opt_a = make()
+    model_b, opt_b = make()
+    traced = tracejit.trace(step, without_host=without_host, backend="aten")
+    x = torch.randn(5, 4)
+    for _ in range(5):
+        assert torch.equal(traced(x, model=model_b, opt=opt_b), step(x, model=model_a, opt=opt_a))
+    stats = traced.stats
+    assert (stats.host_free_calls if without_host else stats.api_replays) >= 2, stats
+    records = stats.records + stats.rerecords
+    other = _changed_input(change)
+    want, want_params = outcome(step, model_a, opt_a, other.detach().clone() if change == "requires_grad" else other)
+    got, got_params = outcome(traced, model_b, opt_b, other)
+    if want_params is None:
+        assert got is want
+        return
+    assert torch.equal(got.as_subclass(torch.Tensor), want.as_subclass(torch.Tensor))
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+    assert stats.records + stats.rerecords > records or stats.eager_calls, stats  # not the learned trace

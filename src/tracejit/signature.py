@@ -20,11 +20,12 @@ def tensor_key(tensor: torch.Tensor) -> tuple:
     # input would hand its memory to a fused kernel, which does not negate or conjugate.
     # An input requiring grad with a gradient hook (`x.register_hook(...)`) is 2, not 1: its backward
     # runs the hook's ops, which a call of an input without one does not (another trace, no mismatch).
+    # The Python type too: a subclass's __torch_function__ decides which ops its calls dispatch.
     requires_grad = tensor.requires_grad
     if requires_grad and any_gradient_hooks((tensor,)):
         requires_grad = 2
     return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, requires_grad, tensor.is_inference(),
-            math_bits(tensor))
+            math_bits(tensor), type(tensor))
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -316,14 +317,16 @@ def gradient_snapshot(kwargs: dict) -> list[tuple]:
 
 def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | None = None) -> str:
     def one(k: tuple) -> str:
-        shape, stride, dtype, device, requires_grad, inference, bits = k
+        shape, stride, dtype, device, requires_grad, inference, bits, kind = k
         # a layout other than the contiguous one is a signature of its own: say so, or two traces
         # of the same shape read alike (a size-1 dim's stride differs after t() or as_strided)
         layout = "" if stride == _contiguous_strides(shape) else f", strides {tuple(stride)}"
         grad = layout + (", requires_grad" if requires_grad else "")
         grad += ", with gradient hooks" if requires_grad == 2 else ""
         made = ", an inference tensor" if inference else ""
-        return f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}{describe_math_bits(bits)}"
+        subclass = "" if kind is torch.Tensor else f", a {kind.__qualname__}"
+        return (f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}{describe_math_bits(bits)}"
+                f"{subclass}")
 
     positional, keyword, training, repeated, shared, flags, context = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]

@@ -252,6 +252,16 @@ def _same_object_checks(exprs: list[str], tensors: list[torch.Tensor]) -> list[s
     return [_fail(" or ".join(pairs), "other inputs are the same tensor now")] if pairs else []
 
 
+def _guarded_by_meta(exprs: list[str], checks: list[str], src: _Source) -> list[str]:
+    """`checks` (the precise metadata checks of the tensors `exprs`) in one C++ call while the
+    tensors have what the guard learned, one by one otherwise (runtime/meta_guard.py)."""
+    if not exprs:
+        return []
+    guard = src.constant(MetaGuard(), "meta")
+    tensors = ", ".join(exprs)
+    return [f"if not {guard}.check({tensors}):", *(f"    {check}" for check in checks), f"    {guard}.learn({tensors})"]
+
+
 def _layout_check(local: str, info: Any, src: _Source) -> str:
     """The check that an external bound to `local` has the recorded layout."""
     meta = info.meta
@@ -568,17 +578,20 @@ class HostFreeRunner:
         tensors = [(f"a{i}", a, h) for i, (a, h) in enumerate(zip(args, self.record.arg_handles, strict=True))]
         tensors += [(f"kw[{n!r}]", v, self.record.kwarg_handles[n]) for n, v in sorted(kwargs.items())
                     if isinstance(v, torch.Tensor)]
+        precise = []
         for expr, tensor, handle in tensors:
             grad = "not " if tensor.requires_grad else ""
             inference = "not " if tensor.is_inference() else ""
             # the metadata the recorded call received: the call itself may have changed it (`x.t_()`)
             meta = self.record.tensors[handle].meta
-            lines.append(_fail(
-                f"not isinstance({expr}, TENSOR) or {expr}.shape != {src.constant(torch.Size(meta.shape), 's')} or "
+            precise.append(_fail(
+                f"type({expr}) is not {src.constant(type(tensor), 'T')} or "
+                f"{expr}.shape != {src.constant(torch.Size(meta.shape), 's')} or "
                 f"{expr}.stride() != {src.constant(meta.stride, 'st')} or {expr}.dtype is not "
                 f"{src.constant(meta.dtype, 'd')} or {_other_device(expr, meta.device, src)} or "
                 f"{grad}{expr}.requires_grad or {inference}{expr}.is_inference() or "
                 f"{_other_math_bits(expr, meta.math_bits, src)}", "another tensor signature"))
+        lines += _guarded_by_meta([expr for expr, _, _ in tensors], precise, src)
         lines += _same_object_checks([expr for expr, _, _ in tensors], [t for _, t, _ in tensors])
         # A gradient hook of an input (`x.register_hook(...)`, `register_post_accumulate_grad_hook`)
         # is a Python function of that tensor object: the program holds what the bound call's hooks
@@ -830,14 +843,8 @@ class HostFreeRunner:
                       "an input lies in an external's memory now, or no longer")]
 
     def _meta_checks(self, src: _Source) -> list[str]:
-        """The shape, dtype and device checks of the externals bound so far: in one C++ call while
-        they hold the tensors the guard learned, else one by one (runtime/meta_guard.py)."""
-        if not self._meta:
-            return []
-        guard = src.constant(MetaGuard(), "meta")
-        tensors = ", ".join(local for local, _ in self._meta)
-        return [f"if not {guard}.check({tensors}):", *(f"    {check}" for _, check in self._meta),
-                f"    {guard}.learn({tensors})"]
+        """The shape, dtype and device checks of the externals bound so far."""
+        return _guarded_by_meta([local for local, _ in self._meta], [check for _, check in self._meta], src)
 
     def _epilogue(self, objects: dict[int, torch.Tensor], kwargs: dict, src: _Source) -> list[str]:
         """Leave escaped values where the function would have put them; return fresh outputs. The

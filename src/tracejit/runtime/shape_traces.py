@@ -33,8 +33,8 @@ def family(key: tuple) -> tuple:
 
 
 def _shape_free(tensor_key: tuple) -> tuple:
-    shape, _, dtype, device, requires_grad, inference, bits = tensor_key
-    return (len(shape), dtype, device, requires_grad, inference, bits)
+    shape, _, *rest = tensor_key
+    return (len(shape), *rest)
 
 
 def input_shapes(key: tuple) -> list[tuple[int, ...]]:
@@ -63,6 +63,8 @@ def why_static_inputs(key: tuple, arg_names: list[str]) -> str | None:
             return f"input {names[i]} requires grad (its .grad would be set on a stand-in)"
         if tensor_key[6]:
             return f"input {names[i]} is{describe_math_bits(tensor_key[6])[1:]} (a stand-in would have no such bit)"
+        if tensor_key[7] is not torch.Tensor:
+            return f"input {names[i]} is a {tensor_key[7].__qualname__} (a stand-in would be a plain torch.Tensor)"
     return None
 
 
