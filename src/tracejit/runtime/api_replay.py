@@ -255,7 +255,12 @@ class ApiProgram:
             return {}
         if end - start == 2 and self.record.ops[start].op is _SCALAR_TENSOR:
             return self._wrapped_number_slot(call)
-        if end - start != 1:
+        if _short(call.name) in _RDIV and self.record.ops[start].op is _RECIPROCAL and all(
+                op.op is _DETACH for op in self.record.ops[start + 1:end - 1]):
+            # `k / t` is `t.reciprocal() * k` (torch/_tensor.py; with grad, autograd saves the
+            # reciprocal: a detach between them): the number is the mul's
+            start = end - 1
+        elif end - start != 1:
             return {}
         before_backward = start < self.last_backward
         if before_backward and self.backward_links is None:
@@ -504,8 +509,11 @@ class _NotReplayable(Exception):
 _DUNDERS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub",
             "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
             "__itruediv__": "div_", "__pow__": "pow", "__ipow__": "pow_", "__floordiv__": "floor_divide",
-            "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor", "__eq__": "eq"}
+            "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor", "__eq__": "eq",
+            "__rdiv__": "mul", "__rtruediv__": "mul"}  # the second op of their span (_direct_slots)
 _SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
+_RECIPROCAL, _DETACH = torch.ops.aten.reciprocal.default, torch.ops.aten.detach.default
+_RDIV = ("__rdiv__", "__rtruediv__")
 
 
 # The backward nodes known to take their forward op's number as it is: MulBackward0 multiplies
