@@ -252,6 +252,25 @@ def _same_object_checks(exprs: list[str], tensors: list[torch.Tensor]) -> list[s
     return [_fail(" or ".join(pairs), "other inputs are the same tensor now")] if pairs else []
 
 
+def _leaves_of_returned_graphs(objects: dict[int, Any], tensors: list) -> set[int]:
+    """The ids of the leaf tensors the autograd graphs of the returned tensors hold (their
+    AccumulateGrad nodes' variables): C++ keeps them alive, not a Python container."""
+    stack = [obj.grad_fn for h, obj in objects.items()
+             if tensors[h].flags & Flag.RETURNED and isinstance(obj, torch.Tensor) and obj.grad_fn is not None]
+    seen, visited, leaves = set(), [], set()
+    while stack and len(seen) < 100_000:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        visited.append(node)  # alive until the walk ends: no other node gets its id
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
 def _guarded_by_meta(exprs: list[str], checks: list[str], src: _Source) -> list[str]:
     """`checks` (the precise metadata checks of the tensors `exprs`) in one C++ call while the
     tensors have what the guard learned, one by one otherwise (runtime/meta_guard.py)."""
@@ -873,6 +892,7 @@ class HostFreeRunner:
         literal_grads = {id(obj.grad): handle for handle, obj in objects.items()
                          if handle in self.program.graph.fresh and obj.is_leaf and obj.grad is not None}
         written: set[int] = set()  # the memory of the views held where tracejit cannot find them
+        graph_leaves = None  # ids of the leaves the autograd graphs of returned tensors hold
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
             if obj is None:
@@ -923,7 +943,14 @@ class HostFreeRunner:
                 root = handle
                 while tensors[root].base is not None:
                     root = tensors[root].base
-                if root == handle or tensors[root].kind in (Kind.ARG, Kind.KWARG) or tensors[root].flags & Flag.RETURNED:
+                if graph_leaves is None:
+                    graph_leaves = _leaves_of_returned_graphs(objects, tensors)
+                if root == handle and id(obj) in graph_leaves:
+                    # a leaf made in the call (`xi.requires_grad_()` of a gradient penalty) that the
+                    # graph of a returned tensor holds: host-free calls return that tensor without
+                    # a graph, and the old leaf gets the new values all the same
+                    pass
+                elif root == handle or tensors[root].kind in (Kind.ARG, Kind.KWARG) or tensors[root].flags & Flag.RETURNED:
                     what = "a tensor it made" if root == handle else f"a view of the call's {tensors[root].name}"
                     self._escape_guards.append(_fail("True", f"t{handle}, {what}, is kept where tracejit cannot find it"))
                     self.unplaced.append(f"t{handle}, {what},")
