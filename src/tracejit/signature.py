@@ -132,14 +132,15 @@ def call_context_key() -> tuple:
     dtypes = (_autocast_dtype("cpu"), _autocast_dtype("cuda") if _CUDA_BUILD else None)
     if not _any_autocast():  # the usual case, in one call
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, dtypes, False,
-                torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan(),
+                torch.get_default_dtype(), _deterministic(), _anomaly() and _anomaly_nan(),
                 modes)
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
             dtypes, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
-            torch.are_deterministic_algorithms_enabled(), _anomaly() and _anomaly_nan(), modes)
+            _deterministic(), _anomaly() and _anomaly_nan(), modes)
 
 
 _autocast_dtype = torch.get_autocast_dtype
+_deterministic = torch._C._get_deterministic_algorithms  # torch.are_deterministic_algorithms_enabled, one frame less
 _CUDA_BUILD = torch.backends.cuda.is_built()  # a CPU wheel runs no cuda autocast: one call less per call
 _DEFAULT_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)  # torch's for cpu and cuda
 

@@ -484,7 +484,9 @@ def enter_api_checked_call(context: CallContext) -> CallContext | None:
     """Make `context` the thread's call context for a call checked at the torch API level (no
     dispatch mode and no hooks: the checker, a TorchFunctionMode, sees every torch call); returns
     the outer context, for `leave_api_checked_call` (in a `finally`)."""
-    outer = check_not_nested(context.function_name)
+    outer = _local.context  # check_not_nested's test, inline: this runs on every checked call
+    if outer is not None and not outer.excluded:
+        check_not_nested(context.function_name)
     _local.context = context
     return outer
 
@@ -507,7 +509,7 @@ def check_not_nested(function_name: str) -> CallContext | None:
 
 def is_tracing() -> bool:
     """True inside a traced call (recording or replaying), False inside exclude_from_trace()."""
-    context = current_context()
+    context = _local.context
     return context is not None and not context.excluded
 
 

@@ -711,9 +711,12 @@ _FAST_PATHS = ((torch._C.__dict__, "_set_grad_enabled", _REAL_SET_GRAD, _set_gra
 
 
 def _install_fast_paths() -> list:
-    installed = [path for path in _FAST_PATHS if path[0].get(path[1]) is path[2]]  # not if replaced by others
-    for namespace, name, _, shorter in installed:
-        namespace[name] = shorter
+    installed = []
+    for path in _FAST_PATHS:
+        namespace, name, torchs, shorter = path
+        if namespace.get(name) is torchs:  # not if replaced by others
+            namespace[name] = shorter
+            installed.append(path)
     return installed
 
 
