@@ -513,6 +513,8 @@ class trace(ProfileAccess):
         grads_before = gradient_snapshot(kwargs)
         without_state = _optimizers_without_state(kwargs)
         recorder = self._new_recorder(kwargs)
+        # symbolic: what a run of the record that raises leaves unwritten is put back (_put_back_unwritten)
+        before = StateSnapshot(self._function, kwargs) if isinstance(recorder, SymbolicRecorder) else None
         recorder.bind_inputs(args, kwargs, [self._arg_name(i) for i in range(len(args))])
         context = CallContext(self, recorder, self.options.capture_as_const)
         seen = Seen(optimizers=self.options.without_host)
@@ -533,8 +535,13 @@ class trace(ProfileAccess):
             program = self._compile(record)
         except BaseException as error:
             _abandon(recorder, error)  # symbolic: run what was recorded, so side effects match an eager call
+            _put_back_unwritten(recorder, before)
             raise
-        recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
+        try:
+            recorder.complete(program)  # symbolic: run the program for real, filling every placeholder
+        except BaseException:
+            _put_back_unwritten(recorder, before)
+            raise
         # A call that ran a backward pass, or created or accumulated gradients, depends on which
         # parameters require grad and which .grad exist when it starts.
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
@@ -744,6 +751,7 @@ class trace(ProfileAccess):
                     f"symbolic_shape=False.") from error
             _abandon(recorder, error)  # run what was recorded, so side effects match an eager call
             before.restore_symbolic()  # no symbol or stand-in stays in the module or the globals
+            _put_back_unwritten(recorder, before)
             if isinstance(error, RuntimeError) and not isinstance(error, SymbolicTraceError) \
                     and SYMBOLIC_LIMITS.search(str(error)):
                 # torch's C++ asked a symbolic size for a number (at::native::lstm's numel(), a split of
@@ -757,8 +765,13 @@ class trace(ProfileAccess):
             raise
         except BaseException as error:
             _abandon(recorder, error)
+            _put_back_unwritten(recorder, before)
             raise
-        recorder.complete(program)
+        try:
+            recorder.complete(program)
+        except BaseException:
+            _put_back_unwritten(recorder, before)
+            raise
         result = recorder.real_result(result)
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
         if self._watch_ddp(seen.modules, kwargs):
@@ -1279,6 +1292,18 @@ def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,
         return kept, False
     before.restore()
     return recorder.left_behind(), True  # the same tensor held twice, once where nothing puts it back
+
+
+def _put_back_unwritten(recorder: Any, before: StateSnapshot | None) -> None:
+    """After a symbolic recording whose run for real raised at some op: the Python state that holds
+    placeholders of later ops (a `.grad` backward set, optimizer state a step made) gets what it
+    held before the call, as an eager call that raised at that op leaves it; the values of the ops
+    that ran stay."""
+    if before is None or not isinstance(recorder, SymbolicRecorder):
+        return
+    for tensor, grad, requires_grad in recorder.first_seen:  # a closure's parameters, as first seen
+        before.add_leaf(tensor, grad, requires_grad)
+    before.restore_unwritten(recorder.unwritten_storages())
 
 
 def _abandon(recorder: Any, error: BaseException) -> None:

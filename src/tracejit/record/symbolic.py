@@ -63,6 +63,8 @@ class ProgramRunner(Protocol):
             placeholders: dict[int, Placeholder]) -> list[str]:
         """Run the program's ops not run yet; fill every live placeholder; return stride disagreements."""
 
+    unwritten: set  # after a run raised: the storages of placeholders whose op never ran
+
     def computed(self, handle: int) -> torch.Tensor:
         """The value the runs left for an escaped handle."""
 
@@ -399,6 +401,11 @@ class SymbolicRecorder(Recorder):
         self._stale.clear()
         self._generator_state = None
         self._executor.forget_metadata()  # the code that follows may change tensors behind the recording
+
+    def unwritten_storages(self) -> set:
+        """After a run of the program raised: the storages of placeholders held outside whose op
+        never ran (see runtime/undo.StateSnapshot.restore_unwritten)."""
+        return getattr(self._runner, "unwritten", set())
 
     def computed(self, handle: int) -> torch.Tensor:
         """The value the program computed for `handle` (a returned tensor of symbolic size)."""

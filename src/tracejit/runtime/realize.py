@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import SymbolicTraceError
 from ..record.autocast_keys import outside_autocast
 from ..record.calls import rebuild_call
-from ..record.placeholders import Placeholder
+from ..record.placeholders import Placeholder, storage_key
 from ..record.record import Flag, OpRecord, Record, TensorMeta
 
 _copy = torch.ops.aten.copy_.default
@@ -41,6 +41,9 @@ class Realizer:
         self._position = 0  # record position up to which ops have run
         self._redirected: set[int] = set()
         self._failed = False  # an op raised mid-run: like eager execution, stop there for good
+        # the storages of placeholders held outside whose op never ran (the run raised before it):
+        # unwritten memory, which the Python state must not keep (eager never made those values)
+        self.unwritten: set = set()
 
     def run(self, program: Any, inputs: dict[int, torch.Tensor],
             placeholders: dict[int, Placeholder]) -> list[str]:
@@ -58,11 +61,13 @@ class Realizer:
                     target = placeholder.target()
                     if target is not None:  # something outside the program still holds this storage
                         targets[handle] = target
+            redirected: set[int] = set()
             try:
                 self._env, self._position, disagreements = run_program(
-                    program, self._position, self._env, inputs, targets)
+                    program, self._position, self._env, inputs, targets, redirected)
             except BaseException:
                 self._failed = True
+                self.unwritten = {storage_key(t) for h, t in targets.items() if h not in redirected} - {None}
                 raise
         self._redirected.update(targets)
         return disagreements
@@ -76,7 +81,7 @@ class Realizer:
 
 
 def run_program(program: Any, start: int, carried_env: list, inputs: dict[int, torch.Tensor],
-                targets: dict[int, torch.Tensor]) -> tuple[list, int, list[str]]:
+                targets: dict[int, torch.Tensor], redirected: set[int] | None = None) -> tuple[list, int, list[str]]:
     """Run every recorded op at positions >= `start`, redirecting values into `targets`.
 
     `program` is a compiled program of the record, or the record itself (a catch-up runs the
@@ -85,7 +90,8 @@ def run_program(program: Any, start: int, carried_env: list, inputs: dict[int, t
     earlier run left (values by handle), `inputs` bind arguments, externals and constants. Values
     are dropped after their last use, so the run has the memory behaviour of the program rather
     than of the recording. Returns (environment, position reached, a line for every output whose
-    strides differ from the recorded, predicted ones).
+    strides differ from the recorded, predicted ones). `redirected` collects the handles whose
+    targets got their values, as they do (a run that raises leaves the others unwritten).
     """
     record: Record = getattr(program, "record", program)
     env: list = [None] * len(record.tensors)
@@ -111,6 +117,8 @@ def run_program(program: Any, start: int, carried_env: list, inputs: dict[int, t
             if target is not None:
                 _redirect(value, target)
                 env[handle] = target
+                if redirected is not None:
+                    redirected.add(handle)
         for handle in release[op.index]:
             env[handle] = None
     return env, len(record.ops), disagreements

@@ -81,19 +81,42 @@ class StateSnapshot:
     def restore_symbolic(self) -> None:
         """Put back what holds a symbolic size or a stand-in now, and only that (after a failed
         recording that ran its ops for real, the rest is what an eager call that raised left)."""
+        self._restore_where(_holds_symbolic)
+
+    def restore_unwritten(self, storages: set) -> None:
+        """Put back what holds a tensor over one of `storages` now: placeholders whose op never ran
+        because the run raised before it (a `.grad` that backward set, an optimizer state entry a
+        step made, after a forward op that raised). An eager call that raised there never made them."""
+        if not storages:
+            return
+
+        def unwritten(value: Any, depth: int = 0) -> bool:
+            if isinstance(value, torch.Tensor):
+                return storage_key(value) in storages
+            if depth < 2 and isinstance(value, (list, tuple)):
+                return any(unwritten(item, depth + 1) for item in value)
+            if depth < 2 and isinstance(value, dict):
+                return any(unwritten(item, depth + 1) for item in value.values())
+            return False
+        self._restore_where(unwritten)
+        for tensor, grad, _ in self._grads.values():
+            if tensor.grad is not grad and unwritten(tensor.grad):
+                tensor.grad = grad
+
+    def _restore_where(self, holds: Callable[[Any], bool]) -> None:
         owner = code_owner(self._function)
         for (kind, key), value in self._roots:
             now = owner.__globals__.get(key) if kind == "global" else _cell(owner, key)
-            if _holds_symbolic(now) and now is not value:
+            if holds(now) and now is not value:
                 _set_root(owner, kind, key, value)
         for container, contents in self._containers:
             if isinstance(container, dict):
-                for key in [k for k, v in container.items() if _holds_symbolic(v)]:
+                for key in [k for k, v in container.items() if holds(v)]:
                     if key in contents:
                         container[key] = contents[key]
                     else:
                         del container[key]
-            elif any(map(_holds_symbolic, container)):
+            elif any(map(holds, container)):
                 container[:] = contents
 
     def symbolic_left(self) -> str | None:
