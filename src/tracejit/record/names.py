@@ -39,13 +39,24 @@ class Locator:
     steps: tuple[tuple[str, Any], ...]
     state_of: Locator | None = None  # optimizer state: the parameter whose state dict holds it
     state_key: str | None = None
+    # a setting of the optimizer at `steps` (a tensor learning rate): (group index, key, element of
+    # a tuple setting or None), `param_groups[index][key][element]`
+    group: tuple[int, str, int | None] | None = None
 
     def describe(self) -> str:
         kind, name = self.root
         text = {"kwarg": f"kwargs[{name!r}]", "global": f"globals()[{name!r}]", "cell": f"closure[{name}]"}[kind]
         if self.state_of is not None:
             return f"{_describe_steps(text, self.steps)}.state[{self.state_of.describe()}][{self.state_key!r}]"
+        if self.group is not None:
+            return _describe_steps(text, self.steps) + group_suffix(self.group)
         return _describe_steps(text, self.steps)
+
+
+def group_suffix(group: tuple[int, str, int | None]) -> str:
+    """`.param_groups[0]['lr']`, `.param_groups[0]['betas'][1]`: where a group locator's setting is."""
+    index, key, element = group
+    return f".param_groups[{index}][{key!r}]" + ("" if element is None else f"[{element}]")
 
 
 def _describe_steps(text: str, steps: tuple) -> str:
@@ -79,7 +90,7 @@ class ExternalNames:
         # the places Python could assign a new tensor to (an attribute, an entry, a buffer): where
         # the call may leave one of its own (`cache["last"] = y`) for the next call to replace
         self._places = [locator for _, locator in self._found.values() if locator is not None
-                        and locator.state_of is None and locator.steps and locator.steps[-1][0] in _ASSIGNED]
+                        and locator.state_of is None and locator.group is None and locator.steps and locator.steps[-1][0] in _ASSIGNED]
         # and, for without_host (`settings`), the plain values the function reaches that it could
         # change by Python: a config's temperature, a submodule's annealed float, an EMA helper's
         # counter, a hand-written optimizer's int step count
@@ -210,6 +221,18 @@ def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
         _walk_plain(value, name, locator, found, optimizers, visited, _PLAIN_DEPTH - 1)
     for name, locator, optimizer in optimizers:
         found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
+        # the tensors of its settings (`lr=torch.tensor(0.01)` for a fused step, tensor betas): found
+        # where the function finds them on every call, so a call without the function notices a new
+        # one (a hand-written decay, load_state_dict()) or a number in its place
+        for index, group in enumerate(optimizer.param_groups):
+            for key, setting in group.items():
+                if key == "params":
+                    continue
+                elements = enumerate(setting) if isinstance(setting, tuple) else [(None, setting)]
+                for element, tensor in elements:
+                    if isinstance(tensor, torch.Tensor):
+                        where = (index, key, element)
+                        found.add(tensor, f"{name}{group_suffix(where)}", Locator(locator.root, locator.steps, group=where))
         for param, state in optimizer.state.items():
             owner_name, owner_locator = found.get(id(param), ("param", None))
             found.state_entries.update((id(optimizer), id(param), key) for key, value in state.items()
@@ -341,7 +364,8 @@ _ASSIGNED = ("attr", "item", "buffer")  # steps that end at a place Python assig
 
 
 def resolve(locator: Locator, function: Callable, kwargs: dict) -> Any:
-    """What is at `locator` now (not optimizer state). Raises what the lookup raises if it is gone."""
+    """What is at `locator` now (not optimizer state; a param group's setting too). Raises what the
+    lookup raises if it is gone."""
     kind, key = locator.root
     function = code_owner(function)
     value = (kwargs[key] if kind == "kwarg" else function.__globals__[key] if kind == "global"
@@ -353,6 +377,11 @@ def resolve(locator: Locator, function: Callable, kwargs: dict) -> Any:
             value = value[name]
         else:
             value = (vars(value) if step == "attr" else getattr(value, _MODULE_DICTS[step]))[name]
+    if locator.group is not None:
+        index, key, element = locator.group
+        value = value.param_groups[index][key]
+        if element is not None:
+            value = value[element]
     return value
 
 

@@ -35,6 +35,7 @@ from ..record.names import (
     code_owner,
     container_expression,
     differs_expression,
+    group_suffix,
     plain_roots,
     plain_value,
     resolve,
@@ -194,6 +195,8 @@ class _Source:
                 expr += {"param": "._parameters", "buffer": "._buffers"}[step] + f"[{name!r}]"
         if locator.state_of is not None:
             return f"{self._shared(expr)}.state.get({self.locator(locator.state_of)}, EMPTY).get({locator.state_key!r})"
+        if locator.group is not None:  # a tensor setting of a param group (a fused step's `lr`)
+            return f"{self._shared(expr)}{group_suffix(locator.group)}"
         return expr
 
     def _shared(self, expr: str) -> str:

@@ -39,7 +39,28 @@ def different_op(record: Record, position: int, func: Any, statics: tuple, tenso
         _header(record, position, f"a different op ran ({func} instead of {op.name})")
         + _recorded(record, op)
         + _came(_render_call(func, statics, tensor_names, scalars), source)
+        + _tensor_or_number(op.op, func)
     )
+
+
+def _tensor_or_number(recorded: Any, got: Any) -> str:
+    """A note for another overload of the recorded op that takes a tensor where it took a number or
+    the other way round (`_fused_adam_.tensor_lr` and `.default`): an optimizer setting in
+    `param_groups` given as the other kind, most likely."""
+    if getattr(recorded, "overloadpacket", None) is None or getattr(got, "overloadpacket", None) is not recorded.overloadpacket:
+        return ""
+    numbers = (torch.FloatType, torch.IntType, torch.NumberType)
+    for before in recorded._schema.arguments:
+        now = next((a for a in got._schema.arguments if a.name == before.name), None)
+        if now is None:
+            continue
+        kinds = (isinstance(before.type, torch.TensorType), isinstance(now.type, torch.TensorType))
+        if kinds[0] != kinds[1] and isinstance(now.type if kinds[0] else before.type, numbers):
+            was, came = ("a tensor", "a number") if kinds[0] else ("a number", "a tensor")
+            return (f"\n  its `{before.name}` was {was} when recorded and is {came} now: an optimizer setting in "
+                    f"param_groups (`lr`) switched between a tensor and a Python number? Keep each setting the kind "
+                    f"it was (change a tensor setting in place, `group['lr'].fill_(0.1)`), or trace the function anew.")
+    return ""
 
 
 def different_arguments(record: Record, position: int, statics: tuple, tensor_names: list[str],

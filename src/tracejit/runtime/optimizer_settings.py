@@ -280,8 +280,9 @@ def setting_guards(optimizers: list[tuple[str, Any]], bindings: list[SettingBind
     nesterov, amsgrad, dampening, ...) is what the program was built with, and so are the groups
     and their parameters (add_param_group, a new params list). A bound setting other than the
     learning rate stays a float, nonzero where it was: SGD skips its momentum and weight decay
-    ops at 0, so its zeroness is part of the record. Settings of an optimizer that did not step
-    (`stepped`) are not guarded; its groups and parameters are (`zero_grad()` walks them)."""
+    ops at 0, so its zeroness is part of the record, and a bound learning rate stays a number.
+    Settings of an optimizer that did not step (`stepped`) are not guarded; its groups and
+    parameters are (`zero_grad()` walks them)."""
     lines = []
     bound: dict[tuple, set] = {}
     for b in bindings:
@@ -296,15 +297,42 @@ def setting_guards(optimizers: list[tuple[str, Any]], bindings: list[SettingBind
             for key, value in sorted(group.items()) if name in stepped else ():
                 setting = f"{groups}[{index}][{key!r}]"
                 elements = bound.get((name, index, key), set())
-                if key == "params" or (key == "lr" and elements):
+                what = f"{key} of param group {index} of {name}"
+                if key == "params":
                     continue
-                if elements and _fully_bound(value, elements):
-                    lines += _bound_value_guards(setting, value, fail, f"{key} of param group {index} of {name}")
-                elif isinstance(value, _PRIMITIVES) or (isinstance(value, tuple) and all(
-                        isinstance(v, _PRIMITIVES) for v in value)):
-                    lines.append(fail(f"{setting} != {src.constant(value, 'hp')}",
-                                      f"{key} of param group {index} of {name} changed"))
+                if key == "lr" and elements:  # read as a number on every call: a tensor there is another op
+                    lines.append(fail(f"isinstance({setting}, TENSOR)", f"{what} is a tensor now"))
+                elif elements and _fully_bound(value, elements):
+                    lines += _bound_value_guards(setting, value, fail, what)
+                else:
+                    lines += _unbound_guards(setting, value, src, fail, what, elements)
     return lines
+
+
+def _unbound_guards(setting: str, value: Any, src: Any, fail: Any, what: str, bound: set = frozenset()) -> list[str]:
+    """A setting the program has built in: a number, string or flag (or a tuple of them) is the
+    recorded value. A tensor setting (`lr=torch.tensor(0.01)` of a fused step, tensor betas) is an
+    external the program reads where record/names.py finds it (`param_groups[i][key]`), or a
+    number torch reads from it that is bound, and stays a tensor: a setting that switches between
+    a tensor and a number (either way) runs other ops or is read elsewhere, so the call runs the
+    function. Checked before any comparison by value, which a tensor would answer with a tensor.
+    The `bound` elements of a tuple (OneCycleLR's float beta1 beside a tensor beta2) keep their
+    kind only, as _bound_value_guards says."""
+    if isinstance(value, torch.Tensor):
+        return [fail(f"not isinstance({setting}, TENSOR)", f"{what} is not a tensor anymore")]
+    if isinstance(value, _PRIMITIVES):
+        return [fail(f"isinstance(v := {setting}, TENSOR) or v != {src.constant(value, 'hp')}", f"{what} changed")]
+    if not isinstance(value, tuple) or not all(isinstance(v, (*_PRIMITIVES, torch.Tensor)) for v in value):
+        return []
+    checks = ["type(v) is not tuple", f"len(v) != {len(value)}"]
+    for i, v in enumerate(value):
+        if isinstance(v, torch.Tensor):
+            checks.append(f"not isinstance(v[{i}], TENSOR)")
+        elif i in bound and isinstance(v, float):
+            checks.append(f"type(v[{i}]) is not float or {'' if v else 'not '}v[{i}] == 0")
+        else:
+            checks.append(f"isinstance(v[{i}], TENSOR) or v[{i}] != {src.constant(v, 'hp')}")
+    return [f"v = {setting}", fail(" or ".join(checks), f"{what} changed")]
 
 
 def _fully_bound(value: Any, elements: set) -> bool:

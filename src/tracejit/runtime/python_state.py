@@ -33,10 +33,25 @@ def python_state(function: Callable, kwargs: dict) -> dict[str, object]:
                     if key != "params" and not isinstance(setting, torch.Tensor):
                         state[f"{key} of param group {index} of {name}"] = setting
         elif isinstance(value, _SCHEDULERS):
-            state[f"last_epoch of {name}"] = value.last_epoch
+            state.update(scheduler_steps(value, name))
     for name, _, value in plain_roots(function):
         state[name] = copy.deepcopy(value)  # a list changed in place is another value
     return state
+
+
+def scheduler_steps(scheduler: object, name: str, depth: int = 3) -> dict[str, object]:
+    """A scheduler's step count (`last_epoch`; none for one without it: `ChainedScheduler` never
+    calls LRScheduler.__init__, nor may a scheduler of the user's own) and those of the schedulers
+    it steps (`_schedulers` of ChainedScheduler and SequentialLR), by a readable name."""
+    steps = {}
+    if hasattr(scheduler, "last_epoch"):
+        steps[f"last_epoch of {name}"] = scheduler.last_epoch
+    children = getattr(scheduler, "_schedulers", None) if depth else None
+    if isinstance(children, (list, tuple)):
+        for index, child in enumerate(children):
+            if isinstance(child, _SCHEDULERS):
+                steps.update(scheduler_steps(child, f"{name}._schedulers[{index}]", depth - 1))
+    return steps
 
 
 def refuse_python_state_changes(function: Callable, function_name: str, before: dict, kwargs: dict,
