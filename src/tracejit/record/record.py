@@ -8,6 +8,7 @@ call except constants (which it must keep to be replayable).
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,6 +164,23 @@ class OutputSpec:
     handle: int | None = None
     keys: tuple = ()
     children: tuple[OutputSpec, ...] = ()
+    # the container's class when it is no plain tuple/list/dict (a namedtuple, an OrderedDict), and
+    # how a call without the function makes it again (container_rebuild); None: it cannot safely
+    container: type | None = None
+    rebuild: str | None = None
+
+    def build(self, children: list) -> Any:
+        """This container of `children` (its elements' values, in order) as the function returned it."""
+        if self.kind == "dict":
+            value = dict(zip(self.keys, children))
+        else:
+            value = tuple(children) if self.kind == "tuple" else children
+        if self.container is None:
+            return value
+        if self.rebuild is None:
+            raise TypeError(f"tracejit: a call without the function cannot return the "
+                            f"{self.container.__qualname__} that the function returned")
+        return self.container(*value) if self.rebuild == "fields" else self.container(value)
 
     def handles(self) -> list[int]:
         if self.kind == "tensor":
@@ -175,10 +193,31 @@ class OutputSpec:
         if self.kind == "none":
             return "None"
         if self.kind == "dict":
-            inner = ", ".join(f"{k!r}: {c.describe()}" for k, c in zip(self.keys, self.children))
-            return "{" + inner + "}"
+            inner = "{" + ", ".join(f"{k!r}: {c.describe()}" for k, c in zip(self.keys, self.children)) + "}"
+            return f"{self.container.__qualname__}({inner})" if self.container is not None else inner
         inner = ", ".join(c.describe() for c in self.children)
-        return f"({inner},)" if self.kind == "tuple" else f"[{inner}]"
+        if self.container is not None:
+            return f"{self.container.__qualname__}({inner})"
+        if self.kind == "list":
+            return f"[{inner}]"
+        return f"({inner},)" if inner else "()"
+
+
+def container_rebuild(value: tuple | list | dict) -> str | None:
+    """How a returned container of a subclass of tuple, list or dict is made again from its elements:
+    "fields" `cls(*items)` (a namedtuple), "items" `cls(items)` (torch.return_types, an OrderedDict
+    from a dict of the items, a subclass that keeps its base's constructor); None when its class
+    makes it otherwise (defaultdict, a custom __init__) or the object holds attributes of its own."""
+    cls = type(value)
+    if getattr(value, "__dict__", None):
+        return None
+    if isinstance(value, tuple) and isinstance(getattr(cls, "_fields", None), tuple) and hasattr(cls, "_make"):
+        return "fields" if len(cls._fields) == len(value) and cls.__init__ is object.__init__ else None
+    if isinstance(value, tuple) and hasattr(cls, "n_fields"):  # a structseq (torch.return_types)
+        return "items" if cls.n_fields == getattr(cls, "n_sequence_fields", -1) == len(value) else None
+    base = tuple if isinstance(value, tuple) else list if isinstance(value, list) else dict
+    inits = {tuple: (object.__init__,), list: (list.__init__,), dict: (dict.__init__, OrderedDict.__init__)}[base]
+    return "items" if cls.__new__ is base.__new__ and cls.__init__ in inits else None
 
 
 @dataclass

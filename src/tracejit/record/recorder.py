@@ -33,6 +33,7 @@ from .record import (
     Record,
     TensorInfo,
     TensorMeta,
+    container_rebuild,
 )
 from .regions import RegionTracker
 from .source import user_location
@@ -404,13 +405,17 @@ class Recorder:
                 handle = self._cut(value, handle)
             self.tensors[handle].flags |= Flag.RETURNED | Flag.ESCAPED
             return OutputSpec("tensor", handle)
+        # a subclass (a namedtuple, an OrderedDict) keeps its class: calls without the function make it again
+        container = type(value) if type(value) not in (tuple, list, dict) else None
+        rebuild = container_rebuild(value) if container is not None and isinstance(value, (tuple, list, dict)) else None
         if isinstance(value, (tuple, list)):
             children = tuple(self.output_spec(v, f"{path}[{i}]") for i, v in enumerate(value))
-            return OutputSpec("tuple" if isinstance(value, tuple) else "list", children=children)
+            return OutputSpec("tuple" if isinstance(value, tuple) else "list", children=children,
+                              container=container, rebuild=rebuild)
         if isinstance(value, dict):
             keys = tuple(value)
             children = tuple(self.output_spec(value[k], f"{path}[{k!r}]") for k in keys)
-            return OutputSpec("dict", keys=keys, children=children)
+            return OutputSpec("dict", keys=keys, children=children, container=container, rebuild=rebuild)
         raise TypeError(
             f"tracejit: {self.function_name}() returned {type(value).__name__} at {path}; a traced "
             f"function returns a tensor, a tuple/list/dict of tensors, or None. Return tensors and "

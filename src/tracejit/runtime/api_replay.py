@@ -876,10 +876,7 @@ def _output_value(spec: Any, env: list) -> Any:
         return env[spec.handle]
     if spec.kind == "none":
         return None
-    children = [_output_value(child, env) for child in spec.children]
-    if spec.kind == "dict":
-        return dict(zip(spec.keys, children))
-    return tuple(children) if spec.kind == "tuple" else children
+    return spec.build([_output_value(child, env) for child in spec.children])
 
 
 NotReplayable = _NotReplayable

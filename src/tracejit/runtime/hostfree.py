@@ -978,7 +978,7 @@ class HostFreeRunner:
         body += [f"h{handle}.requires_grad_(True)" for handle, obj in sorted(objects.items())
                  if ((tensors[handle].flags & Flag.RETURNED and tensors[handle].kind is Kind.INTERNAL) or handle in made)
                  and obj.is_leaf and obj.requires_grad]
-        body.append(f"return {_output_expr(self.record.output)}")
+        body.append(f"return {_output_expr(self.record.output, src, self.record.function_name)}")
         return body
 
 
@@ -1109,15 +1109,34 @@ def _made_at(record: Record, handle: int) -> int:
     return next((op.index for op in record.ops if handle in op.inputs), -1)
 
 
-def _output_expr(spec: OutputSpec) -> str:
+def _output_expr(spec: OutputSpec, src: _Source, function_name: str) -> str:
+    """The expression of the returned value: literals of plain containers, keys without a literal
+    form (a dtype, an Enum member) as constants, and a subclass (a namedtuple, an OrderedDict) made
+    of its elements by its class, as the function returned it."""
     if spec.kind == "tensor":
         return f"h{spec.handle}"
     if spec.kind == "none":
         return "None"
     if spec.kind == "dict":
-        return "{" + ", ".join(f"{k!r}: {_output_expr(c)}" for k, c in zip(spec.keys, spec.children)) + "}"
-    inner = ", ".join(_output_expr(c) for c in spec.children)
-    return f"({inner},)" if spec.kind == "tuple" else f"[{inner}]"
+        expr = "{" + ", ".join(f"{_key_expr(k, src)}: {_output_expr(c, src, function_name)}"
+                               for k, c in zip(spec.keys, spec.children)) + "}"
+    else:
+        inner = ", ".join(_output_expr(c, src, function_name) for c in spec.children)
+        expr = f"[{inner}]" if spec.kind == "list" else f"({inner},)" if inner else "()"
+    if spec.container is None:
+        return expr
+    if spec.rebuild is None:
+        raise HostDependencyError(
+            f"without_host=True cannot skip {function_name}(): it returns a {spec.container.__qualname__}, "
+            f"which a call without the function cannot make again (its class has a constructor of its own, "
+            f"or the object has attributes of its own). Return a tuple, list, dict, namedtuple or "
+            f"OrderedDict, or trace without without_host.")
+    return f"{src.constant(spec.container, 'oc')}({'*' if spec.rebuild == 'fields' else ''}{expr})"
+
+
+def _key_expr(key: Any, src: _Source) -> str:
+    """A dict key as source: a literal when its repr is one, else a constant of the namespace."""
+    return repr(key) if type(key) in (str, int, bool, type(None)) else src.constant(key, "ok")
 
 
 def memory_apart(tensors: tuple[torch.Tensor, ...], storages: frozenset, among: bool) -> tuple:
