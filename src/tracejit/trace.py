@@ -7,6 +7,7 @@ import functools
 import gc
 import inspect
 import os
+import pickle
 import threading
 import traceback
 import types
@@ -237,7 +238,14 @@ class trace(ProfileAccess):
         return self.__copy__()
 
     def __reduce__(self) -> str:
-        return self.__qualname__
+        qualname = self.__dict__.get("__qualname__")
+        if qualname is None:  # a callable object, a module, a functools.partial: nothing to look up by name
+            raise pickle.PicklingError(
+                f"tracejit: cannot pickle the traced {self.__name__}: a traced function pickles by its qualified "
+                f"name, which only a module-level function has, and this one wraps a "
+                f"{type(self._function).__name__} object. Pickle what it wraps (the module's state_dict) and "
+                f"trace it again after loading.")
+        return qualname
 
     # -- calling --------------------------------------------------------------------------------
 
@@ -305,7 +313,9 @@ class trace(ProfileAccess):
 
     def _run_call(self, args: tuple, kwargs: dict) -> Any:
         check_not_nested(self.__name__)
-        self._check_arguments(args, kwargs)
+        new_kinds = self._check_arguments(args, kwargs)
+        if new_kinds is not None:
+            return self._run_fixing_kinds(new_kinds, args, kwargs)
         modes = user_modes()
         if modes:
             return self._run_under_modes(modes, args, kwargs)
@@ -339,6 +349,23 @@ class trace(ProfileAccess):
         if entry.api is not None:
             return self._replay_api(entry, args, kwargs)
         return self._replay(entry, args, kwargs)
+
+    def _run_fixing_kinds(self, new_kinds: dict[str, bool], args: tuple, kwargs: dict) -> Any:
+        """A call passing keywords whose kind (tensor or not) no recorded call fixed yet: they are
+        fixed once it returns with a trace recorded (by it or before). One that raised recorded
+        nothing and fixes nothing: the next call records again, with whatever kinds it passes."""
+        kinds = self._kwarg_is_tensor
+        kinds.update(new_kinds)
+        try:
+            result = self._run_call(args, kwargs)
+        except BaseException:
+            for name in new_kinds:
+                del kinds[name]
+            raise
+        if not self._recordings():  # ran eagerly (under a caller's torch mode, materializing a lazy module)
+            for name in new_kinds:
+                del kinds[name]
+        return result
 
     def _replay_api(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
         """A checked call at the torch API level; one that diverges runs at the aten level instead."""
@@ -424,7 +451,9 @@ class trace(ProfileAccess):
         return len(self._shape_traces) + sum(len(e.variants) if e.variants is not None else 1
                                              for e in self._entries() if e.shape_trace is None)
 
-    def _check_arguments(self, args: tuple, kwargs: dict) -> None:
+    def _check_arguments(self, args: tuple, kwargs: dict) -> dict[str, bool] | None:
+        """Refuse arguments no trace can take, before anything runs; return the kinds (tensor or
+        not) of the keywords whose kind no recorded call fixed yet, None if there are none."""
         for i, value in enumerate(args):
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
@@ -432,10 +461,19 @@ class trace(ProfileAccess):
                     f"a torch.Tensor, got {type(value).__name__}. Positional arguments are the inputs of "
                     f"the traced graph; pass modules, optimizers and flags as keyword arguments."
                 )
+            if value.is_nested or value.is_quantized:
+                raise self._unsupported_tensor(f"positional argument {i} ({self._arg_name(i)})", value)
+        kinds = self._kwarg_is_tensor
+        new_kinds = None
         for name, value in kwargs.items():
             is_tensor = isinstance(value, torch.Tensor)
-            recorded = self._kwarg_is_tensor.setdefault(name, is_tensor)
-            if recorded != is_tensor:
+            if is_tensor and (value.is_nested or value.is_quantized):
+                raise self._unsupported_tensor(f"keyword argument {name!r}", value)
+            recorded = kinds.get(name)
+            if recorded is None:
+                new_kinds = new_kinds or {}
+                new_kinds[name] = is_tensor
+            elif recorded != is_tensor:
                 then, now = ("a tensor", type(value).__name__) if recorded else (
                     "a non-tensor", f"a tensor ({list(value.shape)})")
                 raise TraceMismatchError(
@@ -443,6 +481,19 @@ class trace(ProfileAccess):
                     f"now. Tensor keyword arguments are graph inputs and other values pass through to "
                     f"the function, so a keyword cannot switch between the two."
                 )
+        return new_kinds
+
+    def _unsupported_tensor(self, where: str, value: torch.Tensor) -> NotImplementedError:
+        """A nested or quantized tensor input: the signature, the stand-ins and the program all take
+        dense tensors of plain dtypes (sparse and mkldnn ones are refused at the op that uses them)."""
+        if value.is_nested:
+            what, instead = f"a nested tensor (layout {value.layout})", "torch.nested.to_padded_tensor(x, 0.0)"
+        else:
+            what, instead = f"a quantized tensor ({value.dtype})", "x.dequantize()"
+        return NotImplementedError(
+            f"tracejit: {where} of {self.__name__}() is {what}: traced calls take strided (dense) tensors "
+            f"that are neither nested nor quantized. Pass {instead}, or call the function undecorated."
+        )
 
     def _record(self, key: tuple, args: tuple, kwargs: dict, replacing: TraceEntry | None = None) -> Any:
         lazy = self._lazy_modules(key, kwargs)

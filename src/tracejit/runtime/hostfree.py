@@ -613,6 +613,10 @@ class HostFreeRunner:
                 f"{src.constant(meta.dtype, 'd')} or {_other_device(expr, meta.device, src)} or "
                 f"{grad}{expr}.requires_grad or {inference}{expr}.is_inference() or "
                 f"{_other_math_bits(expr, meta.math_bits, src)}", "another tensor signature"))
+        if tensors:  # before any size is read: a strided nested tensor has none (the C++ guard aborts on it)
+            tensor_type = src.constant(torch.Tensor, "T")
+            lines.append(_fail(" or ".join(f"isinstance({expr}, {tensor_type}) and {expr}.is_nested"
+                                           for expr, _, _ in tensors), "a nested tensor, which the slow path refuses"))
         lines += _guarded_by_meta([expr for expr, _, _ in tensors], precise, src)
         lines += _same_object_checks([expr for expr, _, _ in tensors], [t for _, t, _ in tensors])
         # A gradient hook of an input (`x.register_hook(...)`, `register_post_accumulate_grad_hook`)
