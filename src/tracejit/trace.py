@@ -37,7 +37,7 @@ from .record.api import ApiTracer, record_refusal
 from .record.ddp_calls import is_ddp
 from .record.handles import HandleMap
 from .record.modes import CallContext, check_not_nested, is_tracing, traced_call
-from .record.names import ExternalNames, has_lazy_tensors, lazy_modules, same_value
+from .record.names import ExternalNames, has_lazy_tensors, lazy_modules, roots_of, same_value
 from .record.placeholders import SYMBOLIC_LIMITS
 from .record.ranks import post_failure
 from .record.reached import Seen
@@ -562,7 +562,7 @@ class trace(ProfileAccess):
         if self._trace_count() - (replacing is not None) >= self.options.max_traces:
             raise self._cache_full(key, args, kwargs, grad_state)
         grads_before = gradient_snapshot(kwargs)
-        without_state = _optimizers_without_state(kwargs)
+        without_state = _optimizers_without_state(kwargs, self._function)
         recorder = self._new_recorder(kwargs)
         # symbolic: what a run of the record that raises leaves unwritten is put back (_put_back_unwritten)
         before = StateSnapshot(self._function, kwargs) if isinstance(recorder, SymbolicRecorder) else None
@@ -600,7 +600,7 @@ class trace(ProfileAccess):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
         reached = self._reached_parameters(kwargs, recorder.handles.live(), record) if depends else ()
-        stateful = _stateful_optimizers(kwargs)
+        stateful = _stateful_optimizers(kwargs, self._function)
         entry = TraceEntry(key, record, program, grad_state if depends else None,
                            stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
                            reached=reached, reached_bits=requires_grad_bits(reached))
@@ -831,7 +831,7 @@ class trace(ProfileAccess):
             self.stats.records += 1
             return result
         shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None,
-                                 stateful_optimizers=_stateful_optimizers(kwargs))
+                                 stateful_optimizers=_stateful_optimizers(kwargs, self._function))
         if replaced is not None:
             self._drop_shape_trace(replaced)
             self.stats.rerecords += 1
@@ -856,7 +856,7 @@ class trace(ProfileAccess):
             return self._run_materializing(entry.key, lazy, args, kwargs)
         record = entry.record
         variants = entry.variants if entry.variants is not None else ShapeVariants(entry.program)
-        without_state = _optimizers_without_state(kwargs)
+        without_state = _optimizers_without_state(kwargs, self._function)
         # a keyword optimizer without the state it had, or a GradScaler that has not made its scale
         # yet (a new one, loaded from a checkpoint): this call creates that state, as the first did
         fresh_optimizer = bool(entry.stateful_optimizers & without_state) or any(
@@ -950,7 +950,7 @@ class trace(ProfileAccess):
                 return result
             if fresh_optimizer:  # like a first recording: the next call, with that state, may record again
                 new_record.rerecorded = False
-            stateful = _stateful_optimizers(kwargs)
+            stateful = _stateful_optimizers(kwargs, self._function)
             replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace,
                                   stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
                                   reached=entry.reached, reached_bits=entry.reached_bits)
@@ -1292,9 +1292,12 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
 _STATIC = object()  # _record_symbolic: record this call static instead
 
 
-def _keyword_optimizers(kwargs: dict) -> Iterator[tuple[str, torch.optim.Optimizer]]:
-    """The keyword optimizers, and those a keyword module holds as an attribute (`model.opt`), by name."""
-    for name, value in kwargs.items():
+def _keyword_optimizers(kwargs: dict, function: Callable) -> Iterator[tuple[str, torch.optim.Optimizer]]:
+    """The keyword optimizers, those a keyword module holds as an attribute (`model.opt`), and
+    those the function reaches as a global or closure variable (`O` re-created by running a
+    notebook cell again), by name."""
+    for name, root, value in roots_of(function, kwargs):
+        name = name if root[0] == "kwarg" else f"{root[0]} {name}"
         if isinstance(value, torch.optim.Optimizer):
             yield name, value
         elif isinstance(value, torch.nn.Module):
@@ -1303,17 +1306,17 @@ def _keyword_optimizers(kwargs: dict) -> Iterator[tuple[str, torch.optim.Optimiz
                     yield f"{name}.{attribute}", held
 
 
-def _stateful_optimizers(kwargs: dict) -> frozenset:
-    """The keyword optimizers that hold state (after a call that ran the function)."""
-    return frozenset(name for name, v in _keyword_optimizers(kwargs) if any(v.state.values()))  # a look up leaves {}
+def _stateful_optimizers(kwargs: dict, function: Callable) -> frozenset:
+    """The optimizers (_keyword_optimizers) that hold state (after a call that ran the function)."""
+    return frozenset(name for name, v in _keyword_optimizers(kwargs, function) if any(v.state.values()))  # a look up leaves {}
 
 
-def _optimizers_without_state(kwargs: dict) -> frozenset:
-    """The keyword optimizers that hold no state. One that held state after the recorded call and
-    holds none now (another model's optimizer than the one recorded with, one whose state was
-    cleared) creates its state lazily in this call, as the recorded call did: the replay may
-    record again from where it differs."""
-    return frozenset(name for name, v in _keyword_optimizers(kwargs) if not any(v.state.values()))
+def _optimizers_without_state(kwargs: dict, function: Callable) -> frozenset:
+    """The optimizers (_keyword_optimizers) that hold no state. One that held state after the
+    recorded call and holds none now (another model's optimizer than the one recorded with, one
+    whose state was cleared) creates its state lazily in this call, as the recorded call did: the
+    replay may record again from where it differs."""
+    return frozenset(name for name, v in _keyword_optimizers(kwargs, function) if not any(v.state.values()))
 
 
 def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,
