@@ -21,15 +21,32 @@ def tensor_key(tensor: torch.Tensor) -> tuple:
     # An input requiring grad with a gradient hook (`x.register_hook(...)`) is 2, not 1: its backward
     # runs the hook's ops, which a call of an input without one does not (another trace, no mismatch).
     # The Python type too: a subclass's __torch_function__ decides which ops its calls dispatch.
+    # And whether an input requiring grad holds a `.grad` (holds_grad): its backward stores a first
+    # gradient but accumulates into one it has, other ops (`delta.grad = None` every few calls of
+    # an accumulating step is another trace, as for a keyword module's parameters).
     requires_grad = tensor.requires_grad
     if requires_grad and any_gradient_hooks((tensor,)):
         requires_grad = 2
     return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, requires_grad, tensor.is_inference(),
-            math_bits(tensor), type(tensor))
+            math_bits(tensor), type(tensor), requires_grad and holds_grad(tensor))
+
+
+def holds_grad(tensor: torch.Tensor) -> bool:
+    """Whether a tensor that requires grad holds a `.grad` (read only where one can be: a leaf, or
+    a non-leaf that retains its gradient; torch warns when a non-leaf's `.grad` is read)."""
+    return (tensor.is_leaf or tensor.retains_grad) and tensor.grad is not None
+
+
+def input_grads(key: tuple) -> tuple[bool, ...]:
+    """For each tensor input of a signature (positional, then keyword by name), whether it held a
+    `.grad` when the call began (tensor_key)."""
+    positional, keyword, *_ = key
+    return tuple(bool(k[8]) for k in positional) + tuple(bool(k[8]) for _, k in keyword)
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
-    """Shapes, strides, dtypes, devices, requires_grad and math bits of the tensor inputs; which tensor inputs are
+    """Shapes, strides, dtypes, devices, requires_grad, math bits and Python types of the tensor inputs, and
+    whether those that require grad hold a `.grad` (tensor_key); which tensor inputs are
     the same object (`step(x, x)` for an autoencoder dispatches other handles than `step(x, y)`);
     which lie in one another's memory (see shared_memory); and the training flags of keyword
     modules and all their submodules (`model.eval()`, or only `model.bn.eval()`, selects a trace of
@@ -187,7 +204,7 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[i
     each keyword optimizer comes last: `add_param_group` (unfreezing layers) adds parameters whose
     state the next step creates. It is computed only for traces whose recorded call touched
     gradients. (The parameters a trace reads that no keyword module holds are checked per trace:
-    requires_grad_bits.)
+    reached_gradient_state; the inputs' `.grad` is part of their signature, tensor_key.)
     """
     states = [_module_state(module) for module in kwargs.values() if isinstance(module, torch.nn.Module)]
     states += [len(opt.param_groups) for opt in kwargs.values() if isinstance(opt, torch.optim.Optimizer)]
@@ -197,14 +214,22 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[i
     return tuple(states)
 
 
-def requires_grad_bits(parameters: Sequence[weakref.ref]) -> int:
-    """Bit i set if the i-th parameter requires grad (a freed one: clear). Freezing a layer of a
-    model a trace reaches without a keyword (a closure's) selects a trace of its own with it."""
-    return int.from_bytes(bytes(map(_requires_grad_or_freed, map(operator.call, parameters))))
+def reached_gradient_state(parameters: Sequence[weakref.ref]) -> int:
+    """A byte a parameter, the first one highest: requires_grad in bit 1, has a `.grad` in bit 0 (a
+    freed one: 0), as _module_state's for a keyword module. Freezing a layer of a model a trace
+    reaches without a keyword (a closure's, a global's) selects a trace of its own with it, and
+    so does clearing its gradients (`model.zero_grad()` every few calls of an accumulating step:
+    backward stores a first gradient, but adds into one that is there)."""
+    return int.from_bytes(bytes(map(_gradient_state_or_freed, map(operator.call, parameters))))
 
 
-def _requires_grad_or_freed(tensor: torch.Tensor | None) -> bool:
-    return tensor is not None and tensor.requires_grad
+def gradient_byte(requires_grad: bool, held: bool) -> int:
+    """One parameter's byte of reached_gradient_state."""
+    return requires_grad << 1 | held
+
+
+def _gradient_state_or_freed(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.requires_grad << 1 | (tensor.grad is not None)
 
 
 _BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
@@ -318,12 +343,13 @@ def gradient_snapshot(kwargs: dict) -> list[tuple]:
 
 def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | None = None) -> str:
     def one(k: tuple) -> str:
-        shape, stride, dtype, device, requires_grad, inference, bits, kind = k
+        shape, stride, dtype, device, requires_grad, inference, bits, kind, held = k
         # a layout other than the contiguous one is a signature of its own: say so, or two traces
         # of the same shape read alike (a size-1 dim's stride differs after t() or as_strided)
         layout = "" if stride == _contiguous_strides(shape) else f", strides {tuple(stride)}"
         grad = layout + (", requires_grad" if requires_grad else "")
         grad += ", with gradient hooks" if requires_grad == 2 else ""
+        grad += ", holding a .grad" if held else ""
         made = ", an inference tensor" if inference else ""
         subclass = "" if kind is torch.Tensor else f", a {kind.__qualname__}"
         return (f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}{describe_math_bits(bits)}"

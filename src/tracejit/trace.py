@@ -65,9 +65,11 @@ from .runtime.variants import ShapeVariants
 from .signature import (
     call_context_key,
     describe_signature,
+    gradient_byte,
     gradient_snapshot,
     gradient_state,
-    requires_grad_bits,
+    input_grads,
+    reached_gradient_state,
     signature,
     user_modes,
 )
@@ -105,7 +107,8 @@ class TraceEntry:
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
     shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
     tensor_kwargs: tuple[str, ...] | None = None  # its tensor keyword arguments, sorted (the signature fixes them)
-    # parameters it reads that no keyword module holds (weakly), and which of them required grad
+    # parameters it reads that no keyword module holds (weakly), and their gradient state when
+    # its recorded call began (signature.reached_gradient_state: requires_grad, has a .grad)
     reached: tuple = ()
     reached_bits: int = 0
 
@@ -414,14 +417,21 @@ class trace(ProfileAccess):
         return gradient_state(kwargs, self._watched_ddp)
 
     @staticmethod
-    def _reached_parameters(kwargs: dict, live: dict, record: Record) -> tuple:
+    def _reached_parameters(kwargs: dict, recorder: Recorder, record: Record) -> tuple[tuple, int]:
         """The parameters the trace reads that no keyword module holds (a closure's model), held
-        weakly: which of them require grad selects this trace as a keyword module's state does
-        (`TraceEntry.reached`). Parameters rather than their modules: a module may be made anew
-        on each call (`model.net[1:]`) around the same parameters."""
+        weakly, and their gradient state: which of them require grad and which held a `.grad` when
+        the call began selects this trace as a keyword module's state does (`TraceEntry.reached`).
+        Parameters rather than their modules: a module may be made anew on each call
+        (`model.net[1:]`) around the same parameters. The `.grad` as the recorder found it before
+        the call touched it: the recording call creates the gradients a later call accumulates into."""
         held = {id(p) for value in kwargs.values() if isinstance(value, torch.nn.Module) for p in value.parameters()}
-        return tuple(weakref.ref(t) for h, t in live.items()
-                     if record.tensors[h].kind is Kind.EXTERNAL and id(t) not in held and isinstance(t, torch.nn.Parameter))
+        reached = [(h, t) for h, t in recorder.handles.live().items()
+                   if record.tensors[h].kind is Kind.EXTERNAL and id(t) not in held and isinstance(t, torch.nn.Parameter)]
+        state = bytearray()
+        for handle, tensor in reached:
+            at_start = recorder.grad_at_start(handle)
+            state.append(gradient_byte(tensor.requires_grad, tensor.grad is not None if at_start is None else at_start))
+        return tuple(weakref.ref(t) for _, t in reached), int.from_bytes(state)
 
     def _watch_ddp(self, seen: list, kwargs: dict) -> bool:
         """Watch the DDP modules a recording call ran that are not keyword arguments themselves;
@@ -440,7 +450,7 @@ class trace(ProfileAccess):
             return entries[0]
         state = self._gradient_state(kwargs)
         return next((e for e in entries if e.grad_state == state
-                     and (not e.reached or requires_grad_bits(e.reached) == e.reached_bits)), None)
+                     and (not e.reached or reached_gradient_state(e.reached) == e.reached_bits)), None)
 
     def _entries(self) -> list[TraceEntry]:
         return [entry for entries in self._traces.values() for entry in entries]
@@ -599,11 +609,11 @@ class trace(ProfileAccess):
         if self._watch_ddp(seen.modules, kwargs):
             self.stats.records += 1
             return result  # its state said nothing of the DDP it found: the next call records again
-        reached = self._reached_parameters(kwargs, recorder.handles.live(), record) if depends else ()
+        reached, reached_bits = self._reached_parameters(kwargs, recorder, record) if depends else ((), 0)
         stateful = _stateful_optimizers(kwargs, self._function)
         entry = TraceEntry(key, record, program, grad_state if depends else None,
                            stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
-                           reached=reached, reached_bits=requires_grad_bits(reached))
+                           reached=reached, reached_bits=reached_bits)
         if replacing is not None:  # record_only: the newest call's record stands for its signature
             self._traces[key].remove(replacing)
         if not depends:
@@ -684,6 +694,8 @@ class trace(ProfileAccess):
                 continue
             if shape_trace.grad_state is not None and shape_trace.grad_state != self._gradient_state(kwargs):
                 continue
+            if shape_trace.reached and reached_gradient_state(shape_trace.reached) != shape_trace.reached_bits:
+                continue
             if tensors is None:
                 tensors = [t for _, t in tensor_inputs(args, kwargs, self._arg_names_for(args))]
             if not shape_trace.guards.hold(tensors):
@@ -692,7 +704,8 @@ class trace(ProfileAccess):
                 return None  # record it again, now that the state it created exists
             record = specialize(shape_trace.record, shape_trace.guards.binding(tensors))
             entry = TraceEntry(key, record, self._compile(record, fused=False), shape_trace.grad_state,
-                               shape_trace=shape_trace, stateful_optimizers=shape_trace.stateful_optimizers)
+                               shape_trace=shape_trace, stateful_optimizers=shape_trace.stateful_optimizers,
+                               reached=shape_trace.reached, reached_bits=shape_trace.reached_bits)
             self._add_specialization(entry)
             self.stats.shape_specializations += 1
             return entry
@@ -830,8 +843,10 @@ class trace(ProfileAccess):
                 self._drop_shape_trace(replaced)
             self.stats.records += 1
             return result
+        reached, reached_bits = self._reached_parameters(kwargs, recorder, record) if depends else ((), 0)
         shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None,
-                                 stateful_optimizers=_stateful_optimizers(kwargs, self._function))
+                                 stateful_optimizers=_stateful_optimizers(kwargs, self._function), reached=reached,
+                                 reached_bits=reached_bits)
         if replaced is not None:
             self._drop_shape_trace(replaced)
             self.stats.rerecords += 1
@@ -839,7 +854,8 @@ class trace(ProfileAccess):
             self.stats.records += 1
         self._shape_traces.append(shape_trace)
         self._add_specialization(TraceEntry(key, concrete, program, shape_trace.grad_state, shape_trace=shape_trace,
-                                            stateful_optimizers=shape_trace.stateful_optimizers))
+                                            stateful_optimizers=shape_trace.stateful_optimizers,
+                                            reached=reached, reached_bits=reached_bits))
         return result
 
     def _new_recorder(self, kwargs: dict) -> Recorder:
@@ -1031,7 +1047,7 @@ class trace(ProfileAccess):
                 entry.host_free = self._host_free_runner(entry, checked=True)
             entry.host_free.bind(live, args, kwargs, replayer.names, entry.grad_state, replayer.scalars,
                                  external_slots=external_slots, grad_owners=gradient_owners(trace, external_slots),
-                                 reached=(entry.reached, entry.reached_bits))
+                                 reached=(entry.reached, entry.reached_bits), input_grads=input_grads(entry.key))
         except HostDependencyError as error:
             self._refuse_api(entry, f"the compiled program cannot run without the function: {error}")
             entry.host_free = None
@@ -1089,22 +1105,34 @@ class trace(ProfileAccess):
             return
         if entry.host_free is None and live_graph is not None and _returns_graph(result, live_graph):
             where = user_location()
-            what = ("runs no backward pass itself" if not any(op.backward_of for op in entry.record.ops) else
-                    "no backward pass inside the call used their autograd graph (a generator's output that "
-                    "only a detached copy of went into the call's loss)")
-            warnings.warn_explicit(
-                f"tracejit: {self.__name__}() returns tensors that require grad and {what}; "
-                f"with without_host=True later calls return them without an autograd graph, so a backward pass "
-                f"after the call does not reach the parameters. Trace the whole training step (forward, backward "
-                f"and optimizer step), call it under torch.no_grad() for inference, or trace without without_host.",
-                GradientWarning, where.filename or "<unknown>", where.line or 0)
+            retained = seen is not None and any(
+                t.requires_grad and live_graph(t) and seen.retained_graph(t) for t in _tensors_of(result))
+            if retained:  # `loss.backward(retain_graph=True); return loss`: the caller backpropagates again
+                message = (
+                    f"{self.__name__}() returns tensors that require grad whose autograd graph the call's own "
+                    f"backward pass kept (retain_graph=True) for a backward pass after the call; with "
+                    f"without_host=True later calls return them without an autograd graph (the call runs no "
+                    f"autograd to keep one), so a backward pass through them after the call raises or does not "
+                    f"reach the parameters. Run every backward pass inside the traced function (and return "
+                    f"loss.detach()), or trace without without_host.")
+            else:
+                what = ("runs no backward pass itself" if not any(op.backward_of for op in entry.record.ops) else
+                        "no backward pass inside the call used their autograd graph (a generator's output that "
+                        "only a detached copy of went into the call's loss)")
+                message = (
+                    f"{self.__name__}() returns tensors that require grad and {what}; with without_host=True "
+                    f"later calls return them without an autograd graph, so a backward pass after the call does "
+                    f"not reach the parameters. Trace the whole training step (forward, backward and optimizer "
+                    f"step), call it under torch.no_grad() for inference, or trace without without_host.")
+            warnings.warn_explicit(f"tracejit: {message}", GradientWarning, where.filename or "<unknown>",
+                                   where.line or 0)
         try:
             # before the program's own refusals: a PowerSGD hook's random draws are its state's doing
             refuse_stateful_comm_hooks(entry.record, kwargs)
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry)
             entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state, scalars,
-                                 reached=(entry.reached, entry.reached_bits))
+                                 reached=(entry.reached, entry.reached_bits), input_grads=input_grads(entry.key))
             self._install_fast_call(entry)
         except HostDependencyError as error:
             entry.host_free_error = error
@@ -1279,6 +1307,10 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
     # where they are, as it does a keyword module's
     grads |= {id(t.grad) for h, t in live.items()
               if record.tensors[h].kind is Kind.EXTERNAL and t.is_leaf and t.grad is not None}
+    # and those of inputs that require grad (an adversarial step's): the program gives the call's
+    # input the gradient it made (HostFreeRunner._input_gradients)
+    grads |= {id(t.grad) for h, t in live.items()
+              if record.tensors[h].kind in (Kind.ARG, Kind.KWARG) and t.is_leaf and t.requires_grad and t.grad is not None}
     kept_by_ddp_itself = kept_by_ddp(record, trace)  # DistributedDataParallel's, see runtime/ddp_stand_in.py
     for handle, tensor in live.items():
         info = record.tensors[handle]

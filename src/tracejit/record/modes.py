@@ -283,10 +283,15 @@ _GRAD = torch._C.TensorBase.grad
 def _set_grad(tensor: torch.Tensor, value: Any) -> None:
     # `p.grad = None` (opt.zero_grad()) dispatches nothing: the handler notes where in the op
     # sequence it happened, so a program that raises after that point leaves `.grad` None as eager
-    # does (runtime/hostfree.py, FailureEffects)
-    if value is None:
-        context = current_context()
-        notify = getattr(context.handler, "on_grad_cleared", None) if context is not None and not context.excluded else None
+    # does (runtime/hostfree.py, FailureEffects). A recorder also notes, before any set, whether
+    # the tensor held a `.grad` (Recorder.on_grad_set: the state its call began in)
+    context = current_context()
+    if context is not None and not context.excluded:
+        handler = context.handler
+        noted = getattr(handler, "on_grad_set", None)
+        if noted is not None:
+            noted(tensor)
+        notify = getattr(handler, "on_grad_cleared", None) if value is None else None
         if notify is not None:  # None: another thread's call that does not note them
             notify(tensor)
     _GRAD.__set__(tensor, value)

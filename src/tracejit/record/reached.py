@@ -42,6 +42,7 @@ from .own_hooks import own, remove_own
 from .source import user_location
 
 _CONSUMED = "tracejit.consumed"  # the key of Seen's mark in an autograd node's metadata
+_RETAINED = "tracejit.retained"  # ...and of its mark on the nodes a backward pass ran and kept (retain_graph)
 _MARKS = itertools.count()
 
 _SCHEDULER_BASES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -179,8 +180,11 @@ class Seen:
     def backward_runs(self, roots: tuple, retain_graph: object, create_graph: object, inputs: object) -> None:
         """Note the nodes of the graph behind `roots` that this backward pass frees: down to the
         `inputs` it differentiates with respect to, if given (`autograd.grad(loss, h)` leaves the
-        graph below `h` untouched)."""
-        if retain_graph or create_graph or threading.get_ident() != self._thread:
+        graph below `h` untouched). A pass with retain_graph=True (create_graph=True implies it)
+        frees nothing: without the host, its nodes are marked apart, to tell the caller why a
+        returned tensor still has a graph (retained_graph, for trace.py's GradientWarning)."""
+        retained = bool(retain_graph or create_graph)
+        if threading.get_ident() != self._thread or (retained and not self.watch_optimizers):
             return
         stops = {id(node) for node in map(_node_of, inputs or ()) if node is not None}
         nodes = _post_order([_node_of(root) for root in roots], stops)
@@ -190,10 +194,10 @@ class Seen:
                 runs[id(node)] = any(id(child) in stops or runs.get(id(child), False)
                                      for child, _ in node.next_functions if child is not None)
             nodes = [node for node in nodes if runs[id(node)]]
-        mark = self._consumed_mark
+        mark, key = self._consumed_mark, _RETAINED if retained else _CONSUMED
         for node in nodes:
             # a Python wrapper of a node and its id live only while held: the C++ node keeps the mark
-            node.metadata[_CONSUMED] = mark
+            node.metadata[key] = mark
 
     def forget_consumed(self) -> None:
         """Take no node as freed by this call's backward passes (an attempt whose tensors are dropped)."""
@@ -203,6 +207,13 @@ class Seen:
         """True if `tensor` has autograd history no backward pass of the call freed."""
         node = tensor.grad_fn
         return node is not None and node.metadata.get(_CONSUMED) != self._consumed_mark
+
+    def retained_graph(self, tensor: torch.Tensor) -> bool:
+        """True if a backward pass of the call ran through `tensor`'s autograd history and kept it
+        (`backward(retain_graph=True)`), and none freed it since."""
+        node = tensor.grad_fn
+        return (node is not None and node.metadata.get(_RETAINED) == self._consumed_mark
+                and node.metadata.get(_CONSUMED) != self._consumed_mark)
 
     def store(self, record) -> None:
         """Keep them, weakly, with the record they were used by."""

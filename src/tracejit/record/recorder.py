@@ -91,6 +91,11 @@ class Recorder:
         # (ops before it, the tensor whose `.grad` Python set to None: its handle, or a weak
         # reference while no op has used it yet)
         self.grad_clears: list[tuple[int, int | weakref.ref]] = []
+        # whether each leaf from outside the call held a `.grad` when the call began, by handle: as
+        # at its first use, or before the function first set its `.grad` if that came earlier
+        # (`opt.zero_grad()` before the forward); see grad_at_start
+        self._grads_at_first_use: dict[int, bool] = {}
+        self._grads_before_set: dict[int, tuple[weakref.ref, bool]] = {}  # id(tensor) -> (it, held a .grad)
         self.constants: dict[int, torch.Tensor] = {}
         self.constant_versions: dict[int, int] = {}
         self.constant_storage: dict[int, int] = {}
@@ -217,7 +222,18 @@ class Recorder:
         handle = self._new_handle(tensor, Kind.EXTERNAL, name, base=self._overlapped(tensor))
         if self.cut_below:  # made by an excluded block, say: a later call's block may pass an older tensor
             self.tensors[handle].cut = self.cut_below
+        if tensor.is_leaf:
+            before = self._grads_before_set.get(id(tensor))
+            held = before[1] if before is not None and before[0]() is tensor else tensor.grad is not None
+            self._grads_at_first_use[handle] = held
         return handle
+
+    def grad_at_start(self, handle: int) -> bool | None:
+        """Whether the leaf external `handle` held a `.grad` when the call began (None: unknown, not
+        a leaf external of this recording). The call itself creates gradients, and may clear or set
+        them before its first use of the tensor: what selects the trace for later calls is the state
+        a call starts in (signature.reached_gradient_state)."""
+        return self._grads_at_first_use.get(handle)
 
     def _overlapped(self, tensor: torch.Tensor) -> int | None:
         """The base of the input or external whose memory a new external overlaps, if any; notes the
@@ -315,6 +331,12 @@ class Recorder:
 
     def on_grad_cleared(self, tensor: torch.Tensor) -> None:
         self.grad_clears.append(note_grad_clear(len(self.ops), tensor, self.handles))
+
+    def on_grad_set(self, tensor: torch.Tensor) -> None:
+        """Python is about to set `tensor.grad` (None or a tensor): for a tensor no op used yet, note
+        whether it held one before the first such set (see grad_at_start)."""
+        if self.handles.get(tensor) is None and id(tensor) not in self._grads_before_set:
+            self._grads_before_set[id(tensor)] = (weakref.ref(tensor), tensor.grad is not None)
 
     def on_excluded_block(self) -> None:
         self.excluded_blocks.append(ExcludedBlock(len(self.ops), user_location(), len(self.tensors)))

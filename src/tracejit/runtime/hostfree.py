@@ -50,7 +50,8 @@ from ..signature import (
     call_context_key,
     gradient_hooks,
     gradient_state,
-    requires_grad_bits,
+    holds_grad,
+    reached_gradient_state,
     shared_memory,
 )
 from .codegen import RunParts
@@ -335,13 +336,15 @@ class HostFreeRunner:
 
     def _bind(self, objects: dict[int, torch.Tensor], args: tuple, kwargs: dict, names: ExternalNames,
               grad_state: tuple | None, scalars: list | None = None, external_slots: dict[int, int] | None = None,
-              grad_owners: dict[int, int] | None = None, reached: tuple | None = None) -> None:
+              grad_owners: dict[int, int] | None = None, reached: tuple | None = None,
+              input_grads: tuple[bool, ...] | None = None) -> None:
         """Specialize the call to the inputs' signature and the objects and scalar values a host-run
         call just used (`scalars`: its dynamic scalars; None: the record's own). A checked runner
         gets the externals the API-level checker holds as `E` (`external_slots`: handle -> slot):
         the function's calls matched them, so they are not reached through modules again, and
         `grad_owners` (gradient handle -> parameter handle) says whose `.grad` each was read as;
-        `reached`: (parameters no keyword module holds, which of them require grad) of the trace."""
+        `reached`: (parameters no keyword module holds, their gradient state) of the trace;
+        `input_grads`: which tensor inputs held a `.grad` when its recorded call began (signature.input_grads)."""
         self.external_slots = external_slots or {}
         scalars = list(self.initial_scalars if scalars is None else scalars)
         self._freed_grads = self._freed_gradients(objects, grad_owners or {})
@@ -359,11 +362,12 @@ class HostFreeRunner:
                              CONTEXT=call_context_key, PARAM_IDS=param_ids,
                              GRAD_STATE=self.gradient_state, SAME=same_object_key,
                              SHARED=shared_memory, DISTINCT_MEMORY=distinct_memory)
-        admission = self._signature_checks(args, kwargs, grad_state, src)
-        if reached and reached[0]:  # a layer of a closure's model frozen or unfrozen: another trace
-            src.namespace["REQUIRES_GRAD_BITS"] = requires_grad_bits
-            admission.append(_fail(f"REQUIRES_GRAD_BITS({src.constant(reached[0], 'rp')}) != {reached[1]}",
-                                   "a parameter the function reaches was frozen or unfrozen"))
+        admission = self._signature_checks(args, kwargs, grad_state, src, input_grads)
+        if reached and reached[0]:  # a layer of a closure's model frozen, or its .grad cleared: another trace
+            src.namespace["REACHED_STATE"] = reached_gradient_state
+            admission.append(_fail(f"REACHED_STATE({src.constant(reached[0], 'rp')}) != {reached[1]}",
+                                   "a parameter the function reaches was frozen or unfrozen, or its .grad "
+                                   "cleared or set"))
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
         admission.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
                                "grad mode, autocast, default dtype or determinism changed"))
@@ -425,6 +429,13 @@ class HostFreeRunner:
         self._found_through_inputs = {id(t.grad) for t in (*args, *kwargs.values())
                                       if isinstance(t, torch.Tensor) and (t.is_leaf or t.retains_grad)
                                       and t.grad is not None}
+        # of them, those of leaf inputs requiring grad, by the input's expression: a gradient the
+        # call accumulates into is read where it is, as a parameter's (_external_guard)
+        inputs = [*((f"a{i}", a) for i, a in enumerate(args)),
+                  *((f"kw[{name!r}]", v) for name, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))]
+        self._input_grad_exprs = {id(t.grad): expr for expr, t in inputs
+                                  if t.is_leaf and t.requires_grad and t.grad is not None}
+        self._grads_read_through_inputs: set[int] = set()  # their handles, once bound so
         for info in self.record.tensors:
             if info.handle in self._freed_grads:
                 guards += self._freed_gradient_guard(info, src)
@@ -432,6 +443,7 @@ class HostFreeRunner:
                 guards += self._external_guard(info, objects.get(info.handle), src, names)
         # binding's own lookups: kept, they would keep the call's model and optimizer alive
         self._kwargs = self._bound_by_locator = None
+        self._input_grad_exprs = {}
         if self._unconfirmed:  # the next call runs the function, which tells whether it reaches them again
             raise GuardFailure(f"t{self._unconfirmed[0]} was reached for the first time")
         guards += self._meta_checks(src)
@@ -508,8 +520,10 @@ class HostFreeRunner:
         """An input that is a leaf requiring grad and gets its `.grad` from the call's backward (an
         adversarial step, input optimization): the epilogue gives this call's input the program's
         gradient (`_input_grads`), and the call needs the input without one, as recorded. One that
-        accumulates into the `.grad` it had needs that same gradient tensor (the program writes into
-        the one it was bound to): another makes the call run the function."""
+        accumulates into the `.grad` it had reads it where it is, as a parameter's (_external_guard:
+        `delta.grad = None` every few calls gives it a new one); one bound as a view of other memory
+        needs that same gradient tensor (the program writes into the one it was bound to): another
+        makes the call run the function. Whether the input holds a `.grad` at all is its signature's."""
         self._input_grads: dict[int, str] = {}  # id(the gradient object now) -> the input's expression
         handle_of = {id(t): h for h, t in objects.items()}
         inputs = [(f"a{i}", f"positional argument {i}", h) for i, h in enumerate(self.record.arg_handles)]
@@ -523,7 +537,7 @@ class HostFreeRunner:
             if grad is not None and self.record.tensors[grad].kind is Kind.INTERNAL:
                 self._input_grads[id(tensor.grad)] = expr
                 lines.append(_fail(f"{expr}.grad is not None", f"the {what} has a .grad already"))
-            else:  # accumulated into: in place, into the gradient the program is bound to
+            elif grad not in self._grads_read_through_inputs:  # accumulated into, in place, into the one bound
                 ref = src.constant(weakref.ref(tensor.grad), "r")
                 lines.append(_fail(f"{expr}.grad is not {ref}()", f"the {what} has another .grad"))
         return lines
@@ -592,8 +606,10 @@ class HostFreeRunner:
             return f"E[{self.external_slots[handle]}]"
         return f"{src.constant(weakref.ref(self._bound[handle]), 'r')}()"  # guarded: the one bound
 
-    def _signature_checks(self, args: tuple, kwargs: dict, grad_state: tuple | None, src: _Source) -> list[str]:
-        """The input signature of this trace (see signature.py), checked on the call's inputs."""
+    def _signature_checks(self, args: tuple, kwargs: dict, grad_state: tuple | None, src: _Source,
+                          input_grads: tuple[bool, ...] | None = None) -> list[str]:
+        """The input signature of this trace (see signature.py), checked on the call's inputs;
+        `input_grads`: which of them held a `.grad` when the recorded call began (None: as now)."""
         lines = [_fail(f"len(args) != {len(args)} or kw.keys() != {src.constant(set(kwargs), 'keys')}",
                        "other arguments")]
         lines += [f"a{i} = args[{i}]" for i in range(len(args))]
@@ -618,6 +634,15 @@ class HostFreeRunner:
             lines.append(_fail(" or ".join(f"isinstance({expr}, {tensor_type}) and {expr}.is_nested"
                                            for expr, _, _ in tensors), "a nested tensor, which the slow path refuses"))
         lines += _guarded_by_meta([expr for expr, _, _ in tensors], precise, src)
+        # whether an input that requires grad holds a `.grad` (tensor_key), as the recorded call's
+        # did when it began: the call after a binding one finds the gradient that one made
+        if input_grads is None:
+            input_grads = tuple(bool(tensor.requires_grad and holds_grad(tensor)) for _, tensor, _ in tensors)
+        held = [f"HOLDS_GRAD({expr}) is not {had}" for (expr, tensor, _), had in zip(tensors, input_grads, strict=True)
+                if tensor.requires_grad]
+        if held:
+            src.namespace["HOLDS_GRAD"] = holds_grad
+            lines.append(_fail(" or ".join(held), "an input that requires grad holds a .grad now, or no longer does"))
         lines += _same_object_checks([expr for expr, _, _ in tensors], [t for _, t, _ in tensors])
         # A gradient hook of an input (`x.register_hook(...)`, `register_post_accumulate_grad_hook`)
         # is a Python function of that tensor object: the program holds what the bound call's hooks
@@ -694,7 +719,18 @@ class HostFreeRunner:
         locator = names.locator_of(obj)
         slot = self.external_slots.get(info.handle)
         is_grad = locator is not None and bool(locator.steps) and locator.steps[-1][0] == "grad"
-        if slot is not None and not is_grad:  # gradients are read where they are, below
+        through = self._input_grad_exprs.get(id(obj)) if locator is None else None
+        if through is not None and obj._base is None and info.handle not in self.program.hoisted_roots:
+            # the gradient of an input, accumulated into: read where it is, as a parameter's below
+            # (`delta.grad = None` every few calls gives the input a new one; _input_gradients)
+            is_grad = True
+            lines = [f"{local} = {through}.grad"]
+            same = (f"{local} is None or {local}._base is not None or {local}.storage_offset() != "
+                    f"{obj.storage_offset()} or {local}.stride() != {src.constant(info.meta.stride, 'st')}")
+            what = f"the .grad of {through} is missing, a view"
+            self._located_grads.append(local)
+            self._grads_read_through_inputs.add(info.handle)
+        elif slot is not None and not is_grad:  # gradients are read where they are, below
             lines = [f"{local} = E[{slot}]"]
             if locator is not None:
                 src.resolved[locator] = local  # state reached through it (`opt.state[param]`) uses it

@@ -40,6 +40,7 @@ def different_op(record: Record, position: int, func: Any, statics: tuple, tenso
         + _recorded(record, op)
         + _came(_render_call(func, statics, tensor_names, scalars), source)
         + _tensor_or_number(op.op, func)
+        + _gradient_presence_hint(record, op, func)
     )
 
 
@@ -61,6 +62,33 @@ def _tensor_or_number(recorded: Any, got: Any) -> str:
                     f"param_groups (`lr`) switched between a tensor and a Python number? Keep each setting the kind "
                     f"it was (change a tensor setting in place, `group['lr'].fill_(0.1)`), or trace the function anew.")
     return ""
+
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+def _gradient_presence_hint(record: Record, op: OpRecord, func: Any) -> str:
+    """Why autograd's AccumulateGrad ran another op than recorded: it stores a leaf's first gradient
+    (a detach or a copy) but adds into a `.grad` the leaf has, so a `.grad` cleared or set between
+    calls changes its ops."""
+    node = torch._C._current_autograd_node()
+    if op.backward_of != _ACCUMULATE_GRAD and (node is None or node.name() != _ACCUMULATE_GRAD):
+        return ""
+    adds = {"aten.add_.Tensor", "aten.add.Tensor"}
+    got = str(func)
+    if op.name in adds and got not in adds:
+        change = "a `.grad` was None where the recorded call had one (cleared between calls: `zero_grad()`, `.grad = None`?)"
+    elif got in adds and op.name not in adds:
+        change = "a `.grad` held a gradient where the recorded call's was None"
+    else:
+        change = "a `.grad` is not as it was when the trace was recorded"
+    grads = [record.tensors[h].name for h in op.inputs if record.tensors[h].name.endswith(".grad")]
+    which = f" ({grads[0]})" if grads else ""
+    return (f"\n  autograd's AccumulateGrad stores a leaf's first gradient but adds into a `.grad` it has: {change}"
+            f"{which}. Which `.grad` exist selects a trace for the parameters of keyword modules and those the "
+            f"function reaches otherwise, and for inputs that require grad; for another tensor (a plain tensor "
+            f"that requires grad, reached through a global or a closure) make it an nn.Parameter or pass it as "
+            f"an argument, or clear or keep its `.grad` alike before every call.")
 
 
 def different_arguments(record: Record, position: int, statics: tuple, tensor_names: list[str],
