@@ -347,7 +347,7 @@ class HostFreeRunner:
         `input_grads`: which tensor inputs held a `.grad` when its recorded call began (signature.input_grads)."""
         self.external_slots = external_slots or {}
         scalars = list(self.initial_scalars if scalars is None else scalars)
-        self._freed_grads = self._freed_gradients(objects, grad_owners or {})
+        self._freed_grads = self._freed_gradients(objects, grad_owners or {}, names)
         for info in self.record.tensors:
             # An external the call read and then freed (a gradient the user replaced): the program
             # cannot be bound to it, the next call runs the function. Checked before anything is
@@ -680,35 +680,57 @@ class HostFreeRunner:
                 template[handle] = env[handle]
         self.env_template = template
 
-    def _freed_gradients(self, objects: dict[int, torch.Tensor], grad_owners: dict[int, int]) -> dict[int, int]:
-        """gradient handle -> its parameter's handle, for the gradients a checked call read as
-        `p.grad` and then freed itself (`zero_grad()` after a step that accumulated into them: the
-        accumulating call before it made them). No object is left to bind, but every such call finds
-        its own where the function does, in `p.grad` of the parameter the checker matched, as
-        gradients read where they are (_external_guard); the epilogue frees it again. Not for a
-        gradient whose views the program keeps (their storage is fixed at binding)."""
+    def _freed_gradients(self, objects: dict[int, torch.Tensor], grad_owners: dict[int, int],
+                         names: ExternalNames) -> dict[int, int]:
+        """gradient handle -> its parameter's handle, for the gradients a call read as `p.grad` and
+        then freed itself (`zero_grad()` after a step that accumulated into them: the caller or the
+        call before it made them). No object is left to bind, but every such call finds its own
+        where the function does, in `p.grad` (_freed_gradient_guard), as gradients read where they
+        are (_external_guard); the epilogue frees it again. A checked call's parameter is the one
+        its checker matched (`grad_owners`); without the host, one found by a path whose gradient
+        the record names after it. Not for a gradient whose views the program keeps (their storage
+        is fixed at binding)."""
+        self._freed_grad_params: dict[int, Locator] = {}  # without the host: the parameters' paths
         if not self.checked:
-            return {}
+            by_name = {info.name: info.handle for info in self.record.tensors
+                       if info.kind is Kind.EXTERNAL and objects.get(info.handle) is not None}
+            grad_owners = {}
+            for info in self.record.tensors:
+                param = by_name.get(info.name[:-len(".grad")]) if info.name.endswith(".grad") else None
+                locator = None if param is None else names.locator_of(objects[param])
+                if locator is not None and locator.state_of is None and locator.group is None:
+                    grad_owners[info.handle] = param
+                    self._freed_grad_params[param] = locator
         freed = {}
         for grad, param in grad_owners.items():
             info = self.record.tensors[grad]
             if (objects.get(grad) is None and info.kind is Kind.EXTERNAL and info.base is None
-                    and grad not in self.program.hoisted_roots and param in self.external_slots
+                    and grad not in self.program.hoisted_roots
+                    and (param in self.external_slots or param in self._freed_grad_params)
                     and objects.get(param) is not None and objects[param].grad is None
                     and self._call_clears(param, grad)):
                 freed[grad] = param
         return freed
 
     def _freed_gradient_guard(self, info: Any, src: _Source) -> list[str]:
-        """The guard of a gradient in _freed_gradients: `p.grad` of the matched parameter now, a
-        tensor of its own (torch's AccumulateGrad makes one: no view, at the start of its storage)
-        with the recorded layout; the epilogue sets `p.grad = None` as the function did."""
-        local, param = f"h{info.handle}", f"E[{self.external_slots[self._freed_grads[info.handle]]}]"
+        """The guard of a gradient in _freed_gradients: `p.grad` of the parameter now, a tensor of
+        its own (torch's AccumulateGrad makes one: no view, at the start of its storage) with the
+        recorded layout; the epilogue sets `p.grad = None` as the function did."""
+        owner = self._freed_grads[info.handle]
+        lines = []
+        if owner in self.external_slots:  # the object the checked call matched
+            param = f"E[{self.external_slots[owner]}]"
+        else:  # found where the function finds it, by its path (good in the epilogue too)
+            path = self._freed_grad_params[owner]
+            param = src.locator(Locator(path.root, (*path.steps, ("grad", None))))[:-len(".grad")]
+            lines += src.pending
+            src.pending.clear()
+        local = f"h{info.handle}"
         self._located_grads.append(local)
         if param not in self._cleared_grads:
             self._cleared_grads.append(param)
         self._meta.append((local, _layout_check(local, info, src)))
-        return [f"{local} = {param}.grad",
+        return [*lines, f"{local} = {param}.grad",
                 _fail(f"{local} is None or {local}._base is not None or {local}.storage_offset() != 0",
                       f"{info.name} is missing, a view")]
 
