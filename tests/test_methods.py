@@ -169,3 +169,83 @@ def test_a_traced_method_reads_its_own_module_globals_and_keeps_its_instance():
     gc.collect()
     for _ in range(3):
         assert torch.equal(step(torch.full((2,), 3.0)), torch.full((2,), 3.0))
+
+
+class Descriptors:
+    scale = 3.0
+
+    @tracejit.trace
+    @staticmethod
+    def doubled(x):
+        return torch.tanh(x) * 2
+
+    @classmethod
+    @tracejit.trace
+    def scaled_under(cls, x):
+        return torch.tanh(x) * cls.scale
+
+    @tracejit.trace
+    @classmethod
+    def scaled_over(cls, x):
+        return torch.sin(x) * cls.scale
+
+    @tracejit.trace
+    def method(self, x):
+        return torch.cos(x) * self.scale
+
+
+class MoreDescriptors(Descriptors):
+    scale = 5.0
+
+    def method(self, x):
+        return Descriptors.method(self, x) + 1  # the base's traced method through its class
+
+
+def _x(i):
+    return torch.randn(4, generator=torch.Generator().manual_seed(i))
+
+
+def test_staticmethod_under_and_over_trace_and_classmethods_trace_like_eager():
+    # used to raise TypeError (a staticmethod given the instance; a class's read-only __dict__)
+    obj = Descriptors()
+    for i in range(4):
+        x = _x(i)
+        assert torch.equal(obj.doubled(x), torch.tanh(x) * 2)
+        assert torch.equal(Descriptors.doubled(x), torch.tanh(x) * 2)
+        assert torch.equal(Descriptors.scaled_under(x), torch.tanh(x) * 3.0)
+        assert torch.equal(obj.scaled_under(x), torch.tanh(x) * 3.0)
+        assert torch.equal(MoreDescriptors.scaled_over(x), torch.sin(x) * 5.0)  # the subclass's own scale
+        assert torch.equal(Descriptors.scaled_over(x), torch.sin(x) * 3.0)
+    assert Descriptors.doubled.stats.records == 1 and Descriptors.doubled.stats.replays == 7
+    assert Descriptors.scaled_under.stats.records == 1 and Descriptors.scaled_under.stats.replays == 7
+    assert Descriptors.scaled_over.stats.records == 1 and Descriptors.scaled_over.stats.replays == 3
+    assert MoreDescriptors.scaled_over.stats.records == 1 and MoreDescriptors.scaled_over.stats.replays == 3
+
+
+def test_a_classmethod_follows_a_changed_class_attribute_in_checked_calls():
+    class Config:
+        scale = 2.0
+
+        @classmethod
+        @tracejit.trace
+        def apply(cls, x):
+            return x * cls.scale
+
+    x = _x(0)
+    assert torch.equal(Config.apply(x), x * 2.0)
+    assert torch.equal(Config.apply(x), x * 2.0)
+    Config.scale = 7.0
+    assert torch.equal(Config.apply(x), x * 7.0)
+    assert Config.apply.stats.replays == 2
+
+
+def test_a_traced_method_called_through_its_class_takes_the_instance_first():
+    # used to raise "positional argument 0 (self) ... must be a torch.Tensor"
+    base, more = Descriptors(), MoreDescriptors()
+    for i in range(3):
+        x = _x(i)
+        assert torch.equal(Descriptors.method(base, x), torch.cos(x) * 3.0)
+        assert torch.equal(more.method(x), torch.cos(x) * 5.0 + 1)
+    assert Descriptors.method(base, x) is not None and base.method.stats.replays == 3
+    assert more.__dict__["__tracejit_traces__"] and base.method is not Descriptors.__dict__["method"]
+    assert Descriptors.method.options.without_host is False  # the trace's attributes through the class

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+import torch
+
 KEY = "__tracejit_traces__"  # where an instance keeps its traced methods, in its __dict__
 
 
@@ -44,6 +46,10 @@ def bound_trace(traced: Any, instance: Any) -> Any:
 
     It lives in the instance's __dict__, so it goes when the instance goes."""
     state = getattr(instance, "__dict__", None)
+    if isinstance(instance, type):  # a classmethod's class: its __dict__ is read-only, attributes are not
+        if KEY not in state:
+            setattr(instance, KEY, _TracedMethods())
+        state = {KEY: state[KEY]}
     if state is None:
         raise TypeError(f"tracejit.trace on {traced.__qualname__}: {type(instance).__name__} objects have no "
                         f"__dict__ (__slots__), where each instance keeps its traced methods; add '__dict__' to "
@@ -78,6 +84,25 @@ class BoundMethod:
             raise TypeError(f"tracejit: {self.traced.__name__}() got a keyword argument 'self'; the traced method "
                             f"passes its instance under that name")
         return self.traced(*args, **kwargs, **{SELF: self.instance})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["traced"], name)
+
+
+class UnboundMethod:
+    """A traced method looked up on its class (`Base.forward`). Called with an instance first
+    (`Base.forward(self, x)` in a subclass's forward), it is that instance's traced method, as
+    `obj.forward` is; called with a tensor first, it is the trace (a traced function kept as a
+    class attribute), as a plain function looked up on a class is the function."""
+
+    def __init__(self, traced: Any):
+        self.traced = traced
+        functools.update_wrapper(self, traced, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and not isinstance(args[0], torch.Tensor):
+            return bound_trace(self.traced, args[0])(*args[1:], **kwargs)
+        return self.traced(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["traced"], name)

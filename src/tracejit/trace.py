@@ -30,7 +30,7 @@ from .errors import (
 )
 from .ir import build_graph
 from .ir.to_fx import to_fx
-from .methods import bound_trace
+from .methods import UnboundMethod, bound_trace
 from .options import TraceOptions
 from .record.amp import ScalerStages
 from .record.api import ApiTracer, record_refusal
@@ -165,6 +165,10 @@ class trace(ProfileAccess):
                  without_host: bool = False, verify_every: int | None = None, profiling: bool = False,
                  backend: str = "auto", sublinear_memory_config: Any = None, record_only: bool = False,
                  dtr_config: Any = None, graph_opt_config: Any = None, symbolic_shape: bool | None = None):
+        # `@trace` over `@staticmethod` / `@classmethod`: the function they wrap, bound as they bind it (__get__)
+        self._descriptor = type(function) if isinstance(function, (staticmethod, classmethod)) else None
+        if self._descriptor is not None:
+            function = function.__func__
         if not callable(function):
             raise TypeError(f"tracejit.trace: expected a function to trace, got {type(function).__name__}")
         self.options = TraceOptions(
@@ -223,9 +227,16 @@ class trace(ProfileAccess):
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """`@tracejit.trace` on a method: `obj.method` is a traced function of its own per instance,
-        as with torch.compile (see methods.py)."""
-        if instance is None:
+        as with torch.compile (see methods.py). Over a staticmethod it is the trace itself; over a
+        classmethod, or under one (`@classmethod @tracejit.trace`, whose __get__ passes the class
+        here), the traced function of the class. Looked up on the class (`Base.forward(self, x)`),
+        it takes the instance first."""
+        if self._descriptor is staticmethod:
             return self
+        if self._descriptor is classmethod:
+            return bound_trace(self, owner if owner is not None else type(instance))
+        if instance is None:
+            return self if owner is None else UnboundMethod(self)
         return bound_trace(self, instance)
 
     # -- copying ------------------------------------------------------------------------------
@@ -235,7 +246,8 @@ class trace(ProfileAccess):
     # unpickles as that module's trace.
 
     def __copy__(self) -> trace:
-        return type(self)(self._function, **dataclasses.asdict(self.options))
+        function = self._function if self._descriptor is None else self._descriptor(self._function)
+        return type(self)(function, **dataclasses.asdict(self.options))
 
     def __deepcopy__(self, memo: dict) -> trace:
         return self.__copy__()
