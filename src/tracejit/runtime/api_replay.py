@@ -683,6 +683,7 @@ def _handle_at_api_level(public_api: Any, relevant_args: Any, *args: Any, **kwar
 
 
 _REAL_SET_GRAD = torch._C._set_grad_enabled
+_WITHOUT_MODES = torch._C.DisableTorchFunction
 
 
 def _set_grad_enabled_at_api_level(mode: bool) -> None:
@@ -691,13 +692,14 @@ def _set_grad_enabled_at_api_level(mode: bool) -> None:
         checker = _STACK_AT(depth - 1)
         if type(checker) is ApiChecker:
             position = checker.position
+            if (checker.diverged is None and position < checker.count and checker.funcs[position] is _REAL_SET_GRAD
+                    and checker.grad_modes[position] is mode):
+                with _WITHOUT_MODES():  # half the cost of taking the checker off the stack and back
+                    _REAL_SET_GRAD(mode)
+                checker.position = position + 1
+                return
             POP_MODE()
             try:
-                if (checker.diverged is None and position < checker.count and checker.funcs[position] is _REAL_SET_GRAD
-                        and checker.grad_modes[position] is mode):
-                    _REAL_SET_GRAD(mode)
-                    checker.position = position + 1
-                    return
                 return checker.__torch_function__(_REAL_SET_GRAD, (), (mode,), {})
             finally:
                 PUSH_MODE(checker)
