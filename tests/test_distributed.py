@@ -416,6 +416,8 @@ def test_a_host_collective_is_polled_before_its_wait_blocks(monkeypatch):
 
     monkeypatch.setattr(ranks_module, "_posted", [False])  # no group here: nothing posted to retract
     monkeypatch.setattr(ranks_module, "_CORES_FOR_EVERY_RANK", {"0": True, "crowded": False})
+    # a long polling budget: the 5 ms default could run out in three looks on a loaded machine
+    monkeypatch.setenv("TRACEJIT_DIST_SPIN_MS", "60000")
     crowded = _Work(looks=3)  # more ranks on this host than cores: a polling rank holds a peer's core
     ranks_module.wait(crowded, "all_reduce", "crowded", on_host=True)
     assert (crowded.seen, crowded.waits) == (0, 1)

@@ -50,7 +50,8 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     the same object (`step(x, x)` for an autoencoder dispatches other handles than `step(x, y)`);
     which lie in one another's memory (see shared_memory); and the training flags of keyword
     modules and all their submodules (`model.eval()`, or only `model.bn.eval()`, selects a trace of
-    its own); and the value of every bool keyword argument: a flag like `do_step` of a
+    its own), and their classes (`loss_fn=nn.L1Loss()` after `nn.MSELoss()` runs other ops: a
+    trace of its own rather than a mismatch); and the value of every bool keyword argument: a flag like `do_step` of a
     gradient-accumulation loop usually decides which ops run, so each value gets its own trace
     rather than a mismatch (other primitive values, such as a step counter, would make a trace
     per call); and the torch context of the call (call_context_key): under another grad mode,
@@ -62,7 +63,7 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     return (
         tuple(tensor_key(a) for a in args),
         tuple((name, tensor_key(v)) for name, v in keyword),
-        tuple(training_flags(v) for v in kwargs.values() if isinstance(v, torch.nn.Module)),
+        tuple((type(v), training_flags(v)) for v in kwargs.values() if isinstance(v, torch.nn.Module)),
         _repeated_inputs(tensors) if len({id(t) for t in tensors}) != len(tensors) else (),
         shared_memory(tensors) if len(tensors) > 1 else (),
         tuple((name, v) for name, v in sorted(kwargs.items()) if isinstance(v, bool)),

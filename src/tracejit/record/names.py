@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
@@ -311,22 +312,27 @@ def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any
 
 
 def plain_roots(function: Callable) -> list[tuple[str, tuple[str, Any], Any]]:
-    """The plain values (see plain_value) among the globals and closure cells the function reads,
-    and among the globals of the plain functions of its own module it reads (a helper's `x * SCALE`),
-    as (name, root, value)."""
+    """The plain values (see plain_value) and functions among the globals and closure cells the
+    function reads, and among the globals of the plain functions of its own module it reads (a
+    helper's `x * SCALE`), as (name, root, value)."""
     found: dict[tuple[str, Any], tuple[str, Any]] = {}
     function = code_owner(function)
     for name, root, value in roots_of(function, {}):
         if root[0] == "kwarg":
             continue
-        if plain_value(value):
+        if plain_value(value) or isinstance(value, _FUNCTIONS):
             found[root] = (name, value)
-        elif (root[0] == "global" and isinstance(value, types.FunctionType)
-              and value.__globals__ is getattr(function, "__globals__", None)):
+        if (root[0] == "global" and isinstance(value, types.FunctionType)
+                and value.__globals__ is getattr(function, "__globals__", None)):
             for inner, inner_root, inner_value in roots_of(value, {}):
-                if inner_root[0] == "global" and plain_value(inner_value):
+                if inner_root[0] == "global" and (plain_value(inner_value) or isinstance(inner_value, _FUNCTIONS)):
                     found.setdefault(inner_root, (f"{inner} (read by {name})", inner_value))
     return [(name, root, value) for root, (name, value) in found.items()]
+
+
+# functions, compared by identity: another one (`ACT = torch.sigmoid` for `torch.tanh`, a helper
+# defined again) computes otherwise
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
 
 
 # the instructions that read a name from the globals (`LOAD_NAME` in a class body defined inside
@@ -404,7 +410,9 @@ def root_expression(root: tuple[str, Any]) -> str:
     return {"kwarg": f"kw[{key!r}]", "global": f"GLOBALS[{key!r}]", "cell": f"CELLS[{key}].cell_contents"}[kind]
 
 
-_ATOMS = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format)
+# numpy scalars too: a setting annealed with numpy (`np.exp(-r * t)`) is a number the program has built in
+_ATOMS = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format,
+          np.generic)
 _PLAIN_SIZE = 64  # the most items a value compared by value may hold
 
 
@@ -438,6 +446,8 @@ def same_value(now: Any, then: Any) -> bool:
         return True
     if type(now) is not type(then):
         return False
+    if isinstance(now, np.generic):  # by its bits, as a float (np.float32(-0.0) == 0.0)
+        return now.tobytes() == then.tobytes()
     if isinstance(now, float):
         return float_bits(now) == float_bits(then)
     if isinstance(now, (tuple, list)):

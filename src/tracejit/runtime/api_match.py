@@ -7,6 +7,7 @@ from __future__ import annotations
 import cmath
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..record.api import RefKind, StructSeq, TensorRef
@@ -25,12 +26,13 @@ class Numbers:
         self.links = links or {}  # slot -> the slots of backward ops that take the same number
         self.key: tuple | None = None  # the top-level argument being matched
 
-    def line(self, expr: str, value: Any) -> str | None:
+    def line(self, expr: str, value: Any, program: Any) -> str | None:
         slot = self.slots.get(self.key) if self.key is not None else None
         if slot is None:
             return None
         stores = "".join(f"\nS[{s}] = {expr}" for s in (slot, *self.links.get(slot, ())))
-        return f"if type({expr}) is not {type(value).__name__}: return FAIL{stores}"
+        kind = type(value).__name__ if type(value) in (int, float) else program.constant(type(value), "ty")
+        return f"if type({expr}) is not {kind}: return FAIL{stores}"
 
 
 def same_literal(tensor: Any, recorded: torch.Tensor) -> bool:
@@ -100,8 +102,8 @@ def match_lines(expr: str, template: Any, program: Any, numbers: Numbers | None 
         for key, item in template.items():
             lines += match_lines(f"{local}[{key!r}]", item, program)
         return lines
-    if type(template) in (int, float) and numbers is not None:
-        line = numbers.line(expr, template)
+    if type(template) in (int, float, np.float64) and numbers is not None:
+        line = numbers.line(expr, template, program)
         if line is not None:
             return line.split("\n")
     if type(template) in (int, float, str):  # a float bit for bit: -0.0 is not 0.0 (`threshold(x, 1, -0.0)`)

@@ -26,6 +26,7 @@ import weakref
 from _thread import get_ident
 from typing import Any
 
+import numpy as np
 import torch
 from torch._C import _pop_torch_function_stack as POP_MODE
 from torch._C import _push_on_torch_function_stack as PUSH_MODE
@@ -282,7 +283,7 @@ class ApiProgram:
         arguments += [(("kw", k), k, v) for k, v in call.kwargs.items()]
         for key, name, value in arguments:
             indexes = [i for i, n in enumerate(names) if n == name]
-            if type(value) in (int, float) and len(indexes) == 1:
+            if type(value) in _NUMBERS and len(indexes) == 1:
                 items = [(key, value)]
             elif type(value) in (list, tuple) and value and len(indexes) == len(value) and all(
                     type(v) in (int, float) for v in value):
@@ -290,7 +291,8 @@ class ApiProgram:
             else:
                 continue
             for (item_key, item), index in zip(items, indexes):
-                if type(seen[index]) is type(item) and seen[index] == item:
+                # a numpy float64 (a learning rate computed with numpy) reaches the op as a float
+                if type(seen[index]) is _AS_PASSED.get(type(item), type(item)) and seen[index] == item:
                     slots[item_key] = offset + index
         if before_backward:  # only the numbers seen to change, with the backward slots that changed with them
             slots = {key: slot for key, slot in slots.items() if len(key) == 2 and slot in self.backward_links}
@@ -726,6 +728,11 @@ def _remove_fast_paths(installed: list) -> None:
     for namespace, name, torchs, shorter in installed:
         if namespace.get(name) is shorter:
             namespace[name] = torchs
+
+
+# the Python numbers passed on to the program: numpy's float64 is a float, which torch passes on as one
+_NUMBERS = (int, float, np.float64)
+_AS_PASSED = {np.float64: float}
 
 
 def _name(func: Any) -> str:

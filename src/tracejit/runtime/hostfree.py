@@ -234,8 +234,9 @@ def _other_math_bits(expr: str, bits: int, src: _Source) -> str:
 
 def _training_flags_differ(expr: str, module: torch.nn.Module, src: _Source) -> str:
     """A condition true when the training flag of the module or of one of its submodules (held
-    weakly, listed once as signature.training_flags lists them) is not the recorded one."""
-    checks = [f"{expr}.training is not {module.training}"]
+    weakly, listed once as signature.training_flags lists them) is not the recorded one, or the
+    module is of another class (part of the signature too)."""
+    checks = [f"type({expr}) is not {src.constant(type(module), 'mt')}", f"{expr}.training is not {module.training}"]
     for sub in tuple(module.modules())[1:]:
         checks.append(f"{src.constant(weakref.ref(sub), 'r')}().training is not {sub.training}")
     return " or ".join(checks)
@@ -390,6 +391,12 @@ class HostFreeRunner:
         new_hooks: list[str] = []  # checks that only a hook registered since binding can fail
         guards = [] if self.checked else module_guards(
             guarded_modules([*keyword_modules, *self.record.modules_called]), src.constant, _fail, new_hooks)
+        # The guards above check the modules and optimizers the binding call was given; another
+        # object by the same keyword (`loss_fn=nn.L1Loss()` for an MSELoss, a Sequential rebuilt
+        # around the same layers: no parameter tells them apart) runs the function instead.
+        guards += [] if self.checked else [
+            _fail(f"kw[{name!r}] is not {src.constant(weakref.ref(value), 'kr')}()", f"{name} is another object")
+            for name, value in sorted(kwargs.items()) if isinstance(value, (torch.nn.Module, torch.optim.Optimizer))]
         # Without the host, a keyword number could have decided control flow the program froze.
         # A checked call runs the function, which matches every torch call against the record, and
         # the numbers that reach ops come to the program as `S`: no value guard there.

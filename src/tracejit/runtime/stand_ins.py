@@ -21,10 +21,12 @@ of another optimizer) runs the real method, matched call by call as before.
 
 from __future__ import annotations
 
+import types
 import weakref
 from _thread import get_ident
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..record.api import ApiCall, CallKind, RefKind, TensorRef
@@ -38,6 +40,7 @@ from .optimizer_settings import SettingBinding, find_bindings
 
 _MISSING = object()
 _PRIMITIVES = (bool, int, float, str, type(None))
+_IMMUTABLE = (np.generic, types.FunctionType, types.BuiltinFunctionType)
 _PLAIN = frozenset({bool, int, str, type(None)})  # compared by value; floats keep the sign of a zero
 
 
@@ -685,10 +688,12 @@ def identity_checks(mapping: str, values: dict, constant: Callable[[Any, str], s
 
 
 def immutable(value: Any) -> bool:
-    """Numbers, strings, None and tuples of them: the same object is the same value and type."""
+    """Numbers (numpy's scalars too), strings, None and tuples of them, and functions (an
+    activation held as `self.act = torch.tanh`): the same object is the same value and type, and
+    the same function computes the same."""
     if type(value) is tuple:
         return all(map(immutable, value))
-    return type(value) in _PRIMITIVES
+    return type(value) in _PRIMITIVES or isinstance(value, _IMMUTABLE)
 
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
