@@ -276,3 +276,24 @@ def test_host_free_calls_beside_another_threads_own_hooks_do_not_raise():
         sys.setswitchinterval(interval)
     assert not errors, errors[0]
     assert traced.stats.host_free_calls > 100  # tracejit's own hooks did not turn the fast path off
+
+
+@pytest.mark.parametrize("options", [{}, {"without_host": True}])
+def test_the_attention_backends_the_caller_enables_select_a_trace_of_their_own(options):
+    # a call under sdpa_kernel(MATH) ran the recorded CPU flash kernel (other rounding)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+
+    def attend(q, k):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k)
+
+    traced = tracejit.trace(attend, backend="aten", **options)
+    for _ in range(3):
+        assert torch.equal(traced(q, k), attend(q, k))
+    for _ in range(3):
+        with sdpa_kernel(SDPBackend.MATH):
+            assert torch.equal(traced(q, k), attend(q, k))
+    assert torch.equal(traced(q, k), attend(q, k))
+    assert traced.stats.records == 2

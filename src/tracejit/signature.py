@@ -143,18 +143,27 @@ def call_context_key() -> tuple:
     """The global state that decides which ops a torch call dispatches (grad and inference mode,
     autocast state, the autocast dtypes, default dtype, deterministic algorithms, anomaly
     detection and its NaN check, whose backward reads every gradient on the host and raises on a
-    NaN, and the caller's torch modes, see modes_key): a call made under another one may dispatch
+    NaN, the caller's torch modes, see modes_key, and the attention backends enabled): a call made under another one may dispatch
     other ops than the trace holds. The autocast dtypes count even with autocast off: a function
     entering `torch.autocast("cpu")` without a dtype takes `torch.get_autocast_dtype("cpu")`."""
     modes = modes_key() if _function_modes() or _dispatch_modes() else ()
     dtypes = (_autocast_dtype("cpu"), _autocast_dtype("cuda") if _CUDA_BUILD else None)
+    # the attention kernels torch may pick (`sdpa_kernel(SDPBackend.MATH)`: CPU's flash kernel
+    # rounds otherwise)
+    attention = (_flash_sdp(), _math_sdp(), _efficient_sdp(), _cudnn_sdp())
     if not _any_autocast():  # the usual case, in one call
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, dtypes, False,
                 torch.get_default_dtype(), _deterministic(), _anomaly() and _anomaly_nan(),
-                modes)
+                modes, attention)
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
             dtypes, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
-            _deterministic(), _anomaly() and _anomaly_nan(), modes)
+            _deterministic(), _anomaly() and _anomaly_nan(), modes, attention)
+
+
+_flash_sdp = torch._C._get_flash_sdp_enabled
+_math_sdp = torch._C._get_math_sdp_enabled
+_efficient_sdp = torch._C._get_mem_efficient_sdp_enabled
+_cudnn_sdp = torch._C._get_cudnn_sdp_enabled
 
 
 _autocast_dtype = torch.get_autocast_dtype

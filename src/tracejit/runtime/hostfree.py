@@ -371,7 +371,7 @@ class HostFreeRunner:
                                    "cleared or set"))
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
         admission.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
-                               "grad mode, autocast, default dtype or determinism changed"))
+                               "grad mode, autocast, default dtype, determinism or attention backends changed"))
         training = [_fail(_training_flags_differ(f"kw[{name!r}]", value, src),
                           f"{name} or one of its submodules switched between train and eval")
                     for name, value in kwargs.items() if isinstance(value, torch.nn.Module)]
