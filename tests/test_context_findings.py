@@ -297,3 +297,44 @@ def test_the_attention_backends_the_caller_enables_select_a_trace_of_their_own(o
             assert torch.equal(traced(q, k), attend(q, k))
     assert torch.equal(traced(q, k), attend(q, k))
     assert traced.stats.records == 2
+
+
+def _saved_hooks_step(x, *, w):
+    loss = torch.tanh(x * w).sum()
+    loss.backward()
+    g = w.grad.clone()
+    w.grad = None
+    return g
+
+
+def _compressing_hooks():  # activations kept as bfloat16
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.bfloat16), lambda t: t.float())
+
+
+@pytest.mark.parametrize("options", [{}, {"without_host": True}])
+def test_saved_tensors_hooks_around_a_call_are_run_as_eager_runs_them(options):
+    # a hooked call replayed the program recorded without the hooks (gradients 0.01 off)
+    torch.manual_seed(0)
+    w = torch.randn(16, requires_grad=True)
+    x = torch.randn(16) * 3 + 0.1
+    traced = tracejit.trace(_saved_hooks_step, backend="aten", **options)
+    hooked = (3,) if options else (3, 4)  # without the host a second hooked call is refused (below)
+    for call in range(6):
+        if call in hooked:
+            with _compressing_hooks():
+                want, got = _saved_hooks_step(x, w=w), traced(x, w=w)
+        else:
+            want, got = _saved_hooks_step(x, w=w), traced(x, w=w)
+        assert torch.equal(want, got), call
+    assert traced.stats.records == 2
+
+
+def test_a_call_without_the_host_under_saved_tensors_hooks_is_refused():
+    torch.manual_seed(0)
+    w = torch.randn(16, requires_grad=True)
+    x = torch.randn(16)
+    traced = tracejit.trace(_saved_hooks_step, without_host=True)
+    with _compressing_hooks():
+        traced(x, w=w)
+        with pytest.raises(tracejit.HostDependencyError, match="saved_tensors_hooks"):
+            traced(x, w=w)

@@ -151,13 +151,27 @@ def call_context_key() -> tuple:
     # the attention kernels torch may pick (`sdpa_kernel(SDPBackend.MATH)`: CPU's flash kernel
     # rounds otherwise)
     attention = (_flash_sdp(), _math_sdp(), _efficient_sdp(), _cudnn_sdp())
+    # last: whether the caller's saved_tensors_hooks are on (see under_saved_tensor_hooks)
+    hooked = _saved_hooks(False) is not None
     if not _any_autocast():  # the usual case, in one call
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, dtypes, False,
                 torch.get_default_dtype(), _deterministic(), _anomaly() and _anomaly_nan(),
-                modes, attention)
+                modes, attention, hooked)
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
             dtypes, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
-            _deterministic(), _anomaly() and _anomaly_nan(), modes, attention)
+            _deterministic(), _anomaly() and _anomaly_nan(), modes, attention, hooked)
+
+
+def under_saved_tensor_hooks(context: tuple) -> bool:
+    """Whether a call of this context (call_context_key) ran under the caller's
+    `torch.autograd.graph.saved_tensors_hooks`: Python that runs in the call's forward and backward
+    (activation offloading, compression), which the API level and a call without the function
+    would skip. Such calls run at the aten level, where autograd runs the hooks and each op they
+    dispatch is checked."""
+    return context[-1]
+
+
+_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 _flash_sdp = torch._C._get_flash_sdp_enabled

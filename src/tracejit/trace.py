@@ -71,6 +71,7 @@ from .signature import (
     input_grads,
     reached_gradient_state,
     signature,
+    under_saved_tensor_hooks,
     user_modes,
 )
 
@@ -1043,6 +1044,8 @@ class trace(ProfileAccess):
         """After an aten-level replay that noted its torch-level calls: build the API-level check."""
         replayer.state = None  # what the aten-level program held for the call: not the function's
         torch.clear_autocast_cache()  # the caller's autocast region's casts are not the function's (Recorder.finish)
+        if trace.refused is None and under_saved_tensor_hooks(entry.key[-1]):
+            trace.refuse("the call runs under saved_tensors_hooks, whose Python runs in its forward and backward")
         if trace.refused is None:
             trace.refuse(_kept_values(entry.record, replayer.handles.live(), trace, kwargs, [trace]))
         if trace.refused is not None:
@@ -1141,6 +1144,12 @@ class trace(ProfileAccess):
         try:
             # before the program's own refusals: a PowerSGD hook's random draws are its state's doing
             refuse_stateful_comm_hooks(entry.record, kwargs)
+            if under_saved_tensor_hooks(entry.key[-1]):
+                raise HostDependencyError(
+                    f"without_host=True cannot skip {self.__name__}(): it is called under "
+                    f"torch.autograd.graph.saved_tensors_hooks, whose pack and unpack functions are Python that "
+                    f"runs in the call's forward and backward. Enter them inside the traced function, or trace "
+                    f"without without_host.")
             if entry.host_free is None:
                 entry.host_free = self._host_free_runner(entry)
             entry.host_free.bind(handles.live(), args, kwargs, names, entry.grad_state, scalars,
