@@ -41,6 +41,7 @@ from .record.names import ExternalNames, has_lazy_tensors, lazy_modules, roots_o
 from .record.placeholders import SYMBOLIC_LIMITS
 from .record.ranks import post_failure
 from .record.reached import Seen
+from .record.reads import reads_state_it_changes
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
@@ -892,7 +893,8 @@ class trace(ProfileAccess):
             isinstance(v, torch.amp.GradScaler) and v.is_enabled() and v._scale is None for v in kwargs.values())
         replayer = Replayer(
             entry.program, args, kwargs,
-            # the first replay of a record that created state records it again; so does, in the
+            # the first replay of a record that created state, or that read on the host state it then
+            # changed (AveragedModel's first-call copy), records it again; so does, in the
             # automatic symbolic_shape mode, a size's first replay of a symbolic trace, should the
             # function dispatch what torch elides at concrete sizes (a full slice, a size query);
             # and a call whose optimizer lacks the state the record found, or has the state the
@@ -900,7 +902,8 @@ class trace(ProfileAccess):
             # first one's, and the first one's next call finds its own state)
             may_rerecord=(entry.replays == 0 and (
                 (record.created_state and not record.rerecorded)
-                or (entry.shape_trace is not None and self.options.symbolic_shape is None))
+                or (entry.shape_trace is not None and self.options.symbolic_shape is None)
+                or (not record.rerecorded and reads_state_it_changes(record)))
                 or fresh_optimizer or bool(entry.fresh_optimizers - without_state)),
             external_names=ExternalNames(self._function, kwargs, settings=self.options.without_host),
             capture_as_const=self.options.capture_as_const,

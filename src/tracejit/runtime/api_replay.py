@@ -48,6 +48,7 @@ from ..record.api import (
 from ..record.autocast_keys import outside_autocast
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
+from ..record.reads import read_slice
 from ..record.record import Kind, Record, math_bits
 from ..record.recorder import version_of
 from ..signature import autocast_state, call_context_key
@@ -427,7 +428,7 @@ class _Reader:
         position, handle = call.read
         self.func = call.func
         self.handle = handle
-        self.ops = _read_slice(record, position, handle)
+        self.ops, _ = read_slice(record, position, handle)
         random = next((record.ops[i] for i in self.ops if torch.Tag.nondeterministic_seeded in record.ops[i].op.tags), None)
         if random is not None:
             raise _NotReplayable(f"the host reads t{handle} at {call.source}, which depends on the random op "
@@ -463,24 +464,6 @@ class _Reader:
                 call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
                 _store_outputs(op, op.op(*call_args, **call_kwargs), env)
         return env
-
-
-def _read_slice(record: Record, position: int, handle: int) -> list[int]:
-    """The ops before `position` that the value of `handle` there depends on, in order: every op
-    that writes the storage of a needed value, and then what it reads."""
-    def root(h: int) -> int:
-        while record.tensors[h].base is not None:
-            h = record.tensors[h].base
-        return h
-
-    needed = {root(handle)}
-    ops = []
-    for op in reversed(record.ops[:position]):
-        writes = {root(h) for h in (*op.outputs, *op.mutated) if h is not None}
-        if writes & needed:
-            ops.append(op.index)
-            needed |= {root(h) for h in op.inputs}
-    return ops[::-1]
 
 
 def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any) -> dict | None:

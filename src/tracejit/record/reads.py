@@ -1,0 +1,46 @@
+"""What a host read of a record depends on: the ops before it that lead to its value, and the
+tensors they start from."""
+
+from __future__ import annotations
+
+from .record import Kind, Record
+
+
+def read_slice(record: Record, position: int, handle: int) -> tuple[list[int], set[int]]:
+    """The ops before `position` that the value of `handle` there depends on, in order (every op
+    that writes the storage of a needed value, and then what it reads), and the storages (base
+    handles) the value depends on."""
+    def root(h: int) -> int:
+        return _base(record, h)
+
+    needed = {root(handle)}
+    ops = []
+    for op in reversed(record.ops[:position]):
+        writes = {root(h) for h in (*op.outputs, *op.mutated) if h is not None}
+        if writes & needed:
+            ops.append(op.index)
+            needed |= {root(h) for h in op.inputs}
+    return ops[::-1], needed
+
+
+def reads_state_it_changes(record: Record) -> bool:
+    """Whether the recorded call read on the host a value that depends on a tensor from outside
+    the call (a module's buffer, optimizer state) which the call then wrote: a first-call branch
+    such as AveragedModel's `if self.n_averaged == 0: copy` that the next call takes the other
+    way, as an optimizer's lazily made state is different on the next call (trace.py lets the
+    first replay of such a record record again rather than diverge)."""
+    for read in record.host_reads:
+        if read.handle is None:
+            continue
+        _, roots = read_slice(record, read.position, read.handle)
+        state = {h for h in roots if record.tensors[h].kind is Kind.EXTERNAL}
+        if state and any(h is not None and _base(record, h) in state
+                         for op in record.ops[read.position:] for h in op.mutated):
+            return True
+    return False
+
+
+def _base(record: Record, handle: int) -> int:
+    while record.tensors[handle].base is not None:
+        handle = record.tensors[handle].base
+    return handle

@@ -1,0 +1,63 @@
+"""A branch the first call takes because of state it then changes (AveragedModel's
+`if self.n_averaged == 0: copy`) goes the other way on the next call, as an optimizer's lazily
+made state differs on the next call: the first replay of such a trace records again instead of
+raising TraceMismatchError. A branch on the inputs' values still raises."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import tracejit
+
+
+def _swa_step(x, y, *, model, opt, avg):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    avg.update_parameters(model)
+    return loss.detach()
+
+
+@pytest.mark.parametrize("averaging", ["swa", "ema"])
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_an_averaged_model_updated_inside_the_step_trains_as_eager(averaging, backend):
+    # used to raise TraceMismatchError on the 2nd call (plain SGD: the record created no state)
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    model_b = copy.deepcopy(model_a)
+    options = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)} if averaging == "ema" else {}
+    avg_a, avg_b = AveragedModel(model_a, **options), AveragedModel(model_b, **options)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.05)
+    traced = tracejit.trace(_swa_step, backend=backend)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(8, 6, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+        want = _swa_step(x, y, model=model_a, opt=opt_a, avg=avg_a)
+        got = traced(x, y, model=model_b, opt=opt_b, avg=avg_b)
+        assert torch.allclose(want, got, atol=1e-6)
+        for a, b in zip(avg_a.state_dict().values(), avg_b.state_dict().values()):
+            assert torch.allclose(a.float(), b.float(), atol=1e-6)
+    assert avg_b.n_averaged.item() == 6
+    assert traced.stats.records == 1 and traced.stats.rerecords == 1 and traced.stats.checked_replays >= 4
+
+
+def test_a_branch_on_the_inputs_values_still_raises_on_the_first_replay():
+    @tracejit.trace
+    def f(x, *, count):
+        s = x.sum()
+        out = x * 2 if s.item() > 0 else x - 2
+        count.add_(1)  # state the call changes, which the branch does not read
+        return out
+
+    count = torch.zeros(())
+    f(torch.ones(3), count=count)
+    with pytest.raises(tracejit.TraceMismatchError, match="aten.sub.Tensor instead of aten.mul.Tensor"):
+        f(-torch.ones(3), count=count)
