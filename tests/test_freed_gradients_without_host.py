@@ -73,3 +73,29 @@ def test_the_stepping_call_of_gradient_accumulation_runs_without_the_host(backen
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=backend == "aten")
     # 3 recordings (no gradients yet, accumulating, stepping), one checked call binding; the rest without the host
     assert traced.stats.host_free_calls == 19
+
+
+def _optimizer_step(*, opt):
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("without_host, opt_name", [(False, "sgd_momentum"), (False, "adam_foreach"), (False, "adam_fused"),
+                                                    (True, "sgd_momentum"), (True, "adam_fused")])  # foreach reads step
+def test_a_step_function_given_only_the_optimizer_reads_the_gradients_backward_made(without_host, opt_name):
+    # the backward outside, the step traced: its parameters are found through the optimizer's
+    # param groups (they stayed unnamed, and a checked call never bound at the API level)
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), opt_name)
+    traced = tracejit.trace(_optimizer_step, without_host=without_host)
+    for call in range(8):
+        x, y = batch("mlp", call)
+        for model in (model_a, model_b):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        _optimizer_step(opt=opt_a)
+        traced(opt=opt_b)
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=False)
+    if without_host:
+        assert traced.stats.host_free_calls >= 4
+    else:
+        assert traced.stats.api_replays >= 4 and traced.stats.api_fallbacks == 0
+    assert "opt.param_groups[0]['params'][0].grad" in traced.listing()

@@ -222,6 +222,20 @@ def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
         _walk_plain(value, name, locator, found, optimizers, visited, _PLAIN_DEPTH - 1)
     for name, locator, optimizer in optimizers:
         found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
+        # its parameters that no module found (a step function given only the optimizer), and
+        # their gradients: where the function's step() finds them
+        for index, group in enumerate(optimizer.param_groups):
+            params = group.get("params")
+            if type(params) is not list:
+                continue
+            for position, param in enumerate(params[:_PLAIN_ITEMS]):
+                if isinstance(param, torch.Tensor) and id(param) not in found:
+                    where = Locator(locator.root, (*locator.steps, ("attr", "param_groups"), ("item", index),
+                                                   ("item", "params"), ("item", position)))
+                    param_name = f"{name}.param_groups[{index}]['params'][{position}]"
+                    found.add(param, param_name, where)
+                    if isinstance(param.grad, torch.Tensor):
+                        found.add(param.grad, f"{param_name}.grad", Locator(where.root, (*where.steps, ("grad", None))))
         # the tensors of its settings (`lr=torch.tensor(0.01)` for a fused step, tensor betas): found
         # where the function finds them on every call, so a call without the function notices a new
         # one (a hand-written decay, load_state_dict()) or a number in its place

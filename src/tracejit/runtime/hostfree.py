@@ -694,20 +694,21 @@ class HostFreeRunner:
         call before it made them). No object is left to bind, but every such call finds its own
         where the function does, in `p.grad` (_freed_gradient_guard), as gradients read where they
         are (_external_guard); the epilogue frees it again. A checked call's parameter is the one
-        its checker matched (`grad_owners`); without the host, one found by a path whose gradient
-        the record names after it. Not for a gradient whose views the program keeps (their storage
+        its checker matched (`grad_owners`); otherwise one found by a path whose gradient the
+        record names after it. Not for a gradient whose views the program keeps (their storage
         is fixed at binding)."""
-        self._freed_grad_params: dict[int, Locator] = {}  # without the host: the parameters' paths
-        if not self.checked:
-            by_name = {info.name: info.handle for info in self.record.tensors
-                       if info.kind is Kind.EXTERNAL and objects.get(info.handle) is not None}
-            grad_owners = {}
-            for info in self.record.tensors:
-                param = by_name.get(info.name[:-len(".grad")]) if info.name.endswith(".grad") else None
-                locator = None if param is None else names.locator_of(objects[param])
-                if locator is not None and locator.state_of is None and locator.group is None:
-                    grad_owners[info.handle] = param
-                    self._freed_grad_params[param] = locator
+        self._freed_grad_params: dict[int, Locator] = {}  # found by their paths: the parameters' paths
+        by_name = {info.name: info.handle for info in self.record.tensors
+                   if info.kind is Kind.EXTERNAL and objects.get(info.handle) is not None}
+        grad_owners = dict(grad_owners)
+        for info in self.record.tensors:
+            if info.handle in grad_owners or not info.name.endswith(".grad"):
+                continue
+            param = by_name.get(info.name[:-len(".grad")])
+            locator = None if param is None else names.locator_of(objects[param])
+            if locator is not None and locator.state_of is None and locator.group is None:
+                grad_owners[info.handle] = param
+                self._freed_grad_params[param] = locator
         freed = {}
         for grad, param in grad_owners.items():
             info = self.record.tensors[grad]
