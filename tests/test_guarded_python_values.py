@@ -194,3 +194,102 @@ def test_a_numpy_learning_rate_changing_every_call_stays_at_the_api_level(optimi
         assert torch.equal(train_step(x, y, model=model_a, opt=opt_a), traced(x, y, model=model_b, opt=opt_b))
         assert_same_state(model_a, opt_a, model_b, opt_b)
     assert traced.stats.api_replays == 5 and traced.stats.api_fallbacks == 0  # after the record and re-record (lazy state)
+
+
+class _Trainer:
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+
+def _trainer_step(x, y, *, trainer):
+    loss = torch.nn.functional.mse_loss(trainer.model(x), y)
+    loss.backward()
+    trainer.opt.step()
+    trainer.opt.zero_grad()
+    return loss.detach()
+
+
+def _optimizers_step(x, y, *, model, opts):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("how", ["attribute", "new trainer", "keyword list"])
+def test_a_new_optimizer_where_the_function_finds_one_is_followed_without_the_host(how):
+    # a new SGD with another lr (no state to tell it apart) kept the old lr without the host
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 3), nn.Linear(4, 3)]
+    models[1].load_state_dict(models[0].state_dict())
+    trainers = [_Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in models]
+    traced = tracejit.trace(_optimizers_step if how == "keyword list" else _trainer_step, without_host=True)
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    for call in range(8):
+        if call == 3:  # the next stage: a new optimizer with a larger learning rate
+            for i, m in enumerate(models):
+                opt = torch.optim.SGD(m.parameters(), lr=0.5)
+                if how == "attribute":
+                    trainers[i].opt = opt
+                else:
+                    trainers[i] = _Trainer(m, opt)
+        results = []
+        for t, run in zip(trainers, (_optimizers_step if how == "keyword list" else _trainer_step, traced)):
+            results.append(run(x, y, model=t.model, opts=[t.opt]) if how == "keyword list" else run(x, y, trainer=t))
+        assert torch.equal(results[0], results[1])
+        assert torch.allclose(models[0].weight, models[1].weight, atol=1e-6)
+    assert traced.stats.host_free_calls >= 4
+
+
+def _criterion_step(x, y, *, model, opt, losses, weight):
+    loss = losses["main"](model(x), y) * weight
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_keyword_functions_partials_and_containers_of_criteria_are_the_bound_ones_without_the_host():
+    import functools
+
+    import torch.nn.functional as F
+
+    (model_a, opt_a), (model_b, opt_b) = _pair()
+    traced = tracejit.trace(_criterion_step, without_host=True)
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    huber = functools.partial(F.huber_loss, delta=0.5)
+    for call in range(5):
+        if call == 3:  # another delta: a partial of its own, with the number passed on
+            huber = functools.partial(F.huber_loss, delta=2.0)
+        want = _criterion_step(x, y, model=model_a, opt=opt_a, losses={"main": huber}, weight=1.0)
+        got = traced(x, y, model=model_b, opt=opt_b, losses={"main": huber}, weight=1.0)
+        assert torch.allclose(want, got, atol=1e-6)
+    assert traced.stats.host_free_calls >= 2
+    with pytest.raises(tracejit.TraceMismatchError, match="l1_loss|sub"):  # another function: other ops
+        traced(x, y, model=model_b, opt=opt_b, losses={"main": nn.L1Loss()}, weight=1.0)
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", None)  # an optional mask the caller sets later
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.mask if self.mask is not None else h
+
+
+def test_a_buffer_that_was_none_when_bound_and_is_set_since_is_noticed_without_the_host():
+    # the mask set after binding was ignored: the program kept the unmasked path
+    torch.manual_seed(0)
+    model = _Masked()
+    traced = tracejit.trace(_infer, without_host=True)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        assert torch.equal(traced(x, model=model), _infer(x, model=model))
+    model.mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(tracejit.TraceMismatchError, match="aten.mul"):
+        traced(x, model=model)

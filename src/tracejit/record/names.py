@@ -78,6 +78,8 @@ class ExternalNames:
         # where each tensor is when the call begins: a call may put another tensor in that place
         # (`self.h = h`), and a call without the function must look where this one looked
         self._found = _collect(roots_of(function, kwargs))
+        # id(optimizer) -> where the function finds it (`trainer.opt`): one put there since is another
+        self.optimizer_locators = dict(self._found.optimizer_locators)
         # and what it is then, to find what the call changes by Python rather than by an op
         self._first: list[tuple[Any, int, bool, str]] = []
         for tensor, name in self._found.tensors:
@@ -222,6 +224,7 @@ def _collect(roots: list[tuple[str, tuple[str, Any], Any]]) -> _Found:
         _walk_plain(value, name, locator, found, optimizers, visited, _PLAIN_DEPTH - 1)
     for name, locator, optimizer in optimizers:
         found.holders.append((optimizer, name, "optimizer" if locator.steps else "root optimizer"))
+        found.optimizer_locators.setdefault(id(optimizer), locator)
         # its parameters that no module found (a step function given only the optimizer), and
         # their gradients: where the function's step() finds them
         for index, group in enumerate(optimizer.param_groups):
@@ -272,6 +275,7 @@ class _Found(dict):
         self.contents: list[tuple[Locator, str, Any]] = []  # (locator, name, _items) of each container
         self.refs: dict[int, weakref.ref] = {}  # id -> the tensor found, weakly
         self.module_attributes: list[tuple[Any, str, Locator]] = []  # modules' plain values, walked last
+        self.optimizer_locators: dict[int, Locator] = {}  # id(optimizer) -> where it was found first
         # (id(optimizer), id(parameter), key) of each optimizer state entry found (not None)
         self.state_entries: set[tuple[int, int, Any]] = set()
 

@@ -242,6 +242,51 @@ def _training_flags_differ(expr: str, module: torch.nn.Module, src: _Source) -> 
     return " or ".join(checks)
 
 
+def _held(value: Any, src: _Source) -> str:
+    """An expression for `value` in generated code: weakly held where it can be."""
+    try:
+        return f"{src.constant(weakref.ref(value), 'kr')}()"
+    except TypeError:
+        return src.constant(value, "ko")
+
+
+def _held_objects(value: Any) -> tuple | None:
+    """For a keyword list, tuple or dict: (its type, its keys, (key, weak or strong reference) of
+    each item that is not a tensor or plain value); None for any other value."""
+    if type(value) in (list, tuple):
+        items = list(enumerate(value))
+    elif type(value) is dict:
+        items = list(value.items())
+    else:
+        return None
+    held = []
+    for key, item in items[:_HELD_ITEMS]:
+        if isinstance(item, (torch.Tensor, *_PRIMITIVES)) or plain_value(item):
+            continue
+        try:
+            held.append((key, weakref.ref(item), True))
+        except TypeError:
+            held.append((key, item, False))
+    return type(value), tuple(key for key, _ in items), tuple(held)
+
+
+_HELD_ITEMS = 64  # the most items of a keyword container compared
+
+
+def same_objects(value: Any, snapshot: tuple) -> bool:
+    """Whether a keyword container is of the type, has the keys and holds the objects of `snapshot`
+    (_held_objects)."""
+    kind, keys, held = snapshot
+    if type(value) is not kind or len(value) != len(keys):
+        return False
+    if kind is dict and tuple(value) != keys:
+        return False
+    for key, ref, weak in held:
+        if value[key] is not (ref() if weak else ref):
+            return False
+    return True
+
+
 def same_object_key(tensors: list[torch.Tensor]) -> list[int]:
     """For each tensor, the index of the first one that is the same object."""
     return [next(j for j in range(i + 1) if tensors[j] is t) for i, t in enumerate(tensors)]
@@ -394,9 +439,19 @@ class HostFreeRunner:
         # The guards above check the modules and optimizers the binding call was given; another
         # object by the same keyword (`loss_fn=nn.L1Loss()` for an MSELoss, a Sequential rebuilt
         # around the same layers: no parameter tells them apart) runs the function instead.
-        guards += [] if self.checked else [
-            _fail(f"kw[{name!r}] is not {src.constant(weakref.ref(value), 'kr')}()", f"{name} is another object")
-            for name, value in sorted(kwargs.items()) if isinstance(value, (torch.nn.Module, torch.optim.Optimizer))]
+        # So are the other objects a keyword gives (a loss function, a `functools.partial`, a
+        # trainer holding an optimizer), and those in a keyword list, tuple or dict (`opts=[opt]`,
+        # `losses={"a": nn.L1Loss()}`); tensors there are found by their paths, as externals.
+        for name, value in sorted(kwargs.items()) if not self.checked else ():
+            if isinstance(value, (torch.Tensor, torch.Generator, *_PRIMITIVES)) or plain_value(value):
+                continue
+            snapshot = _held_objects(value)
+            if snapshot is None:
+                guards.append(_fail(f"kw[{name!r}] is not {_held(value, src)}", f"{name} is another object"))
+            elif snapshot[2]:
+                src.namespace["SAME_OBJECTS"] = same_objects
+                guards.append(_fail(f"not SAME_OBJECTS(kw[{name!r}], {src.constant(snapshot, 'ho')})",
+                                    f"{name} holds other objects"))
         # Without the host, a keyword number could have decided control flow the program froze.
         # A checked call runs the function, which matches every torch call against the record, and
         # the numbers that reach ops come to the program as `S`: no value guard there.
@@ -487,6 +542,15 @@ class HostFreeRunner:
         # stepped through a helper the function calls: reached through the recorded object, held weakly
         optimizers += [(f"{src.constant(ref, 'or')}()", ref()) for ref in self.record.optimizers_stepped
                        if ref() is not None and id(ref()) not in known]
+        for ref in self.record.optimizers_stepped if not self.checked else ():
+            # one found by a path (`trainer.opt`, `opts[0]`) is still there: a new optimizer put
+            # there (a new training stage) has its own settings
+            locator = names.optimizer_locators.get(id(ref())) if ref() is not None else None
+            if locator is not None and locator.steps and id(ref()) not in known:
+                expr = src.locator(locator)
+                guards += [*src.pending, _fail(f"{expr} is not {src.constant(ref, 'or')}()",
+                                               f"{locator.describe()} is another optimizer")]
+                src.pending.clear()
         bindings = find_bindings(self.record, objects, optimizers, scalars)
         settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
         settings += scaler_guards(self.function, kwargs, self.record.scalers_updated, src.constant, _fail)

@@ -100,6 +100,15 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
         children = attributes["_modules"]
         conditions.append(f"len({d}['_modules']) != {len(children)}" if children else f"{d}['_modules']")
         conditions += [f"{d}['_modules'][{name!r}] is not None" for name, child in children.items() if child is None]
+        # a parameter or buffer registered since, or one that was None given a tensor (a mask
+        # buffer filled later, a bias added); an attribute set since that forward may read
+        # (`getattr(self, "extra", None)`): the tensors themselves are externals, guarded as such
+        for kind in ("_parameters", "_buffers"):
+            held = attributes.get(kind)
+            if isinstance(held, dict):
+                conditions.append(f"len({d}[{kind!r}]) != {len(held)}")
+                conditions += [f"{d}[{kind!r}][{name!r}] is not None" for name, value in held.items() if value is None]
+        conditions.append(f"len({d}) != {len(attributes)}")
         what = "a communication hook, Join, " if is_ddp(module) else "mode, a setting, "
         lines.append(fail(" or ".join(conditions),
                           f"the {type(module).__qualname__} module changed ({what}hooks, forward or submodules)"))

@@ -21,6 +21,7 @@ of another optimizer) runs the real method, matched call by call as before.
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from _thread import get_ident
@@ -40,7 +41,8 @@ from .optimizer_settings import SettingBinding, find_bindings
 
 _MISSING = object()
 _PRIMITIVES = (bool, int, float, str, type(None))
-_IMMUTABLE = (np.generic, types.FunctionType, types.BuiltinFunctionType)
+_IMMUTABLE = (np.generic, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.MethodDescriptorType,
+              types.WrapperDescriptorType, functools.partial)
 _PLAIN = frozenset({bool, int, str, type(None)})  # compared by value; floats keep the sign of a zero
 
 
@@ -689,8 +691,8 @@ def identity_checks(mapping: str, values: dict, constant: Callable[[Any, str], s
 
 def immutable(value: Any) -> bool:
     """Numbers (numpy's scalars too), strings, None and tuples of them, and functions (an
-    activation held as `self.act = torch.tanh`): the same object is the same value and type, and
-    the same function computes the same."""
+    activation held as `self.act = torch.tanh`, a method, a `functools.partial`): the same object
+    is the same value and type, and the same function computes the same."""
     if type(value) is tuple:
         return all(map(immutable, value))
     return type(value) in _PRIMITIVES or isinstance(value, _IMMUTABLE)
