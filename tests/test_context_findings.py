@@ -338,3 +338,31 @@ def test_a_call_without_the_host_under_saved_tensors_hooks_is_refused():
         traced(x, w=w)
         with pytest.raises(tracejit.HostDependencyError, match="saved_tensors_hooks"):
             traced(x, w=w)
+
+
+def test_forward_mode_ad_and_torch_func_transforms_run_the_call_eagerly():
+    # a dual input came back without its tangent; jvp raised an unclear RuntimeError
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    w = torch.randn(4)
+
+    def f(x):
+        return torch.tanh(x * w)
+
+    x, v = torch.randn(2, 4), torch.randn(2, 4)
+    for options in ({}, {"without_host": True}, {"backend": "aten"}):
+        traced = tracejit.trace(f, **options)
+        for _ in range(3):
+            assert torch.equal(traced(x), f(x))
+        with pytest.warns(tracejit.ReplayLevelWarning, match="forward-mode AD"):
+            with fwAD.dual_level():
+                want = fwAD.unpack_dual(f(fwAD.make_dual(x, v))).tangent
+                got = fwAD.unpack_dual(traced(fwAD.make_dual(x, v))).tangent
+        assert got is not None and torch.equal(want, got)
+        out, tangent = torch.func.jvp(traced, (x,), (v,))
+        want_out, want_tangent = torch.func.jvp(f, (x,), (v,))
+        assert torch.equal(out, want_out) and torch.equal(tangent, want_tangent)
+        assert torch.equal(torch.func.vmap(traced)(x), torch.func.vmap(f)(x))
+        assert traced.stats.eager_calls == 3
+        assert torch.equal(traced(x), f(x)) and traced.stats.records == 1

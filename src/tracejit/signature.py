@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch.utils._device import DeviceContext
 
 from .record.record import describe_math_bits, math_bits
@@ -133,10 +134,22 @@ def modes_key() -> tuple:
 def user_modes() -> list[str]:
     """The modes the caller entered that see the calls of the function (a FlopCounterMode, a
     mode of its own): their Python code runs on every torch call or aten op, changes results as
-    it likes and keeps its own state, which no trace can replay. Such calls run eagerly."""
-    if not (_function_modes() or _dispatch_modes()):
-        return []
-    return [type(m).__qualname__ for m in _entered_modes() if not isinstance(m, DeviceContext)]
+    it likes and keeps its own state, which no trace can replay; and the transforms that change
+    what every op computes (a forward-mode AD level, whose dual tensors carry tangents the
+    recorded ops do not; a torch.func transform: jvp, grad, vmap). Such calls run eagerly."""
+    found = [what for what, on in zip(_TRANSFORMS, transforms()) if on]
+    if _function_modes() or _dispatch_modes():
+        found += [type(m).__qualname__ for m in _entered_modes() if not isinstance(m, DeviceContext)]
+    return found
+
+
+_TRANSFORMS = ("forward-mode AD (torch.autograd.forward_ad.dual_level)", "a torch.func transform (jvp, grad, vmap)")
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
+
+
+def transforms() -> tuple[bool, bool]:
+    """Whether a forward-mode AD level and a torch.func transform are active (see user_modes)."""
+    return _forward_ad._current_level >= 0, _functorch_stack() is not None
 
 
 def call_context_key() -> tuple:
@@ -156,10 +169,10 @@ def call_context_key() -> tuple:
     if not _any_autocast():  # the usual case, in one call
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), False, dtypes, False,
                 torch.get_default_dtype(), _deterministic(), _anomaly() and _anomaly_nan(),
-                modes, attention, hooked)
+                modes, attention, transforms(), hooked)
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
             dtypes, torch.is_autocast_enabled("cuda"), torch.get_default_dtype(),
-            _deterministic(), _anomaly() and _anomaly_nan(), modes, attention, hooked)
+            _deterministic(), _anomaly() and _anomaly_nan(), modes, attention, transforms(), hooked)
 
 
 def under_saved_tensor_hooks(context: tuple) -> bool:

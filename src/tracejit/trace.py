@@ -574,8 +574,8 @@ class trace(ProfileAccess):
         if not self._warned_modes:
             self._warned_modes = True
             self._warn_replay_level(
-                f"{self.__name__}() was called inside {', '.join(modes)} (a torch function or dispatch mode): "
-                f"such calls run eagerly, untraced, so that the mode sees every call and op as in eager. "
+                f"{self.__name__}() was called inside {', '.join(modes)}: such calls run eagerly, untraced, "
+                f"so that the mode or transform sees every call and op as in eager. "
                 f"Said once; traced.stats.eager_calls counts them.")
         result = self._function(*args, **kwargs)
         self.stats.eager_calls += 1
