@@ -230,7 +230,8 @@ _NONES = itertools.repeat(None)
 
 
 def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[int, ...]:
-    """Which parameters of keyword modules require grad and which hold a `.grad`, and the state of
+    """Which parameters of keyword modules (and of the modules a keyword dict, list or tuple holds)
+    require grad and which hold a `.grad`, and the state of
     a DistributedDataParallel module (`_ddp_state`); then the same of the `watched` modules, the
     DDP modules a traced function reaches without a keyword (a closure, a global), -1 for one
     that is gone.
@@ -243,8 +244,14 @@ def gradient_state(kwargs: dict, watched: Sequence[weakref.ref] = ()) -> tuple[i
     gradients. (The parameters a trace reads that no keyword module holds are checked per trace:
     reached_gradient_state; the inputs' `.grad` is part of their signature, tensor_key.)
     """
-    states = [_module_state(module) for module in kwargs.values() if isinstance(module, torch.nn.Module)]
-    states += [len(opt.param_groups) for opt in kwargs.values() if isinstance(opt, torch.optim.Optimizer)]
+    values = list(kwargs.values())
+    for value in kwargs.values():  # a keyword dict, list or tuple's modules and optimizers (`st={"model": m}`)
+        if type(value) is dict:
+            values += value.values()
+        elif type(value) in (list, tuple):
+            values += value
+    states = [_module_state(module) for module in values if isinstance(module, torch.nn.Module)]
+    states += [len(opt.param_groups) for opt in values if isinstance(opt, torch.optim.Optimizer)]
     for ref in watched:
         module = ref()
         states.append(-1 if module is None else _module_state(module))
