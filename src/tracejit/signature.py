@@ -402,7 +402,7 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
     positional, keyword, training, repeated, shared, flags, context = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]
     parts += [f"{name}=: {one(k)}" for name, k in keyword]
-    parts += [_describe_training(flags) for flags in training]
+    parts += [_describe_training(flags) for _, flags in training]  # (class, flags) of each keyword module
     parts += [f"input {i} is input {j}" for i, j in enumerate(repeated) if i != j]
     parts += [f"input {i} lies in the memory of input {j} (offset {offset} bytes)" for i, j, offset in shared]
     parts += [f"{name}={value}" for name, value in flags]
@@ -422,7 +422,8 @@ def _contiguous_strides(shape: tuple) -> tuple[int, ...]:
 
 def describe_context(context: tuple) -> list[str]:
     """The parts of a call context that differ from torch's defaults, readably."""
-    grad, inference, cpu_autocast, dtypes, cuda_autocast, default_dtype, deterministic, anomaly, modes = context
+    (grad, inference, cpu_autocast, dtypes, cuda_autocast, default_dtype, deterministic, anomaly, modes, attention,
+     transforms_on, hooked) = context
     parts = [] if grad else ["no_grad"]
     parts += ["inference_mode"] if inference else []
     parts += [f"autocast cpu {str(dtypes[0]).removeprefix('torch.')}"] if cpu_autocast else []
@@ -435,7 +436,14 @@ def describe_context(context: tuple) -> list[str]:
     parts += ["deterministic algorithms"] if deterministic else []
     parts += ["anomaly detection"] if anomaly else []
     parts += [f"default device {mode[1]}" if mode[0] is DeviceContext else f"inside {mode[0].__qualname__}" for mode in modes]
+    parts += [f"attention backends {'/'.join(name for name, on in zip(_ATTENTION, attention) if on) or 'none'}"
+              ] if not all(attention) else []
+    parts += [what for what, on in zip(_TRANSFORMS, transforms_on) if on]
+    parts += ["saved_tensors_hooks"] if hooked else []
     return parts
+
+
+_ATTENTION = ("flash", "math", "efficient", "cudnn")  # call_context_key's order; torch enables all by default
 
 
 def _describe_training(flags: int) -> str:
