@@ -26,6 +26,7 @@ OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-3),
     "adam_fused": lambda params: torch.optim.Adam(params, lr=0.01, fused=True),
     "adam_foreach": lambda params: torch.optim.Adam(params, lr=0.01, foreach=True),  # step.item(): checked only
+    "rmsprop_momentum": lambda params: torch.optim.RMSprop(params, lr=0.01, momentum=0.5, foreach=True),
 }
 MODES = {"checked": {}, "checked_aten": {}, "symbolic": {"symbolic": True}, "without_host": {"without_host": True}}
 
@@ -87,6 +88,8 @@ CASES = [(schedule, opt_name, mode) for schedule in SCHEDULES for opt_name in ("
          for mode in ("checked", "symbolic", "without_host")]
 CASES += [("one_cycle", "adam_foreach", "checked"), ("lambda_warm_up_from_0", "adam_foreach", "checked")]
 CASES += [("one_cycle", opt_name, "checked_aten") for opt_name in ("sgd_momentum", "adam_fused")]
+# OneCycleLR cycles RMSprop's momentum, which its `buf.mul_(momentum)` takes: without the host too
+CASES += [("one_cycle", "rmsprop_momentum", mode) for mode in ("checked", "without_host")]
 
 
 @pytest.mark.parametrize("schedule, opt_name, mode", CASES)

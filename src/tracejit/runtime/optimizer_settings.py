@@ -135,7 +135,8 @@ class _Group:
     settings: dict
     params: set[int]  # ids of its parameters
     buffers: set[int]  # ids of its momentum buffers
-    sgd: bool  # torch.optim.SGD itself: its ops are known (see _sgd_bindings)
+    sgd: bool  # torch.optim.SGD itself: its ops are known (see _sgd_setting)
+    momentum_buffers: bool  # SGD or RMSprop: `buf.mul_(momentum)` on their momentum buffers
     # a class of torch.optim: where its ops take the learning rate is known. An optimizer of the
     # user's own (a subclass too) may compute other numbers from it (Lion's `p.mul_(1 - lr * wd)`),
     # which would stay frozen while a bound `lr` followed the schedule: its lr is guarded instead
@@ -179,7 +180,7 @@ def _groups(optimizers: list[tuple[str, Any]]) -> list[_Group]:
                        if isinstance((state := optimizer.state.get(p, {})).get("momentum_buffer"), torch.Tensor)}
             kind = getattr(optimizer, "optimizer_class", type(optimizer))  # a snapshot names its class
             groups.append(_Group(name, index, group, params, buffers, kind is torch.optim.SGD,
-                                 kind.__module__.startswith("torch.optim.")))
+                                 kind in (torch.optim.SGD, torch.optim.RMSprop), kind.__module__.startswith("torch.optim.")))
     return groups
 
 
@@ -211,13 +212,14 @@ def _sgd_setting(op: Any, name: str, slot: str, ids: dict, group: _Group) -> tup
     """torch.optim.SGD passes momentum to `buf.mul_(momentum)` and, with nesterov, to
     `grad.add(buf, alpha=momentum)`; weight decay to `grad.add(param, alpha=weight_decay)` (the
     `_foreach_` forms alike). Nothing else of its arithmetic is matched: `1 - dampening` stays
-    guarded."""
+    guarded. RMSprop with momentum passes it to `buf.mul_(momentum)` too (OneCycleLR cycles it)."""
+    mutated = {ids.get(h) for h in op.mutated}
+    if (group.momentum_buffers and name in ("mul_", "_foreach_mul_") and slot in ("other", "scalar") and mutated
+            and mutated <= group.buffers):
+        return "momentum", None
     if not group.sgd:
         return None
-    mutated = {ids.get(h) for h in op.mutated}
     read = {ids.get(h) for h in op.inputs} - mutated
-    if name in ("mul_", "_foreach_mul_") and slot in ("other", "scalar") and mutated and mutated <= group.buffers:
-        return "momentum", None
     if name in _ADDS and slot == "alpha" and not mutated & (group.buffers | group.params):
         if read & group.buffers:
             return "momentum", None
