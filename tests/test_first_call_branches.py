@@ -61,3 +61,25 @@ def test_a_branch_on_the_inputs_values_still_raises_on_the_first_replay():
     f(torch.ones(3), count=count)
     with pytest.raises(tracejit.TraceMismatchError, match="aten.sub.Tensor instead of aten.mul.Tensor"):
         f(-torch.ones(3), count=count)
+
+
+def test_a_branch_on_the_loss_of_a_training_step_still_raises_on_the_first_replay():
+    # the parameters the loss depends on are state the step writes, but the loss depends on the
+    # inputs too: such a branch is no first-call initialization
+    model = nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @tracejit.trace
+    def step(x, *, model, opt):
+        loss = model(x).sum()
+        loss = loss * 2 if loss.item() > 0 else loss - 1
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    step(torch.ones(2, 4), model=model, opt=opt)
+    with pytest.raises(tracejit.TraceMismatchError, match="aten.sub.Tensor instead of aten.mul.Tensor"):
+        step(-torch.ones(2, 4), model=model, opt=opt)

@@ -297,3 +297,36 @@ def test_a_buffer_that_was_none_when_bound_and_is_set_since_is_noticed_without_t
     model.mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
     with pytest.raises(tracejit.TraceMismatchError, match="aten.mul"):
         traced(x, model=model)
+
+
+class _Losses:
+    def __init__(self, power):
+        self.power = power
+
+    def loss(self, out, y):
+        return ((out - y).abs() ** self.power).mean()
+
+
+def _sliced_step(x, y, *, model, opt, loss_fn, cols):
+    loss = loss_fn(model(x)[:, cols], y[:, cols])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_bound_methods_and_slices_given_anew_on_every_call_stand_for_the_same_value():
+    # a bound method is a new object on every attribute access, a slice a new one on every call:
+    # compared by identity they would make every call run the function
+    (model_a, opt_a), (model_b, opt_b) = _pair()
+    traced = tracejit.trace(_sliced_step, without_host=True)
+    squares, cubes = _Losses(2), _Losses(3)
+    for call in range(10):
+        x, y = torch.randn(5, 4), torch.randn(5, 3)
+        losses, cols = (squares if call < 5 else cubes), slice(0, 2)  # a new slice object each call
+        want = _sliced_step(x, y, model=model_a, opt=opt_a, loss_fn=losses.loss, cols=cols)
+        got = traced(x, y, model=model_b, opt=opt_b, loss_fn=losses.loss, cols=cols)
+        assert torch.allclose(want, got, atol=1e-6), call
+        assert torch.allclose(model_a.weight, model_b.weight, atol=1e-6)
+    stats = traced.stats
+    assert stats.records == 1 and stats.host_free_calls >= 6, stats

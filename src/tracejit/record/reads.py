@@ -24,8 +24,9 @@ def read_slice(record: Record, position: int, handle: int) -> tuple[list[int], s
 
 
 def reads_state_it_changes(record: Record) -> bool:
-    """Whether the recorded call read on the host a value that depends on a tensor from outside
-    the call (a module's buffer, optimizer state) which the call then wrote: a first-call branch
+    """Whether the recorded call read on the host a value that depends on tensors from outside
+    the call alone (a module's buffer, optimizer state), not on its inputs, and wrote one of them
+    after the read: a first-call branch
     such as AveragedModel's `if self.n_averaged == 0: copy` that the next call takes the other
     way, as an optimizer's lazily made state is different on the next call (trace.py lets the
     first replay of such a record record again rather than diverge)."""
@@ -33,6 +34,8 @@ def reads_state_it_changes(record: Record) -> bool:
         if read.handle is None:
             continue
         _, roots = read_slice(record, read.position, read.handle)
+        if any(record.tensors[h].kind in (Kind.ARG, Kind.KWARG) for h in roots):
+            continue  # a branch on the inputs' values (`if loss.item() > 0`): a divergence raises
         state = {h for h in roots if record.tensors[h].kind is Kind.EXTERNAL}
         if state and any(h is not None and _base(record, h) in state
                          for op in record.ops[read.position:] for h in op.mutated):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -242,31 +243,46 @@ def _training_flags_differ(expr: str, module: torch.nn.Module, src: _Source) -> 
     return " or ".join(checks)
 
 
-def _held(value: Any, src: _Source) -> str:
-    """An expression for `value` in generated code: weakly held where it can be."""
+def _expected(value: Any) -> tuple:
+    """How a later call's object stands for `value` (see same_object): the same object, held
+    weakly where it can be; a bound method, made anew on every attribute access
+    (`loss_fn=trainer.loss`), by its instance and function; a slice, range or set by value."""
+    if isinstance(value, types.MethodType):
+        return "method", _reference(value.__self__), value.__func__
+    if type(value) in (slice, range, frozenset, set):
+        return "value", frozenset(value) if type(value) is set else value, type(value)
+    return "is", _reference(value), None
+
+
+def _reference(value: Any) -> Any:
     try:
-        return f"{src.constant(weakref.ref(value), 'kr')}()"
+        return weakref.ref(value)
     except TypeError:
-        return src.constant(value, "ko")
+        return lambda: value
+
+
+def same_object(now: Any, expected: tuple) -> bool:
+    """Whether a keyword (or an item of a keyword container) stands for what `expected` (_expected)
+    describes."""
+    how, held, extra = expected
+    if how == "is":
+        return now is held()
+    if how == "method":
+        return type(now) is types.MethodType and now.__func__ is extra and now.__self__ is held()
+    return type(now) is extra and (frozenset(now) if extra is set else now) == held
 
 
 def _held_objects(value: Any) -> tuple | None:
-    """For a keyword list, tuple or dict: (its type, its keys, (key, weak or strong reference) of
-    each item that is not a tensor or plain value); None for any other value."""
+    """For a keyword list, tuple or dict: (its type, its keys, (key, _expected) of each item that
+    is not a tensor or plain value); None for any other value."""
     if type(value) in (list, tuple):
         items = list(enumerate(value))
     elif type(value) is dict:
         items = list(value.items())
     else:
         return None
-    held = []
-    for key, item in items[:_HELD_ITEMS]:
-        if isinstance(item, (torch.Tensor, *_PRIMITIVES)) or plain_value(item):
-            continue
-        try:
-            held.append((key, weakref.ref(item), True))
-        except TypeError:
-            held.append((key, item, False))
+    held = [(key, _expected(item)) for key, item in items[:_HELD_ITEMS]
+            if not (isinstance(item, (torch.Tensor, *_PRIMITIVES)) or plain_value(item))]
     return type(value), tuple(key for key, _ in items), tuple(held)
 
 
@@ -281,10 +297,7 @@ def same_objects(value: Any, snapshot: tuple) -> bool:
         return False
     if kind is dict and tuple(value) != keys:
         return False
-    for key, ref, weak in held:
-        if value[key] is not (ref() if weak else ref):
-            return False
-    return True
+    return all(same_object(value[key], expected) for key, expected in held)
 
 
 def same_object_key(tensors: list[torch.Tensor]) -> list[int]:
@@ -447,7 +460,13 @@ class HostFreeRunner:
                 continue
             snapshot = _held_objects(value)
             if snapshot is None:
-                guards.append(_fail(f"kw[{name!r}] is not {_held(value, src)}", f"{name} is another object"))
+                expected = _expected(value)
+                if expected[0] == "is":  # inline: one `is` (modules, optimizers, most objects)
+                    condition = f"kw[{name!r}] is not {src.constant(expected[1], 'kr')}()"
+                else:
+                    src.namespace["SAME_OBJECT"] = same_object
+                    condition = f"not SAME_OBJECT(kw[{name!r}], {src.constant(expected, 'ke')})"
+                guards.append(_fail(condition, f"{name} is another object"))
             elif snapshot[2]:
                 src.namespace["SAME_OBJECTS"] = same_objects
                 guards.append(_fail(f"not SAME_OBJECTS(kw[{name!r}], {src.constant(snapshot, 'ho')})",
