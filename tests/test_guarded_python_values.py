@@ -330,3 +330,35 @@ def test_bound_methods_and_slices_given_anew_on_every_call_stand_for_the_same_va
         assert torch.allclose(model_a.weight, model_b.weight, atol=1e-6)
     stats = traced.stats
     assert stats.records == 1 and stats.host_free_calls >= 6, stats
+
+
+def _train_or_evaluate(x, y, *, st):
+    loss = torch.nn.functional.cross_entropy(st["model"](x), y)
+    if st["model"].training:
+        loss.backward()
+        st["opt"].step()
+        st["opt"].zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("options", [{}, {"without_host": True}])
+def test_a_model_held_in_a_keyword_dict_switching_to_eval_selects_a_trace_of_its_own(options):
+    # used to raise TraceMismatchError: only keyword modules' training flags were in the signature
+    import copy
+
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 3))
+    model_b = copy.deepcopy(model_a)
+    st_a = {"model": model_a, "opt": torch.optim.SGD(model_a.parameters(), lr=0.1)}
+    st_b = {"model": model_b, "opt": torch.optim.SGD(model_b.parameters(), lr=0.1)}
+    traced = tracejit.trace(_train_or_evaluate, **options)
+    for call in range(10):
+        for model in (model_a, model_b):
+            model.train(call % 3 != 2)
+        x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+        torch.manual_seed(call)
+        want = _train_or_evaluate(x, y, st=st_a)
+        torch.manual_seed(call)
+        assert torch.allclose(want, traced(x, y, st=st_b), atol=1e-6), call
+    assert traced.stats.records == 2
+    assert (traced.stats.host_free_calls if options else traced.stats.api_replays) >= 5

@@ -64,12 +64,27 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     return (
         tuple(tensor_key(a) for a in args),
         tuple((name, tensor_key(v)) for name, v in keyword),
-        tuple((type(v), training_flags(v)) for v in kwargs.values() if isinstance(v, torch.nn.Module)),
+        tuple((type(v), training_flags(v)) for _, v in keyword_modules(kwargs)),
         _repeated_inputs(tensors) if len({id(t) for t in tensors}) != len(tensors) else (),
         shared_memory(tensors) if len(tensors) > 1 else (),
         tuple((name, v) for name, v in sorted(kwargs.items()) if isinstance(v, bool)),
         call_context_key(),
     )
+
+
+def keyword_modules(kwargs: dict) -> list[tuple[str, torch.nn.Module]]:
+    """(expression, module) of each keyword module, and of each module a keyword dict, list or
+    tuple holds (`st={"model": m, "opt": o}`), in keyword order."""
+    found = []
+    for name, value in kwargs.items():
+        if isinstance(value, torch.nn.Module):
+            found.append((f"kw[{name!r}]", value))
+        elif type(value) is dict:
+            found += [(f"kw[{name!r}][{key!r}]", v) for key, v in value.items()
+                      if isinstance(v, torch.nn.Module) and type(key) in (str, int)]
+        elif type(value) in (list, tuple):
+            found += [(f"kw[{name!r}][{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.nn.Module)]
+    return found
 
 
 def shared_memory(tensors: list[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:

@@ -52,6 +52,7 @@ from ..signature import (
     gradient_hooks,
     gradient_state,
     holds_grad,
+    keyword_modules,
     reached_gradient_state,
     shared_memory,
 )
@@ -430,9 +431,9 @@ class HostFreeRunner:
         # the caller's context decides what the skipped function would dispatch (autocast: bf16 ops)
         admission.append(_fail(f"CONTEXT() != {src.constant(call_context_key(), 'ctx')}",
                                "grad mode, autocast, default dtype, determinism or attention backends changed"))
-        training = [_fail(_training_flags_differ(f"kw[{name!r}]", value, src),
-                          f"{name} or one of its submodules switched between train and eval")
-                    for name, value in kwargs.items() if isinstance(value, torch.nn.Module)]
+        training = [_fail(_training_flags_differ(expr, value, src),
+                          f"{expr} or one of its submodules switched between train and eval")
+                    for expr, value in keyword_modules(kwargs)]
         # `admit`: the input signature alone (signature.py's facts), for a checked call at the API
         # level, which comes to `call` after its signature selected this trace and does not check
         # it there again.
@@ -445,10 +446,10 @@ class HostFreeRunner:
         lines = [f"a{i} = args[{i}]" for i in range(len(args))] if self.checked else admission
         # inside a try: a module or optimizer that lost an attribute is a MISS. A checked call runs
         # the function, whose module calls are checked (or stood in for) one by one
-        keyword_modules = [weakref.ref(v) for _, v in sorted(kwargs.items()) if isinstance(v, torch.nn.Module)]
+        keyword_module_refs = [weakref.ref(v) for _, v in sorted(kwargs.items()) if isinstance(v, torch.nn.Module)]
         new_hooks: list[str] = []  # checks that only a hook registered since binding can fail
         guards = [] if self.checked else module_guards(
-            guarded_modules([*keyword_modules, *self.record.modules_called]), src.constant, _fail, new_hooks)
+            guarded_modules([*keyword_module_refs, *self.record.modules_called]), src.constant, _fail, new_hooks)
         # The guards above check the modules and optimizers the binding call was given; another
         # object by the same keyword (`loss_fn=nn.L1Loss()` for an MSELoss, a Sequential rebuilt
         # around the same layers: no parameter tells them apart) runs the function instead.
