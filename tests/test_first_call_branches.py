@@ -83,3 +83,41 @@ def test_a_branch_on_the_loss_of_a_training_step_still_raises_on_the_first_repla
     step(torch.ones(2, 4), model=model, opt=opt)
     with pytest.raises(tracejit.TraceMismatchError, match="aten.sub.Tensor instead of aten.mul.Tensor"):
         step(-torch.ones(2, 4), model=model, opt=opt)
+
+
+def _mse_step(x, y, *, model, opt):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("options", [{}, {"without_host": True}, {"backend": "aten"}])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_resetting_the_optimizer_state_of_a_re_initialized_head_records_again(options, optimizer):
+    # the state of some parameters only dropped (`opt.state.pop(p)`): the next step creates it
+    # lazily, as the first call did; it raised TraceMismatchError in every mode
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model_b = copy.deepcopy(model_a)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adam": lambda p: torch.optim.Adam(p, lr=0.01, fused=True)}[optimizer]
+    opt_a, opt_b = make(model_a.parameters()), make(model_b.parameters())
+    traced = tracejit.trace(_mse_step, **options)
+    generator = torch.Generator().manual_seed(2)
+    for call in range(9):
+        if call == 4:
+            torch.manual_seed(5)
+            model_a[2].reset_parameters()
+            torch.manual_seed(5)
+            model_b[2].reset_parameters()
+            for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+                for p in model[2].parameters():
+                    opt.state.pop(p)
+        x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
+        want = _mse_step(x, y, model=model_a, opt=opt_a)
+        assert torch.allclose(want, traced(x, y, model=model_b, opt=opt_b), atol=1e-6), call
+        for a, b in zip(model_a.parameters(), model_b.parameters()):
+            assert torch.allclose(a, b, atol=1e-6)
+    assert traced.stats.rerecords >= 2 and traced.stats.calls - traced.stats.records - traced.stats.rerecords >= 5

@@ -106,6 +106,9 @@ class TraceEntry:
     # of those, the ones that had none when it began: the recorded call created their state, which
     # a later call with state does not (models trained in turn, each with its own optimizer)
     fresh_optimizers: frozenset = frozenset()
+    # (name, how many parameters have state) of the keyword optimizers after the recorded call: one
+    # with fewer later (`opt.state.pop(p)` for a head re-initialized) creates that state again
+    state_sizes: tuple = ()
     variants: ShapeVariants | None = None  # programs per data-dependent output size; None: one so far
     shape_trace: ShapeTrace | None = None  # symbolic_shape: the trace of symbolic sizes it specializes
     tensor_kwargs: tuple[str, ...] | None = None  # its tensor keyword arguments, sorted (the signature fixes them)
@@ -627,7 +630,7 @@ class trace(ProfileAccess):
         stateful = _stateful_optimizers(kwargs, self._function)
         entry = TraceEntry(key, record, program, grad_state if depends else None,
                            stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
-                           reached=reached, reached_bits=reached_bits)
+                           state_sizes=_state_sizes(kwargs, self._function), reached=reached, reached_bits=reached_bits)
         if replacing is not None:  # record_only: the newest call's record stands for its signature
             self._traces[key].remove(replacing)
         if not depends:
@@ -891,6 +894,9 @@ class trace(ProfileAccess):
         # yet (a new one, loaded from a checkpoint): this call creates that state, as the first did
         fresh_optimizer = bool(entry.stateful_optimizers & without_state) or any(
             isinstance(v, torch.amp.GradScaler) and v.is_enabled() and v._scale is None for v in kwargs.values())
+        if entry.state_sizes and not fresh_optimizer:  # state of some parameters dropped: made again lazily
+            now = dict(_state_sizes(kwargs, self._function))
+            fresh_optimizer = any(now.get(name, 0) < size for name, size in entry.state_sizes)
         replayer = Replayer(
             entry.program, args, kwargs,
             # the first replay of a record that created state, or that read on the host state it then
@@ -985,6 +991,7 @@ class trace(ProfileAccess):
             stateful = _stateful_optimizers(kwargs, self._function)
             replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace,
                                   stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
+                                  state_sizes=_state_sizes(kwargs, self._function),
                                   reached=entry.reached, reached_bits=entry.reached_bits)
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result,
@@ -1365,6 +1372,11 @@ def _keyword_optimizers(kwargs: dict, function: Callable) -> Iterator[tuple[str,
 def _stateful_optimizers(kwargs: dict, function: Callable) -> frozenset:
     """The optimizers (_keyword_optimizers) that hold state (after a call that ran the function)."""
     return frozenset(name for name, v in _keyword_optimizers(kwargs, function) if any(v.state.values()))  # a look up leaves {}
+
+
+def _state_sizes(kwargs: dict, function: Callable) -> tuple[tuple[str, int], ...]:
+    """(name, how many parameters hold state) of each optimizer _keyword_optimizers finds."""
+    return tuple((name, sum(1 for state in v.state.values() if state)) for name, v in _keyword_optimizers(kwargs, function))
 
 
 def _optimizers_without_state(kwargs: dict, function: Callable) -> frozenset:
