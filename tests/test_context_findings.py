@@ -366,3 +366,39 @@ def test_forward_mode_ad_and_torch_func_transforms_run_the_call_eagerly():
         assert torch.equal(torch.func.vmap(traced)(x), torch.func.vmap(f)(x))
         assert traced.stats.eager_calls == 3
         assert torch.equal(traced(x), f(x)) and traced.stats.records == 1
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def test_calls_inside_the_callers_parametrize_cached_run_eagerly():
+    # inside cached() a parametrized weight is computed by the block's first access and read from
+    # the cache after: which ops a call dispatches depends on the calls before it in the block
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    parametrize.register_parametrization(model, "weight", _Doubled())
+
+    def infer(x):
+        with torch.no_grad():
+            return model(x) + model(x)
+
+    def infer_cached(x):  # cached() entered inside the function: recorded with it
+        with parametrize.cached():
+            return infer(x)
+
+    x = torch.randn(2, 4)
+    traced, traced_inside = tracejit.trace(infer), tracejit.trace(infer_cached, without_host=True)
+    for call in range(6):
+        if call % 2:
+            with parametrize.cached():
+                model.weight  # noqa: B018 - the block's first access, before the call
+                assert torch.equal(traced(x), infer(x))
+        else:
+            assert torch.equal(traced(x), infer(x))
+        assert torch.equal(traced_inside(x), infer_cached(x))
+    assert traced.stats.eager_calls == 3 and traced.stats.records == 1 and traced.stats.replays >= 2
+    assert traced_inside.stats.host_free_calls >= 4

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+import torch.nn.utils.parametrize as _parametrize
 from torch.utils._device import DeviceContext
 
 from .record.record import describe_math_bits, math_bits
@@ -158,13 +159,17 @@ def user_modes() -> list[str]:
     return found
 
 
-_TRANSFORMS = ("forward-mode AD (torch.autograd.forward_ad.dual_level)", "a torch.func transform (jvp, grad, vmap)")
+_TRANSFORMS = ("forward-mode AD (torch.autograd.forward_ad.dual_level)", "a torch.func transform (jvp, grad, vmap)",
+               "torch.nn.utils.parametrize.cached()")
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
 
 
-def transforms() -> tuple[bool, bool]:
-    """Whether a forward-mode AD level and a torch.func transform are active (see user_modes)."""
-    return _forward_ad._current_level >= 0, _functorch_stack() is not None
+def transforms() -> tuple[bool, bool, bool]:
+    """Whether a forward-mode AD level, a torch.func transform and the caller's
+    `parametrize.cached()` are active (see user_modes). Inside `cached()`, a parametrized weight is
+    computed by the first access in the block and read from the cache after, a call of the block
+    before this one included: which ops a call dispatches depends on the calls before it."""
+    return _forward_ad._current_level >= 0, _functorch_stack() is not None, _parametrize._cache_enabled > 0
 
 
 def call_context_key() -> tuple:
