@@ -2,6 +2,7 @@
 host-free program computes. Every test asserts through `stats` that the API level really served
 the calls (or, where it must not, that it did not)."""
 
+import copy
 import gc
 import warnings
 
@@ -1022,3 +1023,38 @@ def test_a_backward_number_that_moves_like_a_loss_weight_is_not_taken_for_it(cas
             got = traced(x, y, model=model_b, opt=opt_b, gamma=gamma, w=w)
             assert torch.equal(got, step(x, y, model=model_a, opt=opt_a, gamma=gamma, w=w)), i
             assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+
+
+
+def test_a_call_that_leaves_the_api_level_before_the_function_runs_does_not_say_it_ran_twice():
+    # the caller replaced a momentum buffer, freeing the recorded one: the call goes to the aten
+    # level before the function runs, so its side effects happen once, and no warning says they
+    # happened twice
+    log = []
+
+    def step(x, *, model, opt):
+        log.append("called")
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    model_a = nn.Linear(3, 2)
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model_a, model_b))
+    traced = tracejit.trace(step, backend="aten")
+    for i in range(6):
+        x = torch.full((1, 3), float(i))
+        assert torch.equal(traced(x, model=model_b, opt=opt_b), step(x, model=model_a, opt=opt_a))
+    assert traced.stats.api_replays >= 1
+    for opt, model in ((opt_a, model_a), (opt_b, model_b)):
+        opt.state[model.weight]["momentum_buffer"] = torch.zeros(2, 3)  # the recorded one is freed
+    runs = len(log)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = traced(torch.ones(1, 3), model=model_b, opt=opt_b)
+    assert len(log) == runs + 1
+    assert not [w for w in caught if "happened twice" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(got, step(torch.ones(1, 3), model=model_a, opt=opt_a))
+    assert_same_state(model_a, opt_a, model_b, opt_b)

@@ -49,7 +49,7 @@ from .record.source import traceback_location, user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
-from .runtime.api_replay import ApiInterrupted, ApiProgram, NotReplayable, gradient_owners, run_checked
+from .runtime.api_replay import BEFORE_THE_FUNCTION, ApiInterrupted, ApiProgram, NotReplayable, gradient_owners, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner, refuse_stateful_comm_hooks
@@ -418,7 +418,7 @@ class trace(ProfileAccess):
         if interrupted is not None:
             raise interrupted
         entry.api_fallbacks += 1
-        if not entry.warned_ran_twice:
+        if not entry.warned_ran_twice and fallback not in BEFORE_THE_FUNCTION:
             entry.warned_ran_twice = True
             self._warn_replay_level(
                 f"a checked call of {self.__name__}() diverged at the torch API level ({fallback}) and ran the "

@@ -726,14 +726,20 @@ def _short(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
+# Fallbacks decided before the function runs: the aten level then runs it for the first time.
+CONSTANT_CHANGED = "a captured constant changed"
+EXTERNAL_FREED = "an object the trace uses was freed"
+BEFORE_THE_FUNCTION = frozenset({CONSTANT_CHANGED, EXTERNAL_FREED})
+
+
 def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inputs: list) -> tuple[Any, str | None]:
     """Run `function` under the checker, then the host-free program. Returns (result, None), or
     (None, why) when the call must run at the aten level instead (nothing was computed)."""
     externals = program.externals()  # the call's context is the program's: it is part of the signature
     if program.constants and program.constants_changed():
-        return None, "a captured constant changed"
+        return None, CONSTANT_CHANGED
     if externals is None:
-        return None, "an object the trace uses was freed"
+        return None, EXTERNAL_FREED
     checker = program.checker.start(inputs, externals)
     deferred = program.deferred_writes
     if deferred.pending:
