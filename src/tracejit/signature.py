@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
+import types
 import weakref
 from collections.abc import Sequence
 
@@ -53,7 +55,9 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     which lie in one another's memory (see shared_memory); and the training flags of keyword
     modules and all their submodules (`model.eval()`, or only `model.bn.eval()`, selects a trace of
     its own), and their classes (`loss_fn=nn.L1Loss()` after `nn.MSELoss()` runs other ops: a
-    trace of its own rather than a mismatch); and the value of every bool keyword argument: a flag like `do_step` of a
+    trace of its own rather than a mismatch); which function each keyword function is
+    (callable_key: `loss_fn=F.l1_loss` after `F.mse_loss` is a trace of its own too, while a
+    lambda made anew on every call is the same function); and the value of every bool keyword argument: a flag like `do_step` of a
     gradient-accumulation loop usually decides which ops run, so each value gets its own trace
     rather than a mismatch (other primitive values, such as a step counter, would make a trace
     per call); and the torch context of the call (call_context_key): under another grad mode,
@@ -69,23 +73,66 @@ def signature(args: tuple, kwargs: dict) -> tuple:
         _repeated_inputs(tensors) if len({id(t) for t in tensors}) != len(tensors) else (),
         shared_memory(tensors) if len(tensors) > 1 else (),
         tuple((name, v) for name, v in sorted(kwargs.items()) if isinstance(v, bool)),
+        keyword_callables(kwargs),
         call_context_key(),
     )
+
+
+def _keyword_items(kwargs: dict) -> list[tuple[str, object]]:
+    """(expression, value) of each keyword argument and of each item of a keyword dict, list or
+    tuple, in keyword order."""
+    found = []
+    for name, value in kwargs.items():
+        if type(value) is dict:
+            found += [(f"kw[{name!r}][{key!r}]", v) for key, v in value.items() if type(key) in (str, int)]
+        elif type(value) in (list, tuple):
+            found += [(f"kw[{name!r}][{i}]", v) for i, v in enumerate(value)]
+        else:
+            found.append((f"kw[{name!r}]", value))
+    return found
 
 
 def keyword_modules(kwargs: dict) -> list[tuple[str, torch.nn.Module]]:
     """(expression, module) of each keyword module, and of each module a keyword dict, list or
     tuple holds (`st={"model": m, "opt": o}`), in keyword order."""
+    return [(expr, v) for expr, v in _keyword_items(kwargs) if isinstance(v, torch.nn.Module)]
+
+
+def keyword_callables(kwargs: dict) -> tuple:
+    """(expression, callable_key) of each keyword function, and of each one a keyword dict, list or
+    tuple holds, by keyword name."""
+    if not kwargs:
+        return ()
     found = []
-    for name, value in kwargs.items():
-        if isinstance(value, torch.nn.Module):
-            found.append((f"kw[{name!r}]", value))
-        elif type(value) is dict:
-            found += [(f"kw[{name!r}][{key!r}]", v) for key, v in value.items()
-                      if isinstance(v, torch.nn.Module) and type(key) in (str, int)]
-        elif type(value) in (list, tuple):
-            found += [(f"kw[{name!r}][{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.nn.Module)]
-    return found
+    for expr, value in _keyword_items(dict(sorted(kwargs.items()))):
+        key = callable_key(value)
+        if key is not None:
+            found.append((expr, key))
+    return tuple(found)
+
+
+def callable_key(value: object) -> object | None:
+    """What tells two functions apart for a trace: a Python function by its code (a lambda or
+    closure made anew on each call runs the same code: its captured values reach the ops, which
+    a checked call compares), a bound method by its function and its instance's class, a
+    `functools.partial` by its function and the names it binds, a builtin (`torch.tanh`) by
+    itself, a class by itself and another callable object by its class. None for values that are
+    not callable, and for modules, whose class the signature has already."""
+    kind = type(value)
+    if kind is types.FunctionType:
+        return value.__code__
+    if kind is types.MethodType:
+        return ("method", callable_key(value.__func__), type(value.__self__))
+    if kind is functools.partial:
+        return ("partial", callable_key(value.func), len(value.args), tuple(sorted(value.keywords)))
+    if kind is types.BuiltinFunctionType:
+        owner = value.__self__
+        return value if owner is None or type(owner) is types.ModuleType else ("builtin", type(owner), value.__name__)
+    if isinstance(value, type):
+        return value
+    if isinstance(value, (torch.nn.Module, torch.Tensor)) or not callable(value):
+        return None
+    return ("object", kind)
 
 
 def shared_memory(tensors: list[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:
@@ -419,17 +466,35 @@ def describe_signature(key: tuple, arg_names: list[str], grad_state: tuple | Non
         return (f"{device.type} {str(dtype).removeprefix('torch.')}{list(shape)}{grad}{made}{describe_math_bits(bits)}"
                 f"{subclass}")
 
-    positional, keyword, training, repeated, shared, flags, context = key
+    positional, keyword, training, repeated, shared, flags, functions, context = key
     parts = [f"{arg_names[i] if i < len(arg_names) else f'arg{i}'}: {one(k)}" for i, k in enumerate(positional)]
     parts += [f"{name}=: {one(k)}" for name, k in keyword]
     parts += [_describe_training(flags) for _, flags in training]  # (class, flags) of each keyword module
     parts += [f"input {i} is input {j}" for i, j in enumerate(repeated) if i != j]
     parts += [f"input {i} lies in the memory of input {j} (offset {offset} bytes)" for i, j, offset in shared]
     parts += [f"{name}={value}" for name, value in flags]
+    parts += [f"{expr}: {_describe_callable(k)}" for expr, k in functions]
     if grad_state:
         parts += [f"gradient state {state:#x}" for state in grad_state]
     parts += describe_context(context)
     return "(" + ", ".join(parts) + ")"
+
+
+def _describe_callable(key: object) -> str:
+    if isinstance(key, types.CodeType):
+        return f"function {key.co_qualname}"
+    if isinstance(key, type):
+        return f"class {key.__qualname__}"
+    if isinstance(key, tuple):
+        kind, *rest = key
+        if kind == "method":
+            return f"method {_describe_callable(rest[0]).removeprefix('function ')} of a {rest[1].__qualname__}"
+        if kind == "partial":
+            return f"partial of {_describe_callable(rest[0])}"
+        if kind == "builtin":
+            return f"builtin {rest[1]} of a {rest[0].__qualname__}"
+        return f"a {rest[0].__qualname__}"
+    return f"builtin {getattr(key, '__name__', key)}"
 
 
 def _contiguous_strides(shape: tuple) -> tuple[int, ...]:

@@ -52,6 +52,7 @@ from ..signature import (
     gradient_hooks,
     gradient_state,
     holds_grad,
+    keyword_callables,
     keyword_modules,
     reached_gradient_state,
     shared_memory,
@@ -753,6 +754,10 @@ class HostFreeRunner:
                                "other inputs lie in one another's memory now"))
         if grad_state is not None:
             lines.append(_fail(f"GRAD_STATE(kw) != {src.constant(grad_state, 'g')}", "other .grad state"))
+        functions = keyword_callables(kwargs)
+        if functions:  # another function by a keyword selects a trace of its own (signature.py)
+            src.namespace["FUNCTIONS"] = keyword_callables
+            lines.append(_fail(f"FUNCTIONS(kw) != {src.constant(functions, 'fn')}", "a keyword function is another one"))
         return lines
 
     def _compute_hoisted(self, objects: dict[int, torch.Tensor]) -> None:
