@@ -11,7 +11,7 @@ def read_slice(record: Record, position: int, handle: int) -> tuple[list[int], s
     that writes the storage of a needed value, and then what it reads), and the storages (base
     handles) the value depends on."""
     def root(h: int) -> int:
-        return _base(record, h)
+        return storage_root(record, h)
 
     needed = {root(handle)}
     ops = []
@@ -37,13 +37,14 @@ def reads_state_it_changes(record: Record) -> bool:
         if any(record.tensors[h].kind in (Kind.ARG, Kind.KWARG) for h in roots):
             continue  # a branch on the inputs' values (`if loss.item() > 0`): a divergence raises
         state = {h for h in roots if record.tensors[h].kind is Kind.EXTERNAL}
-        if state and any(h is not None and _base(record, h) in state
+        if state and any(h is not None and storage_root(record, h) in state
                          for op in record.ops[read.position:] for h in op.mutated):
             return True
     return False
 
 
-def _base(record: Record, handle: int) -> int:
+def storage_root(record: Record, handle: int) -> int:
+    """The handle whose memory `handle` lies in: itself, or the base its views were made from."""
     while record.tensors[handle].base is not None:
         handle = record.tensors[handle].base
     return handle

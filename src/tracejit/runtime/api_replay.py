@@ -48,7 +48,7 @@ from ..record.api import (
 from ..record.autocast_keys import outside_autocast
 from ..record.calls import rebuild_call, scalar_slot_names
 from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
-from ..record.reads import read_slice
+from ..record.reads import read_slice, storage_root
 from ..record.record import Kind, Record, math_bits
 from ..record.recorder import version_of
 from ..signature import autocast_state, call_context_key
@@ -435,7 +435,10 @@ class _Reader:
                                  f"{random.name} at {random.source}")
         self.leaves = sorted({h for i in self.ops for h in record.ops[i].inputs if record.tensors[h].kind is not Kind.INTERNAL}
                              | ({handle} if record.tensors[handle].kind is not Kind.INTERNAL else set()))
-        self.copied = {h for i in self.ops for h in record.ops[i].mutated} & set(self.leaves)
+        # the leaves in memory the slice writes, directly or through a view (`x[0].add_(1)`,
+        # `buf.data.add_(1)`): every one that shares that memory, so the slice sees its own writes
+        written = {storage_root(record, h) for i in self.ops for h in record.ops[i].mutated}
+        self.copied = [h for h in self.leaves if storage_root(record, h) in written]
         self.program = program
         self.offsets = program.scalar_offsets
         self.key = (tuple(self.ops), tuple(self.leaves))
@@ -455,15 +458,28 @@ class _Reader:
         env = _bind_leaves(self.program, self.program.checking_args, self.program.checking_kwargs, self.leaves)
         if env is None:
             raise ApiDiverged("an object the trace uses is gone")
-        for handle in self.copied:
-            env[handle] = env[handle].clone()
         with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), outside_autocast():
+            _copy_memory(env, self.copied)
             for index in self.ops:
                 op = record.ops[index]
                 values = scalars[self.offsets[index]:self.offsets[index] + len(op.scalars)]
                 call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
                 _store_outputs(op, op.op(*call_args, **call_kwargs), env)
         return env
+
+
+def _copy_memory(env: dict, handles: list[int]) -> None:
+    """Points each of `handles` at a copy of its memory, with its own size, strides and offset:
+    tensors that share memory share the copy, so a write through one is read through another."""
+    copies: dict = {}
+    for handle in handles:
+        tensor = env[handle]
+        storage = tensor.untyped_storage()
+        copy = copies.get(storage.data_ptr())
+        if copy is None:
+            copy = copies[storage.data_ptr()] = storage.clone()
+        env[handle] = torch.empty((0,), dtype=tensor.dtype, device=tensor.device).set_(
+            copy, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any) -> dict | None:
