@@ -71,3 +71,49 @@ def test_a_counter_bumped_through_data_and_read_counts_once_per_call(backend):
         got = [traced(torch.ones(1)).item() for _ in range(6)]
     assert got == [3.0, 2.0, 3.0, 2.0, 3.0, 2.0] and _COUNT.item() == 6
     assert traced.stats.api_replays >= 2
+
+
+_PREDICATES = {
+    "equal": lambda y: torch.equal(y, torch.ones(4)),
+    "allclose": lambda y: torch.allclose(y, torch.ones(4)),
+    "is_nonzero": lambda y: not (y - 1).abs().sum().is_nonzero(),
+}
+
+
+@pytest.mark.parametrize("predicate", sorted(_PREDICATES))
+@pytest.mark.parametrize("options", [{}, {"backend": "aten"}, {"symbolic": True}], ids=["c", "aten", "symbolic"])
+def test_torch_equal_allclose_and_is_nonzero_answer_for_this_call(predicate, options):
+    # at the API level they answered what the recorded call found: the other branch's value came
+    # back (both branches run the same ops, so nothing diverged)
+    test = _PREDICATES[predicate]
+
+    def step(x):
+        y = x * 1.0
+        return y * 2.0 if test(y) else y * 3.0
+
+    traced = tracejit.trace(step, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(7):
+            x = torch.ones(4) if i % 2 == 0 else torch.full((4,), 2.0)
+            try:
+                got = traced(x)
+            except tracejit.SymbolicTraceError:
+                assert options.get("symbolic")  # symbolic recording refuses host reads, as documented
+                return
+            assert torch.equal(got, step(x)), i
+    assert traced.stats.checked_replays >= 4
+
+
+@pytest.mark.parametrize("predicate", sorted(_PREDICATES))
+def test_torch_equal_allclose_and_is_nonzero_are_host_reads_without_the_host(predicate):
+    test = _PREDICATES[predicate]
+
+    def step(x):
+        y = x * 1.0
+        return y * 2.0 if test(y) else y * 3.0
+
+    traced = tracejit.trace(step, without_host=True)
+    traced(torch.ones(4))
+    with pytest.raises(tracejit.HostDependencyError):
+        traced(torch.ones(4))

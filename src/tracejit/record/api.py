@@ -404,6 +404,10 @@ class ApiTracer(TorchFunctionMode):
                                     "where torch takes a number)")
         else:
             kind = CallKind.VIRTUAL
+            if read_inside:
+                # torch.equal, torch.allclose, is_nonzero: a Python answer from the tensors' values,
+                # which the recorded answer would stand for on every call
+                raise _Unfollowable("it answers from tensor values it reads on the host inside the call")
         if kind is CallKind.COMPUTE or kind is CallKind.VIRTUAL:
             try:
                 template_args = self._template(args)

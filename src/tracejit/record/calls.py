@@ -42,7 +42,8 @@ _SCALAR_TYPES = {
 }
 
 # Ops that hand a value to the host rather than producing a tensor.
-HOST_VALUE_OPS = frozenset({aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default})
+HOST_VALUE_OPS = frozenset({aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
+                            aten.allclose.default})
 
 
 def _is_value_scalar_op(op: torch._ops.OpOverload) -> bool:
