@@ -117,3 +117,52 @@ def test_torch_equal_allclose_and_is_nonzero_are_host_reads_without_the_host(pre
     traced(torch.ones(4))
     with pytest.raises(tracejit.HostDependencyError):
         traced(torch.ones(4))
+
+
+_QUEUE: list = []
+
+
+def _with_the_next_item(x):
+    return x * 2, _QUEUE.pop(0)
+
+
+def _with_the_rng_state(x):
+    state = torch.default_generator.get_state()
+    return x + torch.rand(3), state
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_returned_as_found_is_this_calls(backend):
+    # the API level handed back the tensor of the call it was built from (a queue's item, the RNG
+    # state): the output check failed, and its failure was taken for a pass
+    _QUEUE[:] = [torch.full((3,), float(i)) for i in range(8)]
+    traced = tracejit.trace(_with_the_next_item, backend=backend)
+    for i in range(8):
+        y, item = traced(torch.ones(3))
+        assert torch.equal(y, torch.full((3,), 2.0)) and torch.equal(item, torch.full((3,), float(i))), i
+    assert not _QUEUE and traced.stats.api_replays >= 4
+    traced = tracejit.trace(_with_the_rng_state, backend=backend)
+    for i in range(6):
+        torch.manual_seed(100 + i)
+        before = torch.get_rng_state()
+        got, state = traced(torch.zeros(3))
+        torch.manual_seed(100 + i)
+        want, _ = _with_the_rng_state(torch.zeros(3))
+        assert torch.equal(state, before) and torch.equal(got, want), i
+    assert traced.stats.api_replays >= 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_returned_by_index_is_the_one_this_call_chose(backend):
+    params = [torch.nn.Parameter(torch.full((2,), float(i))) for i in range(3)]
+
+    def pick(x, *, k):
+        return x * 2, params[k]
+
+    traced = tracejit.trace(pick, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in [0, 0, 0, 1, 2, 0, 1]:
+            y, chosen = traced(torch.ones(2), k=k)
+            assert chosen is params[k] and torch.equal(y, torch.full((2,), 2.0)), k
+    assert traced.stats.checked_replays >= 4

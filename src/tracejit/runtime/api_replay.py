@@ -137,8 +137,15 @@ class ApiProgram:
         self.may_be_gone = (set(self.located) | set(self.rebind_meta)
                             | seal_ddp_spans(self, trace, set(runner.external_slots.values())))
         self.checker = ApiChecker(self)
+        # a tensor returned as it was found (`return y, queue.pop(0)`, `torch.get_rng_state()`):
+        # the function's own object, which the program hands back
+        passed = _passed_through(trace, record, runner, output, set(self.located))
+        self.rebind_meta.update(passed)
+        self.may_be_gone |= set(passed)
+        self._rebinding = frozenset(passed)
         self.check_output = self._function("check_output", "value, A, E, P", match_lines("value", output, self) +
                                            ["return True"])
+        self._rebinding = frozenset()
 
     # -- code generation ------------------------------------------------------------------------
 
@@ -383,6 +390,28 @@ def _rebindable(trace: ApiTrace, record: Record, runner: HostFreeRunner,
             meta[slot] = (handle, record.tensors[handle].meta, obj.is_inference())
             first_use.setdefault(call.index, set()).add(slot)
     return meta, {index: frozenset(slots) for index, slots in first_use.items()}
+
+
+def _passed_through(trace: ApiTrace, record: Record, runner: HostFreeRunner, output: Any,
+                    located: set[int]) -> dict[int, tuple[int, Any, bool]]:
+    """The external slots the call returns untouched (`return y, queue.pop(0)`): no torch call
+    takes or answers them and no op reads or writes them, so a later call may return another
+    tensor there (rebound as _rebindable's are, when the output is checked)."""
+    handle_of = {slot: handle for handle, slot in runner.external_slots.items()}
+    used = set()
+    for call in trace.calls:
+        template_refs((call.args, call.kwargs, call.result), RefKind.EXTERNAL, used)
+    touched = {h for op in record.ops for h in (*op.inputs, *op.outputs, *op.mutated) if h is not None}
+    passed = {}
+    for slot in template_refs(output, RefKind.EXTERNAL, set()) - used - located:
+        handle = handle_of.get(slot)
+        obj = trace.externals[slot]()
+        if (handle is None or handle in touched or obj is None or type(obj) is not torch.Tensor or obj.requires_grad
+                or obj._base is not None or record.tensors[handle].base is not None
+                or record.tensors[handle].kind is not Kind.EXTERNAL):
+            continue
+        passed[slot] = (handle, record.tensors[handle].meta, obj.is_inference())
+    return passed
 
 
 def _located_externals(calls: list[ApiCall]) -> dict[int, int]:
@@ -809,7 +838,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     elif checker.position != checker.count:
         call = program.calls[checker.position]
         failure = f"the call ended before call #{checker.position} {call.name} at {call.source}"
-    elif not program.check_output(result, inputs, externals, program.placeholders):
+    elif program.check_output(result, inputs, externals, program.placeholders) is not True:
         failure = "the function returned other values than recorded"
     if failure is not None:
         if scaler_stages:  # the aten level runs the function again, from the scalers' stages before this run
