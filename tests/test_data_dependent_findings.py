@@ -1,10 +1,14 @@
 """Data-dependent programs and host reads (hunt M): each case runs side by side with eager over
 several calls with changing values, and compares every output and every tensor the call writes."""
 
+import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import tracejit
 
@@ -166,3 +170,94 @@ def test_a_parameter_returned_by_index_is_the_one_this_call_chose(backend):
             y, chosen = traced(torch.ones(2), k=k)
             assert chosen is params[k] and torch.equal(y, torch.full((2,), 2.0)), k
     assert traced.stats.checked_replays >= 4
+
+
+_WEIGHTS = np.zeros(2, dtype=np.float32)  # per-class loss weights kept in numpy
+
+
+def _weighted_step(x, y, *, model, opt):
+    w = torch.tensor(_WEIGHTS)
+    loss = F.mse_loss(model(x) * w[1] + w[0], y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _weighted_from_numpy(x, y, *, model, opt, weights):
+    w = torch.from_numpy(weights)
+    loss = F.mse_loss(model(x) * w[1] + w[0], y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("how", ["unchanged", "in_place", "rebound", "keyword"])
+def test_numpy_arrays_the_function_builds_tensors_from_are_guarded_without_the_host(how):
+    # host-free calls kept the recorded array's values after the caller changed it
+    global _WEIGHTS
+    torch.manual_seed(0)
+    model_a = nn.Linear(4, 1)
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model_a, model_b))
+    step = _weighted_from_numpy if how == "keyword" else _weighted_step
+    traced = tracejit.trace(step, without_host=True)
+    weights = np.array([0.0, 1.0], dtype=np.float32)
+    _WEIGHTS = weights
+    for i in range(6):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        if how in ("in_place", "keyword") and i % 2:
+            weights[0], weights[1] = 0.5 * i, 1.0 + i
+        elif how == "rebound" and i % 2:
+            _WEIGHTS = np.array([0.5 * i, 1.0 + i], dtype=np.float32)
+        extra = {"weights": weights} if how == "keyword" else {}
+        want = step(x, y, model=model_a, opt=opt_a, **extra)
+        got = traced(x, y, model=model_b, opt=opt_b, **extra)
+        assert torch.allclose(want, got, rtol=1e-5, atol=1e-6), i
+        assert torch.allclose(model_a.weight, model_b.weight, rtol=1e-5, atol=1e-6), i
+    if how == "unchanged":
+        assert traced.stats.host_free_calls >= 3
+
+
+_CROP = slice(0, 3)
+_ROWS = range(0, 3)
+_KEEP = frozenset({0, 2})
+_PHASE = complex(1, 0)
+
+
+def _crop(x):
+    return x[_CROP] * 2
+
+
+def _rows(x):
+    return x[_ROWS] * 2
+
+
+def _keep(x):
+    return x[sorted(_KEEP)] * 2
+
+
+def _phase(x):
+    return (x * _PHASE).real
+
+
+@pytest.mark.parametrize("function, name, new", [(_crop, "_CROP", slice(1, 4)), (_rows, "_ROWS", range(1, 4)),
+                                                 (_keep, "_KEEP", frozenset({1, 3})), (_phase, "_PHASE", complex(2, 1))],
+                         ids=["slice", "range", "frozenset", "complex"])
+def test_globals_holding_slices_ranges_frozensets_and_complex_numbers_are_guarded_without_the_host(function, name, new):
+    old = globals()[name]
+    traced = tracejit.trace(function, without_host=True)
+    x = torch.arange(6.0)
+    try:
+        for _ in range(3):
+            assert torch.equal(traced(x), function(x))
+        assert traced.stats.host_free_calls >= 1
+        globals()[name] = new
+        try:
+            got = traced(x)
+        except tracejit.TraceMismatchError:
+            return  # the function ran and dispatched other ops: loud, as documented
+        assert torch.equal(got, function(x))
+    finally:
+        globals()[name] = old

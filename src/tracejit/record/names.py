@@ -429,15 +429,16 @@ def root_expression(root: tuple[str, Any]) -> str:
 
 
 # numpy scalars too: a setting annealed with numpy (`np.exp(-r * t)`) is a number the program has built in
-_ATOMS = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format,
-          np.generic)
+_ATOMS = (bool, int, float, complex, str, type(None), enum.Enum, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, np.generic, slice, range, frozenset)
 _PLAIN_SIZE = 64  # the most items a value compared by value may hold
 
 
 def plain_value(value: Any) -> bool:
-    """A value compared by value alone: immutable atoms (numbers, strings, enums, dtypes, devices)
-    and tuples (namedtuples too), lists and dicts of them, up to _PLAIN_SIZE items in all (a big
-    vocabulary list is not compared on every call)."""
+    """A value compared by value alone: immutable atoms (numbers, strings, enums, dtypes, devices,
+    slices, ranges, frozensets), numpy arrays (by their bytes: `torch.tensor(W)` and `W[0]` build
+    their values into the program) and tuples (namedtuples too), lists and dicts of them, up to
+    _PLAIN_SIZE items in all (a big vocabulary list is not compared on every call)."""
     budget = [_PLAIN_SIZE]
 
     def plain(v: Any, depth: int) -> bool:
@@ -446,6 +447,8 @@ def plain_value(value: Any) -> bool:
             return False
         if isinstance(v, _ATOMS):
             return True
+        if type(v) is np.ndarray:  # a lookup table, a class weighting: its bytes (see same_value)
+            return v.dtype != object
         if depth == 0:
             return False
         if isinstance(v, tuple) or type(v) is list:
@@ -466,6 +469,8 @@ def same_value(now: Any, then: Any) -> bool:
         return False
     if isinstance(now, np.generic):  # by its bits, as a float (np.float32(-0.0) == 0.0)
         return now.tobytes() == then.tobytes()
+    if isinstance(now, np.ndarray):  # changed in place, or another one
+        return now.dtype == then.dtype and now.shape == then.shape and now.tobytes() == then.tobytes()
     if isinstance(now, float):
         return float_bits(now) == float_bits(then)
     if isinstance(now, (tuple, list)):
