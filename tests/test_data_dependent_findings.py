@@ -261,3 +261,84 @@ def test_globals_holding_slices_ranges_frozensets_and_complex_numbers_are_guarde
         assert torch.equal(got, function(x))
     finally:
         globals()[name] = old
+
+
+_GEN = torch.Generator().manual_seed(0)
+_RNGS = {"aug": torch.Generator().manual_seed(0)}
+
+
+def _noisy(x):
+    return x + torch.randn(4, generator=_GEN)
+
+
+def _noisy_from_dict(x):
+    return x + torch.randn(4, generator=_RNGS["aug"])
+
+
+@pytest.mark.parametrize("holder", ["global", "dict"])
+def test_a_generator_replaced_each_epoch_is_drawn_from_without_the_host(holder):
+    # host-free calls kept drawing from the first epoch's generator
+    global _GEN
+    function = _noisy if holder == "global" else _noisy_from_dict
+    traced = tracejit.trace(function, without_host=True)
+    for epoch in range(3):
+        generator = torch.Generator().manual_seed(1000 + epoch)
+        if holder == "global":
+            _GEN = generator
+        else:
+            _RNGS["aug"] = generator
+        reference = torch.Generator().manual_seed(1000 + epoch)
+        for _ in range(3):
+            try:
+                got = traced(torch.zeros(4))
+            except (tracejit.TraceMismatchError, tracejit.HostDependencyError):
+                return  # loud: acceptable
+            assert torch.equal(got, torch.randn(4, generator=reference)), epoch
+
+
+def test_a_global_generator_left_alone_runs_without_the_host():
+    global _GEN
+    _GEN = torch.Generator().manual_seed(5)
+    reference = torch.Generator().manual_seed(5)
+    traced = tracejit.trace(_noisy, without_host=True)
+    for _ in range(5):
+        assert torch.equal(traced(torch.zeros(4)), torch.randn(4, generator=reference))
+    assert traced.stats.host_free_calls >= 2
+
+
+def _reseeded_global(x):
+    _GEN.manual_seed(42)  # the same noise on every call
+    return x + torch.randn(3, generator=_GEN)
+
+
+def _reseeded_keyword(x, *, g):
+    g.manual_seed(42)
+    return x + torch.randn(3, generator=g)
+
+
+def _made_inside(x):
+    g = torch.Generator().manual_seed(7)
+    return x + torch.randn(3, generator=g)
+
+
+@pytest.mark.parametrize("function", [_reseeded_global, _reseeded_keyword, _made_inside],
+                         ids=["global", "keyword", "made_inside"])
+def test_a_generator_seeded_inside_the_call_is_a_host_dependency(function):
+    # without the host the program drew on from the recorded generator: new numbers every call
+    kwargs = {"g": torch.Generator()} if function is _reseeded_keyword else {}
+    traced = tracejit.trace(function, without_host=True)
+    want = function(torch.zeros(3), **kwargs)
+    assert torch.equal(traced(torch.zeros(3), **kwargs), want)
+    with pytest.raises(tracejit.HostDependencyError, match="torch.Generator"):
+        for _ in range(3):
+            assert torch.equal(traced(torch.zeros(3), **kwargs), want)
+
+
+@pytest.mark.parametrize("function", [_reseeded_global, _reseeded_keyword], ids=["global", "keyword"])
+def test_a_generator_seeded_inside_the_call_draws_the_same_numbers_in_checked_calls(function):
+    kwargs = {"g": torch.Generator()} if function is _reseeded_keyword else {}
+    traced = tracejit.trace(function)
+    want = function(torch.zeros(3), **kwargs)
+    for _ in range(5):
+        assert torch.equal(traced(torch.zeros(3), **kwargs), want)
+    assert traced.stats.checked_replays >= 3

@@ -143,14 +143,20 @@ class GeneratorWatch:
     def draw(self, func: Any, args: tuple, kwargs: dict, context: CallContext) -> Any:
         generator = kwargs.get("generator")
         if generator is not None and generator is not torch.default_generator:
-            # the function's own generator: only moves between its draws matter (where it stands
-            # when the call begins is where the program starts drawing from it too)
-            known = self.others.get(id(generator))
-            if known is not None and not torch.equal(generator.get_state(), known[1]):
+            # the function's own generator: moves between its draws matter, and one before its
+            # first draw (`g.manual_seed(42)` in the call), which a program run without the
+            # function would miss; where it stands when the call begins is where the program
+            # starts drawing from it. Such a first move is at position -1: a program that draws
+            # after the function has run (the API level, symbolic recording) draws after it too.
+            known = next((key for key, (other, _) in self.others.items() if same_generator(generator, other)), None)
+            if known is not None and not torch.equal(generator.get_state(), self.others[known][1]):
                 self.found.append((f"the state of a torch.Generator set before {func} at {user_location()}",
                                    self.position() + 1))
+            elif known is None and _moved_since_the_call_began(generator, context.handler):
+                self.found.append((f"the state of a torch.Generator set in the call before its first draw, {func} "
+                                   f"at {user_location()}", -1))
             result = context.handler.on_op(func, args, kwargs)
-            self.others[id(generator)] = (generator, generator.get_state())
+            self.others[id(generator) if known is None else known] = (generator, generator.get_state())
             return result
         now = torch.default_generator.get_state()
         if self.state is not None and not torch.equal(now, self.state):
@@ -166,6 +172,32 @@ class GeneratorWatch:
             if not torch.equal(generator.get_state(), state):
                 self.found.append(("the state of a torch.Generator set after its last random op", self.position() + 1))
         self.others.clear()
+
+
+def _moved_since_the_call_began(generator: torch.Generator, handler: Any) -> bool:
+    """Whether the generator stands elsewhere than where the call's names found it as it began."""
+    names = getattr(handler, "names", None)
+    found = next((state for other, _, state in getattr(names, "generators", ()) if same_generator(generator, other)),
+                 None)
+    return found is not None and not torch.equal(generator.get_state(), found)
+
+
+def same_generator(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether two Python objects stand for one torch generator: an op's `generator=` argument
+    reaches a dispatch mode as a new Python object on every op. Told by reseeding one and looking at
+    the other (two generators may well stand at the same state), then putting the state back."""
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    state = a.get_state()
+    try:
+        a.manual_seed(0x7AC3)
+        first = b.initial_seed() == 0x7AC3
+        a.manual_seed(0x5EED)
+        return first and b.initial_seed() == 0x5EED
+    finally:
+        a.set_state(state)
 
 
 class _TorchInternal(threading.local):

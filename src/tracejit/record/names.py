@@ -80,6 +80,8 @@ class ExternalNames:
         self._found = _collect(roots_of(function, kwargs))
         # id(optimizer) -> where the function finds it (`trainer.opt`): one put there since is another
         self.optimizer_locators = dict(self._found.optimizer_locators)
+        # and each torch.Generator, where it is and its state as the call begins (see GeneratorWatch)
+        self.generators = list(self._found.generators.values())
         # and what it is then, to find what the call changes by Python rather than by an op
         self._first: list[tuple[Any, int, bool, str]] = []
         for tensor, name in self._found.tensors:
@@ -276,6 +278,8 @@ class _Found(dict):
         self.refs: dict[int, weakref.ref] = {}  # id -> the tensor found, weakly
         self.module_attributes: list[tuple[Any, str, Locator]] = []  # modules' plain values, walked last
         self.optimizer_locators: dict[int, Locator] = {}  # id(optimizer) -> where it was found first
+        # id(generator) -> (the generator, where it was found first, its state then)
+        self.generators: dict[int, tuple[torch.Generator, Locator, torch.Tensor]] = {}
         # (id(optimizer), id(parameter), key) of each optimizer state entry found (not None)
         self.state_entries: set[tuple[int, int, Any]] = set()
 
@@ -538,6 +542,10 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimi
         return
     if isinstance(value, torch.optim.Optimizer):
         optimizers.append((prefix, locator, value))
+        return
+    if isinstance(value, torch.Generator):
+        if id(value) not in found.generators:
+            found.generators[id(value)] = (value, locator, value.get_state())
         return
     if isinstance(value, torch.amp.GradScaler):  # its scale and growth tracker, which its ops read and write
         for name in ("_scale", "_growth_tracker"):

@@ -30,6 +30,7 @@ from ..record.amp import is_inf_check
 from ..record.autocast_keys import any_autocast_enabled, outside_autocast
 from ..record.calls import data_dependent_size
 from ..record.ddp_calls import is_ddp, stateful_comm_hooks
+from ..record.modes import same_generator
 from ..record.names import (
     ExternalNames,
     Locator,
@@ -355,6 +356,17 @@ def _layout_check(local: str, info: Any, src: _Source) -> str:
                  f"{info.name} is not {meta} anymore")
 
 
+def drawn_generators(record: Record) -> list[torch.Generator]:
+    """The explicit torch.Generator objects the record's random ops draw from (`generator=g`)."""
+    found: dict[int, torch.Generator] = {}
+    for op in record.ops:
+        for item in op.statics:
+            value = getattr(item, "value", item)
+            if isinstance(value, torch.Generator) and value is not torch.default_generator:
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
 def _fail(condition: str, message: str) -> str:
     # The message is kept as a comment: the generated call only says "not me" (MISS), and the
     # slow path that follows explains nothing either, it runs the function.
@@ -572,6 +584,7 @@ class HostFreeRunner:
                 guards += [*src.pending, _fail(f"{expr} is not {src.constant(ref, 'or')}()",
                                                f"{locator.describe()} is another optimizer")]
                 src.pending.clear()
+        guards += self._generator_guards(names, kwargs, src) if not self.checked else []
         bindings = find_bindings(self.record, objects, optimizers, scalars)
         settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
         settings += scaler_guards(self.function, kwargs, self.record.scalers_updated, src.constant, _fail)
@@ -927,6 +940,29 @@ class HostFreeRunner:
                 lines += [*src.pending, _fail(f"len({expr}) != {len(container)}", f"{prefix.describe()} changed length")]
                 src.pending.clear()
         return lines
+
+    def _generator_guards(self, names: Any, kwargs: dict, src: _Source) -> list[str]:
+        """The program draws from the torch.Generator objects the recorded call drew from: each
+        must still be where the function found it (`GEN = torch.Generator().manual_seed(e)` each
+        epoch, `rngs["aug"] = ...`). One the call made itself, or found where tracejit does not
+        look, cannot be guarded: such a trace does not run without the host."""
+        guards = []
+        for generator in drawn_generators(self.record):
+            found = next((g for g in names.generators if same_generator(generator, g[0])), None)
+            if found is not None and any(value is found[0] for value in kwargs.values()):
+                continue  # a keyword generator: compared with the bound one already
+            if found is None:
+                raise HostDependencyError(
+                    f"without_host=True cannot skip {self.record.function_name}(): it draws from a torch.Generator "
+                    f"that it makes itself or finds where tracejit does not look for one, so a call without the "
+                    f"function would draw from the recorded generator whatever the function would use. Pass the "
+                    f"generator as a keyword argument or keep it in a global, or trace without without_host.")
+            locator = found[1]
+            expr = src.locator(locator)
+            guards += [*src.pending, _fail(f"{expr} is not {src.constant(weakref.ref(found[0]), 'gr')}()",
+                                           f"{locator.describe()} is another generator")]
+            src.pending.clear()
+        return guards
 
     def _plain_root_guards(self, src: _Source) -> list[str]:
         """Plain values (numbers, flags, strings, tuples of them) the function reads from its
