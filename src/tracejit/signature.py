@@ -94,8 +94,15 @@ def _keyword_items(kwargs: dict) -> list[tuple[str, object]]:
 
 def keyword_modules(kwargs: dict) -> list[tuple[str, torch.nn.Module]]:
     """(expression, module) of each keyword module, and of each module a keyword dict, list or
-    tuple holds (`st={"model": m, "opt": o}`), in keyword order."""
-    return [(expr, v) for expr, v in _keyword_items(kwargs) if isinstance(v, torch.nn.Module)]
+    tuple holds (`st={"model": m, "opt": o}`), and of each module whose bound method is such a
+    keyword (`score_fn=head.score`), in keyword order."""
+    found = []
+    for expr, value in _keyword_items(kwargs):
+        if isinstance(value, torch.nn.Module):
+            found.append((expr, value))
+        elif type(value) is types.MethodType and isinstance(value.__self__, torch.nn.Module):
+            found.append((f"{expr}.__self__", value.__self__))
+    return found
 
 
 def keyword_callables(kwargs: dict) -> tuple:

@@ -722,7 +722,8 @@ class trace(ProfileAccess):
             record = specialize(shape_trace.record, shape_trace.guards.binding(tensors))
             entry = TraceEntry(key, record, self._compile(record, fused=False), shape_trace.grad_state,
                                shape_trace=shape_trace, stateful_optimizers=shape_trace.stateful_optimizers,
-                               reached=shape_trace.reached, reached_bits=shape_trace.reached_bits)
+                               state_sizes=shape_trace.state_sizes, reached=shape_trace.reached,
+                               reached_bits=shape_trace.reached_bits)
             self._add_specialization(entry)
             self.stats.shape_specializations += 1
             return entry
@@ -863,7 +864,7 @@ class trace(ProfileAccess):
         reached, reached_bits = self._reached_parameters(kwargs, recorder, record) if depends else ((), 0)
         shape_trace = ShapeTrace(family(key), record, guards, dynamic, grad_state if depends else None,
                                  stateful_optimizers=_stateful_optimizers(kwargs, self._function), reached=reached,
-                                 reached_bits=reached_bits)
+                                 reached_bits=reached_bits, state_sizes=_state_sizes(kwargs, self._function))
         if replaced is not None:
             self._drop_shape_trace(replaced)
             self.stats.rerecords += 1
@@ -872,7 +873,8 @@ class trace(ProfileAccess):
         self._shape_traces.append(shape_trace)
         self._add_specialization(TraceEntry(key, concrete, program, shape_trace.grad_state, shape_trace=shape_trace,
                                             stateful_optimizers=shape_trace.stateful_optimizers,
-                                            reached=reached, reached_bits=reached_bits))
+                                            state_sizes=shape_trace.state_sizes, reached=reached,
+                                            reached_bits=reached_bits))
         return result
 
     def _new_recorder(self, kwargs: dict) -> Recorder:
@@ -1375,8 +1377,12 @@ def _stateful_optimizers(kwargs: dict, function: Callable) -> frozenset:
 
 
 def _state_sizes(kwargs: dict, function: Callable) -> tuple[tuple[str, int], ...]:
-    """(name, how many parameters hold state) of each optimizer _keyword_optimizers finds."""
-    return tuple((name, sum(1 for state in v.state.values() if state)) for name, v in _keyword_optimizers(kwargs, function))
+    """(name, how many of its parameters hold state) of each optimizer _keyword_optimizers finds:
+    the parameters of its groups, whose state holds a tensor (a replaced head's parameters leave
+    their old state behind in `opt.state`; `momentum_buffer = None` is made again lazily)."""
+    return tuple((name, sum(1 for group in v.param_groups for p in group["params"]
+                            if any(isinstance(value, torch.Tensor) for value in v.state.get(p, {}).values())))
+                 for name, v in _keyword_optimizers(kwargs, function))
 
 
 def _optimizers_without_state(kwargs: dict, function: Callable) -> frozenset:

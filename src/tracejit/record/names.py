@@ -434,7 +434,7 @@ def root_expression(root: tuple[str, Any]) -> str:
 
 # numpy scalars too: a setting annealed with numpy (`np.exp(-r * t)`) is a number the program has built in
 _ATOMS = (bool, int, float, complex, str, type(None), enum.Enum, torch.dtype, torch.device, torch.layout,
-          torch.memory_format, np.generic, slice, range, frozenset)
+          torch.memory_format, np.generic, range)
 _PLAIN_SIZE = 64  # the most items a value compared by value may hold
 
 
@@ -453,6 +453,11 @@ def plain_value(value: Any) -> bool:
             return True
         if type(v) is np.ndarray:  # a lookup table, a class weighting: its bytes (see same_value)
             return v.dtype != object
+        if type(v) is slice:  # bounds that are numbers (a tensor bound is an object of its own)
+            return all(isinstance(b, (int, type(None))) for b in (v.start, v.stop, v.step))
+        if type(v) in (set, frozenset):  # in iteration order, each item of its type (see same_value)
+            budget[0] -= len(v)
+            return budget[0] >= 0 and all(isinstance(item, _ATOMS) for item in v)
         if depth == 0:
             return False
         if isinstance(v, tuple) or type(v) is list:
@@ -475,6 +480,12 @@ def same_value(now: Any, then: Any) -> bool:
         return now.tobytes() == then.tobytes()
     if isinstance(now, np.ndarray):  # changed in place, or another one
         return now.dtype == then.dtype and now.shape == then.shape and now.tobytes() == then.tobytes()
+    if isinstance(now, complex):
+        return float_bits(now.real) == float_bits(then.real) and float_bits(now.imag) == float_bits(then.imag)
+    if isinstance(now, (range, slice)):  # range(0, 0) == range(2, 2), yet .start differs
+        return all(map(same_value, (now.start, now.stop, now.step), (then.start, then.stop, then.step)))
+    if isinstance(now, (set, frozenset)):  # {1, 9} and {9, 1} iterate in other orders; {2} is not {2.0}
+        return len(now) == len(then) and all(map(same_value, now, then))
     if isinstance(now, float):
         return float_bits(now) == float_bits(then)
     if isinstance(now, (tuple, list)):

@@ -251,10 +251,21 @@ def _expected(value: Any) -> tuple:
     weakly where it can be; a bound method, made anew on every attribute access
     (`loss_fn=trainer.loss`), by its instance and function; a slice, range or set by value."""
     if isinstance(value, types.MethodType):
-        return "method", _reference(value.__self__), value.__func__
-    if type(value) in (slice, range, frozenset, set):
-        return "value", frozenset(value) if type(value) is set else value, type(value)
+        # the settings of a plain object the method reads (`trainer.loss_scale`) as they are now
+        owner = value.__self__
+        attributes = None if isinstance(owner, torch.nn.Module) else plain_attributes(owner)
+        return "method", _reference(owner), (value.__func__, attributes)
+    if type(value) in (slice, range, frozenset, set) and plain_value(value):
+        return "value", copy.deepcopy(value), type(value)
     return "is", _reference(value), None
+
+
+def plain_attributes(owner: Any) -> dict | None:
+    """The plain values among an object's attributes, as copies (None if it has no `__dict__`)."""
+    attributes = getattr(owner, "__dict__", None)
+    if type(attributes) is not dict:
+        return None
+    return {key: copy.deepcopy(value) for key, value in list(attributes.items())[:_HELD_ITEMS] if plain_value(value)}
 
 
 def _reference(value: Any) -> Any:
@@ -271,8 +282,11 @@ def same_object(now: Any, expected: tuple) -> bool:
     if how == "is":
         return now is held()
     if how == "method":
-        return type(now) is types.MethodType and now.__func__ is extra and now.__self__ is held()
-    return type(now) is extra and (frozenset(now) if extra is set else now) == held
+        function, attributes = extra
+        if type(now) is not types.MethodType or now.__func__ is not function or now.__self__ is not held():
+            return False
+        return attributes is None or same_value(plain_attributes(now.__self__), attributes)
+    return type(now) is extra and same_value(now, held)
 
 
 def _held_objects(value: Any) -> tuple | None:
@@ -455,11 +469,12 @@ class HostFreeRunner:
                              for name, value in sorted(kwargs.items()) if isinstance(value, bool)]
         if training:
             admit += ["try:", *(f"    {line}" for line in training),
-                      "except AttributeError:", "    return MISS  # a freed submodule is None, without .training"]
+                      "except (AttributeError, KeyError, IndexError, TypeError):",
+                      "    return MISS  # a freed submodule is None; a keyword container of other keys or length"]
         lines = [f"a{i} = args[{i}]" for i in range(len(args))] if self.checked else admission
         # inside a try: a module or optimizer that lost an attribute is a MISS. A checked call runs
         # the function, whose module calls are checked (or stood in for) one by one
-        keyword_module_refs = [weakref.ref(v) for _, v in sorted(kwargs.items()) if isinstance(v, torch.nn.Module)]
+        keyword_module_refs = [weakref.ref(v) for _, v in keyword_modules(kwargs)]
         new_hooks: list[str] = []  # checks that only a hook registered since binding can fail
         guards = [] if self.checked else module_guards(
             guarded_modules([*keyword_module_refs, *self.record.modules_called]), src.constant, _fail, new_hooks)

@@ -107,6 +107,7 @@ class ShapeTrace:
     grad_state: tuple | None  # as TraceEntry.grad_state
     specializations: OrderedDict = field(default_factory=OrderedDict)  # signature -> None, oldest first
     stateful_optimizers: frozenset = frozenset()  # as TraceEntry.stateful_optimizers
+    state_sizes: tuple = ()  # as TraceEntry.state_sizes
     reached: tuple = ()  # as TraceEntry.reached and reached_bits
     reached_bits: int = 0
 
