@@ -455,9 +455,9 @@ def plain_value(value: Any) -> bool:
             return v.dtype != object
         if type(v) is slice:  # bounds that are numbers (a tensor bound is an object of its own)
             return all(isinstance(b, (int, type(None))) for b in (v.start, v.stop, v.step))
-        if type(v) in (set, frozenset):  # in iteration order, each item of its type (see same_value)
+        if type(v) is frozenset:  # in iteration order, each item of its type (see same_value)
             budget[0] -= len(v)
-            return budget[0] >= 0 and all(isinstance(item, _ATOMS) for item in v)
+            return budget[0] >= 0 and plain_set(v)
         if depth == 0:
             return False
         if isinstance(v, tuple) or type(v) is list:
@@ -467,6 +467,12 @@ def plain_value(value: Any) -> bool:
         return False
 
     return plain(value, 3)
+
+
+def plain_set(value: Any) -> bool:
+    """A set or frozenset of up to _PLAIN_SIZE atoms. A mutable set is plain only as a keyword
+    (hostfree._expected): one the function finds and adds to is Python state it changes."""
+    return type(value) in (set, frozenset) and len(value) <= _PLAIN_SIZE and all(isinstance(i, _ATOMS) for i in value)
 
 
 def same_value(now: Any, then: Any) -> bool:

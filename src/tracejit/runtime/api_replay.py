@@ -82,6 +82,7 @@ class ApiProgram:
     def __init__(self, trace: ApiTrace, record: Record, runner: HostFreeRunner, output: Any, context: tuple,
                  externals: dict[int, torch.Tensor]):
         self.record = record
+        self._batch: list[str] | None = None  # sources compiled together (see the steps below)
         self.external_objects = {h: weakref.ref(t) for h, t in externals.items()}  # by handle, for run_op_by_op
         self.runner = runner
         self.context = context
@@ -122,7 +123,12 @@ class ApiProgram:
         self.rebind_meta, self.rebind_at = _rebindable(trace, record, runner, set(self.located))
         self._rebinding: frozenset = frozenset()  # the slots the step being generated binds
         self.namespace["REBIND"] = self.rebind
-        self.steps = [self._step(call) for call in trace.calls]
+        # one compile for the steps of all calls: a thousand small ones cost more than the code
+        self._batch = []
+        names = [self._step(call) for call in trace.calls]
+        batch, self._batch = self._batch, None
+        exec(compile("".join(batch), "<tracejit api steps>", "exec"), self.namespace)
+        self.steps = [self.namespace[name] for name in names]
         # optimizer.step()/zero_grad() answered as a whole where the optimizer's state allows
         self.stand_ins, self.stand_ins_refused = build_stand_ins(self, trace.calls, trace.optimizer_calls, externals)
         # and torch.nn modules' forward, where the modules' state allows (DistributedDataParallel's
@@ -172,6 +178,9 @@ class ApiProgram:
     def _function(self, name: str, params: str, body: list[str]) -> Any:
         source = f"def {name}({params}):\n" + "".join(f"    {line}\n" for line in body)
         self.sources.append(source)
+        if self._batch is not None:  # compiled with the others (see __init__)
+            self._batch.append(source)
+            return name
         exec(compile(source, f"<tracejit api {name}>", "exec"), self.namespace)
         return self.namespace[name]
 

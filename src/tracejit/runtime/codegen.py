@@ -128,9 +128,8 @@ class _Emitter:
     def static_view(self, node: Node) -> str:
         """A view of arena buffers (make_views_static): made now, bound on every call."""
         call = f"{self.constant(callable_for(node), 'f')}({', '.join(self.arguments(node))})"
-        scope = {**self.namespace, **{f"h{h}": t for h, t in self.fixed.items()}}
-        with torch.no_grad():
-            result = eval(call, scope)  # noqa: S307 - our own generated call of a view op
+        with torch.no_grad():  # the namespace and the fixed values as they are, not copied per view
+            result = eval(call, self.namespace, _FixedValues(self.fixed))  # noqa: S307 - our own generated call
         values = [result] if node.out_kind == "tensor" else list(result)
         names = []
         for vid, value in zip(node.outputs, values):
@@ -141,6 +140,18 @@ class _Emitter:
             names.append(self.local(vid))
         constants = [self.constant(v, "view") for v in values]
         return f"{', '.join(names)} = {', '.join(constants)}  # {node.name} (static view)"
+
+
+class _FixedValues:
+    """The locals `h<handle>` of the fixed values, for evaluating a generated call."""
+
+    def __init__(self, fixed: dict[int, Any]):
+        self.fixed = fixed
+
+    def __getitem__(self, name: str) -> Any:
+        if name[:1] == "h" and name[1:].isdigit() and int(name[1:]) in self.fixed:
+            return self.fixed[int(name[1:])]
+        raise KeyError(name)
 
 
 def _profiled(emitter: _Emitter, profiler: Profiler | None, node: Node, line: str, program: str) -> list[str]:

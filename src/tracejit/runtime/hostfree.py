@@ -39,6 +39,7 @@ from ..record.names import (
     differs_expression,
     group_suffix,
     plain_roots,
+    plain_set,
     plain_value,
     resolve,
     root_expression,
@@ -255,7 +256,7 @@ def _expected(value: Any) -> tuple:
         owner = value.__self__
         attributes = None if isinstance(owner, torch.nn.Module) else plain_attributes(owner)
         return "method", _reference(owner), (value.__func__, attributes)
-    if type(value) in (slice, range, frozenset, set) and plain_value(value):
+    if type(value) in (slice, range, frozenset, set) and (plain_value(value) or plain_set(value)):
         return "value", copy.deepcopy(value), type(value)
     return "is", _reference(value), None
 

@@ -243,23 +243,23 @@ def _unambiguous(found: list[SettingBinding], record: Record, objects: dict, gro
     stay frozen while the bound ones follow. The learning rate keeps its own, older rules."""
     bound = {b.slot for b in found}
     offsets, _ = scalar_layout(record)
-    ambiguous = set()
-    for b in found:
-        if b.key == "lr" or (b.owner, b.group, b.key) in ambiguous:
-            continue
-        group = next(g for g in groups if (g.owner, g.index) == (b.owner, b.group))
-        value = abs(scalars[b.slot])
-        for op in record.ops:
-            if not op.scalars or not in_optimizer_step(op.regions):
-                continue
-            touched = {id(objects[h]) for h in (*op.inputs, *op.mutated) if h in objects}
-            if not touched & (group.params | group.buffers):
-                continue
-            start = offsets[op.index]
-            if any(slot not in bound and isinstance(scalars[slot], float) and abs(scalars[slot]) == value
-                   for slot in range(start, start + len(op.scalars))):
-                ambiguous.add((b.owner, b.group, b.key))
-                break
+    # the optimizer ops with numbers: the objects each touches, and its slots
+    steps = [({id(objects[h]) for h in (*op.inputs, *op.mutated) if h in objects}, offsets[op.index], len(op.scalars))
+             for op in record.ops if op.scalars and in_optimizer_step(op.regions)]
+    by_index = {(g.owner, g.index): g for g in groups}
+    free_values: dict[tuple, set] = {}  # (owner, group) -> |x| of the floats in its ops' unbound slots
+
+    def values_of(key: tuple) -> set:
+        if key not in free_values:
+            group = by_index[key]
+            members = group.params | group.buffers
+            free_values[key] = {abs(scalars[slot]) for touched, start, count in steps if not touched.isdisjoint(members)
+                                for slot in range(start, start + count)
+                                if slot not in bound and isinstance(scalars[slot], float)}
+        return free_values[key]
+
+    ambiguous = {(b.owner, b.group, b.key) for b in found
+                 if b.key != "lr" and abs(scalars[b.slot]) in values_of((b.owner, b.group))}
     return [b for b in found if (b.owner, b.group, b.key) not in ambiguous]
 
 

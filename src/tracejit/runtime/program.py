@@ -63,7 +63,7 @@ class _GroupRun:
     so far run for real, op by op, and so does the rest of the group in this call.
     """
 
-    def __init__(self, graph: Graph, node: Node, kernel: Any):
+    def __init__(self, graph: Graph, node: Node, kernel: Any, last_write: dict[int, int]):
         self.node = node
         self.kernel = kernel
         self.reference = kernel if isinstance(kernel, ReferenceKernel) else ReferenceKernel(graph, node)
@@ -86,7 +86,7 @@ class _GroupRun:
         input_roots = {graph.values[v].root for v in node.inputs}
         self.real_after_run = set(self.output_handles) | {
             self.handle_of[w] for m in node.members for w in m.writes if graph.values[w].root in input_roots}
-        self.recomputable = _recomputable(graph, node)
+        self.recomputable = _recomputable(graph, node, last_write)
         self.graph = graph
 
     def step(self, position: int, args: tuple, kwargs: dict, tensors: list[torch.Tensor], state: CallState,
@@ -224,18 +224,35 @@ def _fill_placeholder(placeholder: torch.Tensor, value: torch.Tensor) -> None:
         placeholder.copy_(value)
 
 
-def _recomputable(graph: Graph, node: Node) -> set[int]:
+def last_writes(graph: Graph) -> dict[int, int]:
+    """root -> the latest `fire_at` of the nodes writing it in place."""
+    last: dict[int, int] = {}
+    for n in graph.nodes:
+        for w in n.writes:
+            root = graph.values[w].root
+            if last.get(root, -1) < n.fire_at:
+                last[root] = n.fire_at
+    return last
+
+
+def _recomputable(graph: Graph, node: Node, last_write: dict[int, int]) -> set[int]:
     """Member values that can still be recomputed from the node's inputs at the end of the call:
     computed from storage that neither the group nor any later node writes, out of place or in
-    place into memory a member made (`h = lin(x) + 0; h.mul_(3)`: a recompute makes its own `h`)."""
+    place into memory a member made (`h = lin(x) + 0; h.mul_(3)`: a recompute makes its own `h`).
+    `last_write`: see last_writes (one pass over the graph, not one per group)."""
     fire = node.fire_at
-    written = {graph.values[w].root for n in graph.nodes if n is node or n.fire_at > fire for w in n.writes}
-    written_later = {graph.values[w].root for n in graph.nodes if n.fire_at > fire for w in n.writes}
+    own = {graph.values[w].root for w in node.writes}
     input_roots = {graph.values[v].root for v in node.inputs}
-    made = {graph.values[v].root for m in node.members for v in m.outputs if v is not None} - input_roots - written_later
+
+    def later(root: int) -> bool:
+        return last_write.get(root, -1) > fire
+
+    made = {root for root in (graph.values[v].root for m in node.members for v in m.outputs if v is not None)
+            if root not in input_roots and not later(root)}
     ok: set[int] = set()
     for member in node.members:
-        reads = all(v in ok or (v in node.inputs and graph.values[v].root not in written) for v in member.inputs)
+        reads = all(v in ok or (v in node.inputs and graph.values[v].root not in own and not later(graph.values[v].root))
+                    for v in member.inputs)
         if reads and all(graph.values[w].root in made for w in member.writes):
             ok.update(v for v in (*member.outputs, *member.writes) if v is not None)
     return ok
@@ -261,11 +278,12 @@ class CheckedProgram:
         # the memory fused kernels read or write (handles, by their root): only there does memory
         # shared where the record had none compute otherwise than eager (Replayer._overlap_error)
         fused_roots = set()
+        last_write = last_writes(graph)
         for index, node in enumerate(graph.nodes):
             if node.op is Op.CALL:
                 self.callables[node.positions[0]] = callable_for(node)
             elif node.op is Op.FUSED:
-                group = _GroupRun(graph, node, kernels[index])
+                group = _GroupRun(graph, node, kernels[index], last_write)
                 for position in node.positions:
                     self.group_at[position] = group
                 fused_roots.update(_root(record, h) for h in group.handle_of.values())
