@@ -335,6 +335,29 @@ def test_specializations_are_bounded(monkeypatch):
     assert len(traced._entries()) == 3 and traced.stats.records == 1
 
 
+def test_the_least_recently_used_specialization_is_evicted(monkeypatch):
+    # a size used on every other call stays compiled while new sizes come and go (the oldest
+    # specialization was evicted before, the hot size with it)
+    import warnings
+
+    from tracejit.runtime import shape_traces
+
+    monkeypatch.setattr(shape_traces, "MAX_SPECIALIZATIONS", 3)
+    traced = tracejit.trace(_view_from_shape, symbolic_shape=True, without_host=True)
+    sizes = (4, 6, 8, 4, 10, 4, 12, 4, 14, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in sizes:
+            x = torch.randn(n)
+            assert torch.equal(traced(x), _view_from_shape(x))
+    assert traced.stats.shape_specializations == len(set(sizes)) - 1  # the recorded size is not specialized
+    assert not [w for w in caught if issubclass(w.category, tracejit.SpecializationWarning)]
+    x = torch.randn(6)
+    with pytest.warns(tracejit.SpecializationWarning, match="input sizes"):  # 6 was let go of: it comes back
+        got = traced(x)
+    assert torch.equal(got, _view_from_shape(x))
+
+
 def test_state_after_many_shapes_matches_eager_bitwise():
     objects = _transformer_objects()
     twins = copy.deepcopy(objects)

@@ -11,6 +11,7 @@ from .errors import (
     HostDependencyError,
     LoadError,
     ReplayLevelWarning,
+    SpecializationWarning,
     SymbolicTraceError,
     TraceCacheFullError,
     TraceMismatchError,
@@ -22,7 +23,7 @@ from .trace import trace
 
 __all__ = [
     "CollectiveAbortedError", "CollectiveMismatchError", "DTRConfig", "GradientWarning", "GraphOptimizationConfig",
-    "HostDependencyError", "LoadError", "ReplayLevelWarning", "SublinearMemoryConfig",
+    "HostDependencyError", "LoadError", "ReplayLevelWarning", "SpecializationWarning", "SublinearMemoryConfig",
     "SymbolicTraceError", "TraceCacheFullError", "TraceMismatchError", "exclude_from_trace", "is_tracing", "load",
     "trace",
 ]

@@ -35,6 +35,11 @@ class ReplayLevelWarning(UserWarning):
     for them, for the reason the message gives (see docs/guide.md, "How checked calls run")."""
 
 
+class SpecializationWarning(UserWarning):
+    """A symbolic-shape trace meets more input sizes than it keeps compiled programs for: sizes it
+    let go of are compiled again when they come back (see docs/guide.md, "Many input sizes")."""
+
+
 class GradientWarning(UserWarning):
     """A traced call's outputs require grad, but the way it replays returns them without an
     autograd graph (a backward pass after the call would not reach the parameters)."""

@@ -24,6 +24,7 @@ from .errors import (
     GradientWarning,
     HostDependencyError,
     ReplayLevelWarning,
+    SpecializationWarning,
     SymbolicTraceError,
     TraceCacheFullError,
     TraceMismatchError,
@@ -49,6 +50,7 @@ from .record.source import traceback_location, user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
+from .runtime import shape_traces
 from .runtime.api_replay import BEFORE_THE_FUNCTION, ApiInterrupted, ApiProgram, NotReplayable, gradient_owners, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
@@ -463,6 +465,8 @@ class trace(ProfileAccess):
         entries = self._traces.get(key)
         if not entries:
             return None
+        if entries[0].shape_trace is not None:
+            entries[0].shape_trace.used(key)
         if entries[0].grad_state is None:
             return entries[0]
         state = self._gradient_state(kwargs)
@@ -732,6 +736,13 @@ class trace(ProfileAccess):
     def _add_specialization(self, entry: TraceEntry) -> None:
         self._traces.setdefault(entry.key, []).append(entry)
         self._traces[entry.key].sort(key=lambda e: e.grad_state is not None)  # state-free trace first
+        if entry.shape_trace.thrashing(entry.key):
+            where = user_location()
+            warnings.warn_explicit(
+                f"tracejit: {self.__name__}() met more than {shape_traces.MAX_SPECIALIZATIONS} input sizes of one "
+                f"symbolic-shape trace, and a size it let go of came back: such sizes compile their program again "
+                f"(slow). Pad or bucket inputs to fewer sizes.", SpecializationWarning, where.filename or "<unknown>",
+                where.line or 0)
         evicted = entry.shape_trace.admit(entry.key)
         if evicted is not None:
             kept = [e for e in self._traces.get(evicted, []) if e.shape_trace is not entry.shape_trace]

@@ -20,9 +20,10 @@ from ..record.calls import data_dependent_size
 from ..record.record import Record, describe_math_bits
 from ..record.symbolic_shapes import ShapeGuards
 
-# Concrete programs kept per symbolic-shape trace: each may hold a planned memory arena, so a
-# function fed many sizes keeps the most recent ones (an evicted size is specialized again).
-MAX_SPECIALIZATIONS = 32
+# Concrete programs kept per symbolic-shape trace: each may hold a planned memory arena (up to a
+# few MiB: values over 1 MiB are not planned), so a function fed many sizes keeps the ones used
+# most recently (an evicted size is specialized again).
+MAX_SPECIALIZATIONS = 64
 
 
 def family(key: tuple) -> tuple:
@@ -110,6 +111,8 @@ class ShapeTrace:
     state_sizes: tuple = ()  # as TraceEntry.state_sizes
     reached: tuple = ()  # as TraceEntry.reached and reached_bits
     reached_bits: int = 0
+    evicted: set = field(default_factory=set)  # signatures let go of (see thrashing)
+    warned: bool = False
 
     @property
     def provisional(self) -> bool:
@@ -118,11 +121,25 @@ class ShapeTrace:
         return self.record.created_state and not self.record.rerecorded
 
     def admit(self, key: tuple) -> tuple | None:
-        """Note a new specialization; return the signature to evict, if any."""
+        """Note a new specialization; return the signature to evict (the least recently used), if any."""
         self.specializations[key] = None
         if len(self.specializations) > MAX_SPECIALIZATIONS:
-            return self.specializations.popitem(last=False)[0]
+            evicted = self.specializations.popitem(last=False)[0]
+            self.evicted.add(evicted)
+            return evicted
         return None
+
+    def used(self, key: tuple) -> None:
+        """A call ran this specialization: it is the most recently used one."""
+        if key in self.specializations:
+            self.specializations.move_to_end(key)
+
+    def thrashing(self, key: tuple) -> bool:
+        """Whether `key` comes back after it was evicted, for the first time in this trace."""
+        if key in self.evicted and not self.warned:
+            self.warned = True
+            return True
+        return False
 
     def describe(self) -> str:
         return f"symbolic {self.guards.describe()}"
