@@ -207,10 +207,14 @@ class trace(ProfileAccess):
         # Fused kernels are generated for fixed sizes: specializations of a symbolic-shape trace run unfused
         self._unfused_options = replace(self._compile_options, fusion=None, fuse_reduce=False, fuse_dimshuffle=False,
                                         fuse_exact_rows=False)
-        self._fast_call: Callable | None = None
-        # the trace the last checked call at the API level used: the next call tries its signature
-        # first (HostFreeRunner.admit), before computing its own and looking it up
-        self._fast_api: TraceEntry | None = None
+        # the generated calls of the two traces used last without the host, the latest first: calls
+        # alternating between two signatures (a gradient-accumulation flag, two batch sizes) find
+        # theirs there (see _fast_call's setter)
+        self._fast_calls: tuple = (None, None)
+        self._fast_entries: tuple = (None, None)  # their traces
+        # the traces the last checked calls at the API level used, the latest first: the next call
+        # tries their signatures (HostFreeRunner.admit) before computing its own and looking it up
+        self._fast_apis: tuple = (None, None)
         self._state_before: dict = {}  # without_host: python_state() when the current call began
         self._seen_in_call: Seen | None = None  # without_host: what the call's function changed (record/reached.py)
         # without_host: the plain values the last call that ran the function changed, by name: the
@@ -286,9 +290,14 @@ class trace(ProfileAccess):
             try:
                 stats = self.stats
                 stats.calls += 1
-                fast = self._fast_call
-                if fast is not None and not is_tracing():  # the last host-free trace used, checking its signature
+                fast, before = self._fast_calls
+                if fast is not None and not is_tracing():  # the last host-free traces used, checking their signatures
                     result = fast(args, kwargs)
+                    if result is MISS and before is not None:
+                        result = before(args, kwargs)
+                        if result is not MISS:
+                            self._fast_calls = (before, fast)
+                            self._fast_entries = self._fast_entries[::-1]
                     if result is not MISS:
                         stats.host_free_calls += 1
                         return result
@@ -302,9 +311,11 @@ class trace(ProfileAccess):
             lock.release()
 
     def _after_the_host_free_path(self, args: tuple, kwargs: dict) -> Any:
-        entry = self._fast_api
-        if entry is not None and entry.api is not None and entry.host_free.admit(args, kwargs) is True and not is_tracing():
-            return self._replay_api(entry, args, kwargs)  # the last trace checked at the API level, its signature checked
+        for entry in self._fast_apis:  # the last traces checked at the API level, their signatures checked
+            if entry is None:
+                break
+            if entry.api is not None and entry.host_free.admit(args, kwargs) is True and not is_tracing():
+                return self._replay_api(entry, args, kwargs)
         if self._profiler is None:
             return self._call(args, kwargs)
         start = CLOCK()
@@ -1227,11 +1238,35 @@ class trace(ProfileAccess):
             self._profiler.compiled(CLOCK() - started)
         return runner
 
+    @property
+    def _fast_call(self) -> Callable | None:
+        return self._fast_calls[0]
+
+    @_fast_call.setter
+    def _fast_call(self, call: None) -> None:
+        """Forget both (a trace refused, evicted or bound again: no call of an older binding may run)."""
+        assert call is None, "see _install_fast_call"
+        self._fast_calls = self._fast_entries = (None, None)
+
+    @property
+    def _fast_api(self) -> TraceEntry | None:
+        return self._fast_apis[0]
+
+    @_fast_api.setter
+    def _fast_api(self, entry: TraceEntry | None) -> None:
+        latest = self._fast_apis[0]
+        self._fast_apis = (None, None) if entry is None else (entry, latest if latest is not entry else self._fast_apis[1])
+
     def _install_fast_call(self, entry: TraceEntry) -> None:
         """Let the next call try this trace's generated call before anything else. Profiling and
         verify_every need the slow path's bookkeeping."""
         if self._profiler is None and self.options.verify_every is None:
-            self._fast_call = entry.host_free.call
+            call = entry.host_free.call
+            latest, (latest_call, before_call) = self._fast_entries[0], self._fast_calls
+            if latest is entry:  # bound again: its new call, and the other trace's
+                self._fast_calls = (call, before_call)
+            else:
+                self._fast_calls, self._fast_entries = (call, latest_call), (entry, latest)
 
     def _compile(self, record: Record, fused: bool = True) -> CheckedProgram:
         """The checked program of a record; `fused=False` (symbolic-shape specializations): no fused

@@ -1,0 +1,52 @@
+"""Calls alternating between two traces take the fast paths of both (hunt N, C7): the generated
+host-free call or the API level's signature check of the last two traces used, not the full
+signature and lookup on every call."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tracejit
+
+
+def _accumulating_step(x, y, *, model, opt, do_step):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    if do_step:
+        opt.step()
+        opt.zero_grad()
+    return loss.detach()
+
+
+def _pair():
+    torch.manual_seed(0)
+    model_a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model_b = copy.deepcopy(model_a)
+    return ((model_a, torch.optim.Adam(model_a.parameters(), lr=0.01, fused=True)),
+            (model_b, torch.optim.Adam(model_b.parameters(), lr=0.01, fused=True)))
+
+
+@pytest.mark.parametrize("options", [{}, {"without_host": True}], ids=["checked", "without_host"])
+@pytest.mark.parametrize("alternating", ["batch_size", "do_step"])
+def test_two_alternating_traces_both_take_the_fast_path(options, alternating, monkeypatch):
+    (model_a, opt_a), (model_b, opt_b) = _pair()
+    traced = tracejit.trace(_accumulating_step, **options)
+    slow = []
+    original = type(traced)._call
+    monkeypatch.setattr(type(traced), "_call", lambda self, a, k: slow.append(1) or original(self, a, k))
+    for i in range(24):
+        n = 6 + i % 2 if alternating == "batch_size" else 6
+        do_step = True if alternating == "batch_size" else i % 2 == 1
+        x, y = torch.randn(n, 4), torch.randn(n, 2)
+        want = _accumulating_step(x, y, model=model_a, opt=opt_a, do_step=do_step)
+        got = traced(x, y, model=model_b, opt=opt_b, do_step=do_step)
+        assert torch.allclose(want, got, atol=1e-6, rtol=1e-5), i
+        for p, q in zip(model_a.parameters(), model_b.parameters()):
+            assert torch.allclose(p, q, atol=1e-6, rtol=1e-5), i
+    # warm: neither trace goes through the signature and lookup (each warms up in a few calls)
+    assert len(slow) <= 12, len(slow)
+    fast = traced.stats.host_free_calls if options else traced.stats.api_replays
+    assert fast >= 12
