@@ -50,3 +50,25 @@ def test_two_alternating_traces_both_take_the_fast_path(options, alternating, mo
     assert len(slow) <= 12, len(slow)
     fast = traced.stats.host_free_calls if options else traced.stats.api_replays
     assert fast >= 12
+
+
+def _step_on_a_batch_dict(*, batch, model, opt):
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_without_host_calls_that_keep_missing_say_which_guard_fails():
+    # a batch in a keyword dict is a new tensor where the program was bound to the old one: every
+    # call ran the function, at a twentieth of eager's speed, and nothing said so
+    (model_a, opt_a), (model_b, opt_b) = _pair()
+    traced = tracejit.trace(_step_on_a_batch_dict, without_host=True)
+    with pytest.warns(tracejit.HostFreeMissWarning, match=r"kwargs\['batch'\]\['x'\] is another tensor"):
+        for i in range(6):
+            batch = {"x": torch.randn(5, 4), "y": torch.randn(5, 2)}
+            want = _step_on_a_batch_dict(batch=batch, model=model_a, opt=opt_a)
+            got = traced(batch=batch, model=model_b, opt=opt_b)
+            assert torch.allclose(want, got, atol=1e-6, rtol=1e-5), i
+    assert traced.stats.host_free_misses >= 3

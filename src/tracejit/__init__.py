@@ -9,6 +9,7 @@ from .errors import (
     CollectiveMismatchError,
     GradientWarning,
     HostDependencyError,
+    HostFreeMissWarning,
     LoadError,
     ReplayLevelWarning,
     SpecializationWarning,
@@ -23,7 +24,7 @@ from .trace import trace
 
 __all__ = [
     "CollectiveAbortedError", "CollectiveMismatchError", "DTRConfig", "GradientWarning", "GraphOptimizationConfig",
-    "HostDependencyError", "LoadError", "ReplayLevelWarning", "SpecializationWarning", "SublinearMemoryConfig",
+    "HostDependencyError", "HostFreeMissWarning", "LoadError", "ReplayLevelWarning", "SpecializationWarning", "SublinearMemoryConfig",
     "SymbolicTraceError", "TraceCacheFullError", "TraceMismatchError", "exclude_from_trace", "is_tracing", "load",
     "trace",
 ]

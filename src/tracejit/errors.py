@@ -40,6 +40,11 @@ class SpecializationWarning(UserWarning):
     let go of are compiled again when they come back (see docs/guide.md, "Many input sizes")."""
 
 
+class HostFreeMissWarning(UserWarning):
+    """Most calls of a `without_host=True` trace run the function (slower): a guard of the program
+    fails on them, named in the message (see docs/guide.md, "without_host=True")."""
+
+
 class GradientWarning(UserWarning):
     """A traced call's outputs require grad, but the way it replays returns them without an
     autograd graph (a backward pass after the call would not reach the parameters)."""

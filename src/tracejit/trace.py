@@ -23,6 +23,7 @@ from .backends import resolve_backend
 from .errors import (
     GradientWarning,
     HostDependencyError,
+    HostFreeMissWarning,
     ReplayLevelWarning,
     SpecializationWarning,
     SymbolicTraceError,
@@ -95,6 +96,8 @@ class TraceEntry:
     host_free: HostFreeRunner | None = None  # without_host: the program run without the function
     host_free_error: Exception | None = None  # why this trace cannot run without its function
     host_free_calls: int = 0
+    host_free_misses: int = 0  # of those, the calls whose guards failed (they ran the function)
+    warned_misses: bool = False
     history: list = field(default_factory=list)  # (pass, graph, seconds) of the host-free pipeline
     handles: HandleMap | None = None  # the handle map of the last call that ran the function (weak)
     api: ApiProgram | None = None  # checked replay at the torch API level (runtime/api_replay.py)
@@ -378,6 +381,11 @@ class trace(ProfileAccess):
                         self._install_fast_call(entry)
                         return result
                     self.stats.host_free_misses += 1
+                    entry.host_free_misses += 1
+                    if not entry.warned_misses and entry.host_free_misses >= 3 \
+                            and entry.host_free_misses * 2 > entry.host_free_calls:
+                        entry.warned_misses = True
+                        self._warn_misses(entry, args, kwargs)
                     # the world changed under the trace: run the function, which rebinds
         if entry.api is not None:
             return self._replay_api(entry, args, kwargs)
@@ -1056,6 +1064,17 @@ class trace(ProfileAccess):
         """Keep this trace's checked calls at the aten level, saying why once."""
         entry.api_refused = reason
         self._warn_replay_level(f"checked calls of {self.__name__}() stay at the aten level (slower): {reason}")
+
+    def _warn_misses(self, entry: TraceEntry, args: tuple, kwargs: dict) -> None:
+        """Most calls of this trace ran the function: say which guard failed on this one, once."""
+        why = entry.host_free.why_missed(args, kwargs) or "a guard of the program failed"
+        where = user_location()
+        warnings.warn_explicit(
+            f"tracejit: {entry.host_free_misses} of {entry.host_free_calls} calls of {self.__name__}() with "
+            f"without_host=True ran the function (slower than eager): {why}. Pass tensors that change on every "
+            f"call as arguments (positional, or tensor keywords), not inside a keyword dict or an object, and "
+            f"keep the objects and settings the program was bound to.", HostFreeMissWarning,
+            where.filename or "<unknown>", where.line or 0)
 
     def _warn_replay_level(self, message: str) -> None:
         where = user_location()

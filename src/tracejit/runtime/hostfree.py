@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -382,6 +383,33 @@ def drawn_generators(record: Record) -> list[torch.Generator]:
     return list(found.values())
 
 
+def why_missed(call: Any, source: str, args: tuple, kwargs: dict) -> str | None:
+    """The message of the guard `call` fails on for these arguments, by running its guards once
+    more under a line tracer; None if it did not return MISS. Only right after a MISS on the same
+    arguments: a call whose guards pass runs the program."""
+    code = call.__code__
+    last = [0]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+        if event == "line":
+            last[0] = frame.f_lineno
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        result = call(args, kwargs)
+    finally:
+        sys.settrace(previous)
+    if result is not MISS:
+        return None
+    lines = source.splitlines()
+    line = lines[last[0] - 1] if 0 < last[0] <= len(lines) else ""
+    return line.partition("return MISS  # ")[2].strip() or None
+
+
 def _fail(condition: str, message: str) -> str:
     # The message is kept as a comment: the generated call only says "not me" (MISS), and the
     # slow path that follows explains nothing either, it runs the function.
@@ -413,6 +441,12 @@ class HostFreeRunner:
         # externals tracejit cannot find by a path (no locator), as the last binding call reached
         # them: a call may skip the function only after two calls reached the same objects
         self._unlocated: dict[int, weakref.ref] = {}
+
+    def why_missed(self, args: tuple, kwargs: dict) -> str | None:
+        """The guard the generated call fails on for these arguments (see why_missed)."""
+        if self.call is None:
+            return None
+        return why_missed(self.call, self.sources["call"], args, kwargs)
 
     def bind(self, *args: Any, **kwargs: Any) -> None:
         """See _bind. The lists of the binding call's tensors it fills are emptied however it ends
