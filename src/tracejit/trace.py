@@ -55,6 +55,7 @@ from .runtime import shape_traces
 from .runtime.api_replay import BEFORE_THE_FUNCTION, ApiInterrupted, ApiProgram, NotReplayable, gradient_owners, run_checked
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
+from .runtime.gc_pause import collector_paused
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner, refuse_stateful_comm_hooks
 from .runtime.profile import CLOCK, ProfileAccess, Profiler
 from .runtime.program import CheckedProgram, HostFreeProgram
@@ -335,6 +336,10 @@ class trace(ProfileAccess):
         return stats.records + stats.rerecords + stats.shape_variants + stats.branch_variants
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        with collector_paused():  # records, compiles, runs at the aten level: see runtime/gc_pause.py
+            return self._call_unpaused(args, kwargs)
+
+    def _call_unpaused(self, args: tuple, kwargs: dict) -> Any:
         if not (torch.is_autocast_cache_enabled() and (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))):
             return self._run_call(args, kwargs)
         # Autocast caches its casts of the weights for the context it was entered in: a trace
