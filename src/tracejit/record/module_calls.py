@@ -33,6 +33,12 @@ STANDALONE = frozenset({
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
     nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Sequential,
+    # their forward also reads the grad mode, autocast and torch.backends.mha's fast-path flag, and
+    # whether a torch function mode is on: a checked call runs under one (the fast path is off, as
+    # when the call was recorded), and the rest is the call context's; the activation they keep is a
+    # function compared by identity, as every module setting is
+    nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+    nn.TransformerDecoder, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.ModuleList,
 })
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # held separately (parameters, buffers, submodules) or only for state_dict()

@@ -591,6 +591,9 @@ class _ForwardSource:
             types = self.program.constant(tuple(map(type, value)), "c")
             self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {constant} or "
                          f"tuple(map(type, {expr})) != {types}")
+        elif isinstance(value, _IMMUTABLE) and not isinstance(value, np.generic):
+            # a function kept as a setting (TransformerEncoderLayer.activation): the same one
+            self.fail_if(f"{expr} is not {self.program.constant(value, 'fn')}")
         else:
             raise _Unsupported(f"{what} is a {type(value).__name__}")
 
