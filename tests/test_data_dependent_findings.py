@@ -342,3 +342,23 @@ def test_a_generator_seeded_inside_the_call_draws_the_same_numbers_in_checked_ca
     for _ in range(5):
         assert torch.equal(traced(torch.zeros(3), **kwargs), want)
     assert traced.stats.checked_replays >= 3
+
+
+def _draw_then_read_state(x):
+    y = x + torch.rand(3)
+    return y, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_rng_state_read_after_a_draw_is_this_calls(backend):
+    # at the API level the program draws after the function ran: the state read came before the draw
+    traced = tracejit.trace(_draw_then_read_state, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            torch.manual_seed(300 + i)
+            got, state = traced(torch.zeros(3))
+            torch.manual_seed(300 + i)
+            want, want_state = _draw_then_read_state(torch.zeros(3))
+            assert torch.equal(got, want) and torch.equal(state, want_state), i
+    assert traced.stats.checked_replays >= 4

@@ -2,8 +2,10 @@
 changes): each case runs side by side with eager, call by call."""
 
 import copy
+import functools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -196,3 +198,103 @@ def test_optimizer_state_dropped_for_some_parameters_records_again(how):
             for p, q in zip(model_a.parameters(), model_b.parameters()):
                 assert torch.allclose(p, q, atol=1e-6), call
     assert traced.stats.checked_replays >= 3
+
+
+def _logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@_logged
+def _absolute(a, b):
+    return (a - b).abs().mean()
+
+
+@_logged
+def _squared(a, b):
+    return ((a - b) ** 2).mean()
+
+
+def _loss_of(x, y, *, model, loss_fn):
+    return loss_fn(model(x), y).detach()
+
+
+@pytest.mark.parametrize("options", [{}, {"backend": "aten"}, {"without_host": True}], ids=["checked", "aten", "without_host"])
+@pytest.mark.parametrize("functions", [(_absolute, _squared), (F.max_pool1d, F.max_pool2d)], ids=["decorated", "dispatch"])
+def test_decorated_keyword_functions_are_told_apart(options, functions):
+    # one decorator's wrappers (and torch's boolean_dispatch) share a code object: they were one
+    # function for the signature, and a call with the other raised TraceMismatchError
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    pooled = functions[0] is F.max_pool1d
+    traced = tracejit.trace(_pool_of if pooled else _loss_of, **options)
+    for function in (*functions, *functions, functions[1]):
+        x, y = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+        if pooled:
+            assert torch.equal(traced(x, pool=function), _pool_of(x, pool=function))
+        else:
+            assert torch.allclose(traced(x, y, model=model, loss_fn=function), _loss_of(x, y, model=model, loss_fn=function))
+
+
+def _pool_of(x, *, pool):
+    return pool(x, 2) * 2
+
+
+_TABLE = np.arange(12, dtype=np.float32).reshape(3, 4) / 7  # its repr spans lines
+
+
+def _scaled_by_table(x):
+    return x * torch.tensor(_TABLE)
+
+
+def test_a_numpy_global_whose_repr_spans_lines_is_guarded_without_the_host():
+    # the guard's message broke the generated source (IndentationError)
+    traced = tracejit.trace(_scaled_by_table, without_host=True)
+    x = torch.ones(3, 4)
+    for i in range(5):
+        if i == 3:
+            _TABLE[0, 0] = 5.0
+        assert torch.equal(traced(x), _scaled_by_table(x)), i
+    assert traced.stats.host_free_calls >= 1
+
+
+class _Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        return self.lin(x) + torch.randn(x.shape, generator=self.gen)
+
+
+def _noisy_forward(x, *, model):
+    return model(x).detach()
+
+
+def test_a_module_holding_its_own_generator_runs_without_the_host():
+    torch.manual_seed(0)
+    model_a, model_b = _Noisy(), _Noisy()
+    model_b.load_state_dict(model_a.state_dict())
+    traced = tracejit.trace(_noisy_forward, without_host=True)
+    for i in range(6):
+        x = torch.randn(2, 4)
+        assert torch.equal(traced(x, model=model_b), _noisy_forward(x, model=model_a)), i
+    assert traced.stats.host_free_calls >= 3
+
+
+_IDS = {7, 15}  # a copy of it iterates in another order
+
+
+def _pick(x):
+    return torch.stack([x[i] for i in _IDS])
+
+
+def test_a_global_set_is_compared_in_the_order_it_iterates_without_the_host():
+    traced = tracejit.trace(_pick, without_host=True)
+    x = torch.arange(20.0)
+    for _ in range(6):
+        assert torch.equal(traced(x), _pick(x))
+    assert traced.stats.host_free_calls >= 3

@@ -79,17 +79,21 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 
 
 def _keyword_items(kwargs: dict) -> list[tuple[str, object]]:
-    """(expression, value) of each keyword argument and of each item of a keyword dict, list or
-    tuple, in keyword order."""
+    """(expression, value) of each keyword argument and of each of the first _KEYWORD_ITEMS items
+    of a keyword dict, list or tuple, in keyword order."""
     found = []
     for name, value in kwargs.items():
         if type(value) is dict:
-            found += [(f"kw[{name!r}][{key!r}]", v) for key, v in value.items() if type(key) in (str, int)]
+            found += [(f"kw[{name!r}][{key!r}]", v) for key, v in itertools.islice(value.items(), _KEYWORD_ITEMS)
+                      if type(key) in (str, int)]
         elif type(value) in (list, tuple):
-            found += [(f"kw[{name!r}][{i}]", v) for i, v in enumerate(value)]
+            found += [(f"kw[{name!r}][{i}]", v) for i, v in enumerate(value[:_KEYWORD_ITEMS])]
         else:
             found.append((f"kw[{name!r}]", value))
     return found
+
+
+_KEYWORD_ITEMS = 64  # the items of a keyword container looked at (a vocabulary is not walked per call)
 
 
 def keyword_modules(kwargs: dict) -> list[tuple[str, torch.nn.Module]]:
@@ -118,7 +122,7 @@ def keyword_callables(kwargs: dict) -> tuple:
     return tuple(found)
 
 
-def callable_key(value: object) -> object | None:
+def callable_key(value: object, depth: int = 0) -> object | None:
     """What tells two functions apart for a trace: a Python function by its code (a lambda or
     closure made anew on each call runs the same code: its captured values reach the ops, which
     a checked call compares), a bound method by its function and its instance's class, a
@@ -127,11 +131,24 @@ def callable_key(value: object) -> object | None:
     not callable, and for modules, whose class the signature has already."""
     kind = type(value)
     if kind is types.FunctionType:
-        return value.__code__
+        if depth >= 3 or not (value.__closure__ or hasattr(value, "__wrapped__")):
+            return value.__code__
+        # a decorator's wrapper, torch's boolean_dispatch (F.max_pool1d and F.max_pool2d): one code
+        # object around other functions, which tell them apart
+        inner = []
+        for cell in value.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(contents):
+                inner.append(callable_key(contents, depth + 1))
+        wrapped = getattr(value, "__wrapped__", None)
+        return (value.__code__, tuple(inner), callable_key(wrapped, depth + 1) if callable(wrapped) else None)
     if kind is types.MethodType:
-        return ("method", callable_key(value.__func__), type(value.__self__))
+        return ("method", callable_key(value.__func__, depth + 1), type(value.__self__))
     if kind is functools.partial:
-        return ("partial", callable_key(value.func), len(value.args), tuple(sorted(value.keywords)))
+        return ("partial", callable_key(value.func, depth + 1), len(value.args), tuple(sorted(value.keywords)))
     if kind is types.BuiltinFunctionType:
         owner = value.__self__
         return value if owner is None or type(owner) is types.ModuleType else ("builtin", type(owner), value.__name__)

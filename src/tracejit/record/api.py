@@ -20,6 +20,7 @@ import gc
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,27 @@ RUN_FOR_REAL = frozenset({"_set_grad_enabled", "_record_function_enter_new", "_r
 HOST_READS = frozenset(HOST_READ_METHODS)
 BACKWARD = frozenset({"Tensor.backward", "backward", "grad", "_engine_run_backward"})
 _C10D_MODULE = "torch.distributed.distributed_c10d"  # where dist.all_reduce & co. live
+
+
+def _watch_state_reads(note: Callable[[], None]) -> list:
+    """Wrap torch.get_rng_state (torch's and torch.random's bindings) to call `note` first."""
+    patched = []
+    for module in (torch, torch.random):
+        original = module.get_rng_state
+
+        def read(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            note()
+            return __original(*args, **kwargs)
+
+        module.get_rng_state = read
+        patched.append((module, original, read))
+    return patched
+
+
+def _unwatch_state_reads(patched: list) -> None:
+    for module, original, read in patched:
+        if module.get_rng_state is read:
+            module.get_rng_state = original
 
 
 class RefKind:
@@ -235,10 +257,12 @@ class ApiTracer(TorchFunctionMode):
 
     def __enter__(self):
         self._module_calls.install()
+        self._state_reads = _watch_state_reads(self._read_state)
         try:
             return super().__enter__()
         except BaseException:
             self._module_calls.remove()
+            _unwatch_state_reads(self._state_reads)
             raise
 
     def __exit__(self, *exc):
@@ -246,6 +270,16 @@ class ApiTracer(TorchFunctionMode):
             return super().__exit__(*exc)
         finally:
             self._module_calls.remove()
+            _unwatch_state_reads(self._state_reads)
+
+    def _read_state(self) -> None:
+        """`torch.get_rng_state()` in the call: at the API level the program draws the call's random
+        numbers after the function ran, so a read after a random op would return the state before it."""
+        record = self.replayer.record
+        if any(torch.Tag.nondeterministic_seeded in getattr(op.op, "tags", ())
+               for op in record.ops[:self._position()]):
+            self.trace.refuse(f"it reads the generator's state (torch.get_rng_state() at {user_location()}) "
+                              f"after a random op, which the API level draws after the function has run")
 
     # -- the mode -------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ class ExternalNames:
         self._kwargs = kwargs
         # the keyword values compared by value, as the call found them: a call that changes one
         # (`cfg["s"] *= 1.1`) computed with the value it found, which the next call must have
-        self.plain_kwargs = {name: copy.deepcopy(value) for name, value in kwargs.items()
+        self.plain_kwargs = {name: plain_copy(value) for name, value in kwargs.items()
                              if not isinstance(value, _ATOMS) and plain_value(value)}
         # where each tensor is when the call begins: a call may put another tensor in that place
         # (`self.h = h`), and a call without the function must look where this one looked
@@ -436,6 +436,7 @@ def root_expression(root: tuple[str, Any]) -> str:
 _ATOMS = (bool, int, float, complex, str, type(None), enum.Enum, torch.dtype, torch.device, torch.layout,
           torch.memory_format, np.generic, range)
 _PLAIN_SIZE = 64  # the most items a value compared by value may hold
+_PLAIN_ARRAY_BYTES = 1 << 16  # the largest numpy array compared by its bytes on every call
 
 
 def plain_value(value: Any) -> bool:
@@ -451,8 +452,8 @@ def plain_value(value: Any) -> bool:
             return False
         if isinstance(v, _ATOMS):
             return True
-        if type(v) is np.ndarray:  # a lookup table, a class weighting: its bytes (see same_value)
-            return v.dtype != object
+        if type(v) is np.ndarray:  # a class weighting, a small table: its bytes (see same_value)
+            return v.dtype != object and v.nbytes <= _PLAIN_ARRAY_BYTES
         if type(v) is slice:  # bounds that are numbers (a tensor bound is an object of its own)
             return all(isinstance(b, (int, type(None))) for b in (v.start, v.stop, v.step))
         if type(v) is frozenset:  # in iteration order, each item of its type (see same_value)
@@ -475,11 +476,41 @@ def plain_set(value: Any) -> bool:
     return type(value) in (set, frozenset) and len(value) <= _PLAIN_SIZE and all(isinstance(i, _ATOMS) for i in value)
 
 
+class _Ordered:
+    """A set as it iterated when copied (plain_copy): a copy of a set may iterate otherwise."""
+
+    __slots__ = ("kind", "items")
+
+    def __init__(self, value: set | frozenset):
+        self.kind, self.items = type(value), tuple(value)
+
+    def __repr__(self) -> str:
+        return repr(self.kind(self.items))
+
+
+def plain_copy(value: Any) -> Any:
+    """A copy of a plain value to compare later ones with (same_value): sets keep the order they
+    iterate in, other values are deep copies."""
+    if type(value) in (set, frozenset):
+        return _Ordered(value)
+    if type(value) is _Ordered:
+        return value
+    if type(value) is list:
+        return [plain_copy(v) for v in value]
+    if type(value) is tuple:
+        return tuple(plain_copy(v) for v in value)
+    if type(value) is dict:
+        return {k: plain_copy(v) for k, v in value.items()}
+    return value if isinstance(value, _ATOMS) else copy.deepcopy(value)
+
+
 def same_value(now: Any, then: Any) -> bool:
     """`now == then` for plain values of the same type, floats bit for bit (see float_bits): a NaN
     equals the same NaN (`clip=float("nan")` stays the same), -0.0 is not 0.0."""
     if now is then:
         return True
+    if type(then) is _Ordered:  # {1, 9} and {9, 1} iterate in other orders; {2} is not {2.0}
+        return type(now) is then.kind and len(now) == len(then.items) and all(map(same_value, now, then.items))
     if type(now) is not type(then):
         return False
     if isinstance(now, np.generic):  # by its bits, as a float (np.float32(-0.0) == 0.0)
@@ -652,7 +683,7 @@ def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: 
         where = Locator(locator.root, (*locator.steps, ("attr", name)))
         if isinstance(value, torch.Tensor):  # a plain tensor attribute (`self.h = h`)
             found.add(value, f"{prefix}.{name}", where)
-        elif isinstance(value, (torch.optim.Optimizer, torch.amp.GradScaler)) or (
+        elif isinstance(value, (torch.optim.Optimizer, torch.amp.GradScaler, torch.Generator)) or (
                 (isinstance(value, _SEQUENCES) or type(value) is dict or (users_own and _plain_object(value)))
                 and name not in _MODULE_INTERNALS and (users_own or name[0] != "_")):
             # an optimizer it owns (`self.opt`), a history it keeps (`self.hist.append(y)`), a
@@ -672,7 +703,7 @@ _FOLLOWED = frozenset({"training", "require_forward_param_sync"})
 
 
 def _copied(value: Any) -> Any:
-    return value if isinstance(value, _ATOMS) else copy.deepcopy(value)
+    return plain_copy(value)
 
 
 def _plain_values(mapping: dict, skip: frozenset = frozenset()) -> dict:
@@ -682,7 +713,7 @@ def _plain_values(mapping: dict, skip: frozenset = frozenset()) -> dict:
             if key not in skip:
                 values[key] = value
         elif (type(value) in (list, dict) or isinstance(value, tuple)) and key not in skip and plain_value(value):
-            values[key] = copy.deepcopy(value)
+            values[key] = plain_copy(value)
     return values
 
 

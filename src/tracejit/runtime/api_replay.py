@@ -508,16 +508,34 @@ class _Reader:
 
 def _copy_memory(env: dict, handles: list[int]) -> None:
     """Points each of `handles` at a copy of its memory, with its own size, strides and offset:
-    tensors that share memory share the copy, so a write through one is read through another."""
-    copies: dict = {}
+    tensors that share memory share the copy, so a write through one is read through another.
+    Only the bytes they span are copied (a counter's view of a large buffer copies the counter)."""
+    groups: dict[int, list[int]] = {}
     for handle in handles:
-        tensor = env[handle]
-        storage = tensor.untyped_storage()
-        copy = copies.get(storage.data_ptr())
-        if copy is None:
-            copy = copies[storage.data_ptr()] = storage.clone()
-        env[handle] = torch.empty((0,), dtype=tensor.dtype, device=tensor.device).set_(
-            copy, tensor.storage_offset(), tensor.size(), tensor.stride())
+        groups.setdefault(env[handle].untyped_storage().data_ptr(), []).append(handle)
+    for members in groups.values():
+        spans = [_byte_span(env[h]) for h in members]
+        low = min(first for first, _ in spans) // 16 * 16  # aligned for every element size
+        high = max(end for _, end in spans)
+        storage = env[members[0]].untyped_storage()
+        copy = torch.empty((0,), dtype=torch.uint8, device=env[members[0]].device).set_(
+            storage, low, (high - low,)).clone().untyped_storage()
+        for handle in members:
+            tensor = env[handle]
+            size = tensor.element_size()
+            env[handle] = torch.empty((0,), dtype=tensor.dtype, device=tensor.device).set_(
+                copy, (tensor.storage_offset() * size - low) // size, tensor.size(), tensor.stride())
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The first byte of the storage a tensor reads and the one past its last (for a strided view
+    with nonnegative strides, as views are)."""
+    size = tensor.element_size()
+    first = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return first, first
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride()))
+    return first, (last + 1) * size
 
 
 def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any) -> dict | None:

@@ -14,7 +14,6 @@ and rebinds.
 from __future__ import annotations
 
 import collections
-import copy
 import sys
 import types
 import weakref
@@ -39,6 +38,7 @@ from ..record.names import (
     container_expression,
     differs_expression,
     group_suffix,
+    plain_copy,
     plain_roots,
     plain_set,
     plain_value,
@@ -258,7 +258,7 @@ def _expected(value: Any) -> tuple:
         attributes = None if isinstance(owner, torch.nn.Module) else plain_attributes(owner)
         return "method", _reference(owner), (value.__func__, attributes)
     if type(value) in (slice, range, frozenset, set) and (plain_value(value) or plain_set(value)):
-        return "value", copy.deepcopy(value), type(value)
+        return "value", plain_copy(value), type(value)
     return "is", _reference(value), None
 
 
@@ -267,7 +267,7 @@ def plain_attributes(owner: Any) -> dict | None:
     attributes = getattr(owner, "__dict__", None)
     if type(attributes) is not dict:
         return None
-    return {key: copy.deepcopy(value) for key, value in list(attributes.items())[:_HELD_ITEMS] if plain_value(value)}
+    return {key: plain_copy(value) for key, value in list(attributes.items())[:_HELD_ITEMS] if plain_value(value)}
 
 
 def _reference(value: Any) -> Any:
@@ -411,9 +411,10 @@ def why_missed(call: Any, source: str, args: tuple, kwargs: dict) -> str | None:
 
 
 def _fail(condition: str, message: str) -> str:
-    # The message is kept as a comment: the generated call only says "not me" (MISS), and the
-    # slow path that follows explains nothing either, it runs the function.
-    return f"if {condition}: return MISS  # {message}"
+    # The message is kept as a comment (on one line, however the value it names prints): the
+    # generated call only says "not me" (MISS); why_missed reads it back for HostFreeMissWarning.
+    text = " ".join(message.split())
+    return f"if {condition}: return MISS  # {text if len(text) <= 200 else text[:197] + '...'}"
 
 
 class HostFreeRunner:
@@ -502,6 +503,12 @@ class HostFreeRunner:
         # a bool keyword selects a trace of its own (signature.py)
         admit = admission + [_fail(f"kw[{name!r}] is not {value}", f"{name} is not {value} now")
                              for name, value in sorted(kwargs.items()) if isinstance(value, bool)]
+        # another function by a keyword selects a trace of its own (signature.py); without the
+        # host every keyword object is compared by identity already (the guards below)
+        functions = keyword_callables(kwargs)
+        if functions:
+            src.namespace["FUNCTIONS"] = keyword_callables
+            admit.append(_fail(f"FUNCTIONS(kw) != {src.constant(functions, 'fn')}", "a keyword function is another one"))
         if training:
             admit += ["try:", *(f"    {line}" for line in training),
                       "except (AttributeError, KeyError, IndexError, TypeError):",
@@ -547,7 +554,7 @@ class HostFreeRunner:
             elif plain_value(value):  # an enum, a dtype, a tuple or dict of such: compared by value
                 src.namespace["SAME_VALUE"] = same_value
                 found = names.plain_kwargs.get(name, value)  # as the binding call found it
-                guards.append(_fail(f"not SAME_VALUE(kw[{name!r}], {src.constant(copy.deepcopy(found), 'p')})",
+                guards.append(_fail(f"not SAME_VALUE(kw[{name!r}], {src.constant(plain_copy(found), 'p')})",
                                     f"{name!r} is not {found!r} anymore"))
         if not self.checked:
             guards += self._plain_root_guards(src)
@@ -817,10 +824,6 @@ class HostFreeRunner:
                                "other inputs lie in one another's memory now"))
         if grad_state is not None:
             lines.append(_fail(f"GRAD_STATE(kw) != {src.constant(grad_state, 'g')}", "other .grad state"))
-        functions = keyword_callables(kwargs)
-        if functions:  # another function by a keyword selects a trace of its own (signature.py)
-            src.namespace["FUNCTIONS"] = keyword_callables
-            lines.append(_fail(f"FUNCTIONS(kw) != {src.constant(functions, 'fn')}", "a keyword function is another one"))
         return lines
 
     def _compute_hoisted(self, objects: dict[int, torch.Tensor]) -> None:
@@ -998,20 +1001,21 @@ class HostFreeRunner:
         look, cannot be guarded: such a trace does not run without the host."""
         guards = []
         for generator in drawn_generators(self.record):
-            found = next((g for g in names.generators if same_generator(generator, g[0])), None)
-            if found is not None and any(value is found[0] for value in kwargs.values()):
+            matches = [g for g in names.generators if same_generator(generator, g[0])]
+            if matches and all(any(value is found[0] for value in kwargs.values()) for found in matches):
                 continue  # a keyword generator: compared with the bound one already
-            if found is None:
+            if not matches:
                 raise HostDependencyError(
                     f"without_host=True cannot skip {self.record.function_name}(): it draws from a torch.Generator "
                     f"that it makes itself or finds where tracejit does not look for one, so a call without the "
                     f"function would draw from the recorded generator whatever the function would use. Pass the "
                     f"generator as a keyword argument or keep it in a global, or trace without without_host.")
-            locator = found[1]
-            expr = src.locator(locator)
-            guards += [*src.pending, _fail(f"{expr} is not {src.constant(weakref.ref(found[0]), 'gr')}()",
-                                           f"{locator.describe()} is another generator")]
-            src.pending.clear()
+            for found in matches:  # one, or generators seeded alike: each must stay where it is
+                locator = found[1]
+                expr = src.locator(locator)
+                guards += [*src.pending, _fail(f"{expr} is not {src.constant(weakref.ref(found[0]), 'gr')}()",
+                                               f"{locator.describe()} is another generator")]
+                src.pending.clear()
         return guards
 
     def _plain_root_guards(self, src: _Source) -> list[str]:
@@ -1022,7 +1026,7 @@ class HostFreeRunner:
         src.namespace["SAME_VALUE"] = same_value
         guards = []
         for name, root, value in plain_roots(self.function):
-            guards.append(_fail(f"not SAME_VALUE({root_expression(root)}, {src.constant(copy.deepcopy(value), 'p')})",
+            guards.append(_fail(f"not SAME_VALUE({root_expression(root)}, {src.constant(plain_copy(value), 'p')})",
                                 f"{name} is not {value!r} anymore"))
         return guards
 
