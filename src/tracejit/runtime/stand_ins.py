@@ -146,7 +146,8 @@ def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[Op
         where = f"{call.kind}() at {calls[call.start].source}"
         optimizer = call.optimizer()
         # a step() that reads its step counts on the host may still be answered: see _host_read_numbers
-        reason = call.refused or _span_refusal(calls, call, host_reads=call.kind == STEP)
+        reason = call.refused or _span_refusal(calls, call, host_reads=call.kind == STEP,
+                                               unflagging=call.kind != STEP)
         if optimizer is None or call.snapshot is None:
             reason = reason or "the optimizer is gone"
         if reason is not None:
@@ -167,15 +168,25 @@ def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[Op
     return (StandIns(optimizers) if optimizers else None), refused
 
 
-def _span_refusal(calls: list[ApiCall], call: Any, host_reads: bool = False) -> str | None:
+def _span_refusal(calls: list[ApiCall], call: Any, host_reads: bool = False, unflagging: bool = False) -> str | None:
+    """Why a call's span cannot be answered whole. `unflagging` (zero_grad): its
+    `grad.requires_grad_(False)` on gradients that do not require grad (`set_to_none=False`) is
+    a no-op the stand-in checks stays one (_CheckSource.build)."""
     if call.end <= call.start:
         return "its span did not close"
     for inner in calls[call.start:call.end]:
         if inner.kind is CallKind.HOST_READ and not host_reads:
             return f"it reads a tensor on the host ({inner.name} at {inner.source})"
-        if inner.requires_grad is not None:
+        if inner.requires_grad is not None and not (unflagging and inner.requires_grad is False
+                                                     and inner.name.endswith("requires_grad_")):
             return f"it calls {inner.name}"
     return None
+
+
+def _gradients_requiring_grad(params: list) -> bool:
+    """Whether a parameter's `.grad` requires grad (read past the checker: not a call of the function)."""
+    with torch._C.DisableTorchFunction():
+        return any(p.grad is not None and p.grad.requires_grad for p in params)
 
 
 class _Unsupported(Exception):
@@ -296,7 +307,11 @@ class _CheckSource:
             self.fail_if(f"len(ps) != {len(params)}")
             self.fail_if(" or ".join(f"ps[{i}] is not {self.tensor(p)}" for i, p in enumerate(params)) or "False")
             if call.kind != STEP:
-                continue  # zero_grad() reads nothing else of a group
+                # zero_grad() reads nothing else of a group; with set_to_none=False it turns
+                # requires_grad off on gradients that have it (or detaches them): not a no-op then
+                self.namespace["FLAGGED"] = _gradients_requiring_grad
+                self.fail_if("FLAGGED(ps)")
+                continue
             on_device = group.get("fused") or group.get("capturable")
             tensor_setting = next((k for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)), None)
             if tensor_setting is not None and not on_device:
