@@ -117,3 +117,20 @@ def test_keyword_functions_in_a_dict_are_told_apart():
 def test_the_signature_names_the_keyword_function():
     text = describe_signature(signature((torch.ones(2),), {"loss_fn": F.mse_loss, "act": torch.tanh}), ["x"])
     assert "kw['loss_fn']: function mse_loss" in text and "kw['act']: builtin tanh" in text, text
+
+
+def test_a_module_past_the_sixty_fourth_item_of_a_keyword_list_selects_a_trace():
+    def through(x, *, mods):
+        for m in mods:
+            x = m(x)
+        return x.detach()
+
+    torch.manual_seed(0)
+    mods = [nn.Identity() for _ in range(70)] + [nn.BatchNorm1d(3).eval()]
+    traced = tracejit.trace(through)
+    for i in range(6):
+        if i == 3:
+            mods[-1].train()
+        x = torch.randn(4, 3)
+        want = through(x, mods=copy.deepcopy(mods))
+        assert torch.allclose(traced(x, mods=mods), want, atol=1e-6), i

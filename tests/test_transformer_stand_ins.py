@@ -103,3 +103,44 @@ def test_multihead_attention_stood_in_with_masks_and_weights():
         for p, r in zip(mha.parameters(), mha_b.parameters()):
             assert torch.equal(p, r), i
     assert traced.stats.module_stand_ins >= 2 and not _refused(traced)
+
+
+_SLOPE = [0.1]
+
+
+def _leaky(x):
+    return F.leaky_relu(x, _SLOPE[0])
+
+
+def test_a_layer_with_an_activation_of_yours_is_not_answered_whole():
+    # the stand-in compared the function by identity and skipped what it reads (a global slope)
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0,
+                                                             activation=_leaky), 1, enable_nested_tensor=False).train()
+    traced = tracejit.trace(_infer)
+    x = torch.randn(2, 6, 32)
+    for i in range(7):
+        _SLOPE[0] = 0.1 if i < 4 else 3.0
+        assert torch.allclose(traced(x, model=model), _infer(x, model=model), atol=1e-6), i
+    assert traced.stats.checked_replays >= 4
+
+
+def test_a_layer_method_patched_on_the_class_after_recording_is_seen():
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0), 1,
+                                  enable_nested_tensor=False).train()
+    traced = tracejit.trace(_infer)
+    x = torch.randn(2, 6, 32)
+    original = nn.TransformerEncoderLayer._sa_block
+    try:
+        for i in range(7):
+            if i == 4:
+                nn.TransformerEncoderLayer._sa_block = lambda self, x, *args, **kwargs: torch.zeros_like(x)
+            want = _infer(x, model=model)
+            try:
+                got = traced(x, model=model)
+            except tracejit.TraceMismatchError:
+                continue  # loud: the function ran and dispatched other ops
+            assert torch.allclose(got, want, atol=1e-6), i
+    finally:
+        nn.TransformerEncoderLayer._sa_block = original

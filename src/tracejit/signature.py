@@ -7,7 +7,7 @@ import itertools
 import operator
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -78,22 +78,24 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     )
 
 
-def _keyword_items(kwargs: dict) -> list[tuple[str, object]]:
-    """(expression, value) of each keyword argument and of each of the first _KEYWORD_ITEMS items
-    of a keyword dict, list or tuple, in keyword order."""
-    found = []
+def _keyword_items(kwargs: dict) -> Iterator[tuple[Callable[[], str], object]]:
+    """(its expression, made when asked; value) of each keyword argument and of each of the first
+    KEYWORD_ITEMS items of a keyword dict, list or tuple, in keyword order."""
     for name, value in kwargs.items():
         if type(value) is dict:
-            found += [(f"kw[{name!r}][{key!r}]", v) for key, v in itertools.islice(value.items(), _KEYWORD_ITEMS)
-                      if type(key) in (str, int)]
+            for key, item in itertools.islice(value.items(), KEYWORD_ITEMS):
+                if type(key) in (str, int):
+                    yield (lambda name=name, key=key: f"kw[{name!r}][{key!r}]"), item
         elif type(value) in (list, tuple):
-            found += [(f"kw[{name!r}][{i}]", v) for i, v in enumerate(value[:_KEYWORD_ITEMS])]
+            for i, item in enumerate(value[:KEYWORD_ITEMS]):
+                yield (lambda name=name, i=i: f"kw[{name!r}][{i}]"), item
         else:
-            found.append((f"kw[{name!r}]", value))
-    return found
+            yield (lambda name=name: f"kw[{name!r}]"), value
 
 
-_KEYWORD_ITEMS = 64  # the items of a keyword container looked at (a vocabulary is not walked per call)
+# the items of a keyword container looked at: a list of models or losses is, a vocabulary is not
+# walked on every call
+KEYWORD_ITEMS = 4096
 
 
 def keyword_modules(kwargs: dict) -> list[tuple[str, torch.nn.Module]]:
@@ -103,9 +105,9 @@ def keyword_modules(kwargs: dict) -> list[tuple[str, torch.nn.Module]]:
     found = []
     for expr, value in _keyword_items(kwargs):
         if isinstance(value, torch.nn.Module):
-            found.append((expr, value))
+            found.append((expr(), value))
         elif type(value) is types.MethodType and isinstance(value.__self__, torch.nn.Module):
-            found.append((f"{expr}.__self__", value.__self__))
+            found.append((f"{expr()}.__self__", value.__self__))
     return found
 
 
@@ -116,9 +118,10 @@ def keyword_callables(kwargs: dict) -> tuple:
         return ()
     found = []
     for expr, value in _keyword_items(dict(sorted(kwargs.items()))):
-        key = callable_key(value)
-        if key is not None:
-            found.append((expr, key))
+        if callable(value):
+            key = callable_key(value)
+            if key is not None:
+                found.append((expr(), key))
     return tuple(found)
 
 

@@ -304,6 +304,10 @@ class trace(ProfileAccess):
                             self._fast_entries = self._fast_entries[::-1]
                     if result is not MISS:
                         stats.host_free_calls += 1
+                        entry = self._fast_entries[0]
+                        entry.host_free_calls += 1  # for HostFreeMissWarning's share of misses
+                        if entry.shape_trace is not None:  # a size in use (the specializations' LRU)
+                            entry.shape_trace.used(entry.key)
                         return result
                 return self._after_the_host_free_path(args, kwargs)
             except BaseException as error:
@@ -319,6 +323,8 @@ class trace(ProfileAccess):
             if entry is None:
                 break
             if entry.api is not None and entry.host_free.admit(args, kwargs) is True and not is_tracing():
+                if entry.shape_trace is not None:  # a size in use (the specializations' LRU)
+                    entry.shape_trace.used(entry.key)
                 return self._replay_api(entry, args, kwargs)
         if self._profiler is None:
             return self._call(args, kwargs)
@@ -336,10 +342,6 @@ class trace(ProfileAccess):
         return stats.records + stats.rerecords + stats.shape_variants + stats.branch_variants
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        with collector_paused():  # records, compiles, runs at the aten level: see runtime/gc_pause.py
-            return self._call_unpaused(args, kwargs)
-
-    def _call_unpaused(self, args: tuple, kwargs: dict) -> Any:
         if not (torch.is_autocast_cache_enabled() and (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))):
             return self._run_call(args, kwargs)
         # Autocast caches its casts of the weights for the context it was entered in: a trace
@@ -774,7 +776,7 @@ class trace(ProfileAccess):
                 self._traces[evicted] = kept
             else:
                 self._traces.pop(evicted, None)
-            self._fast_call = None
+            self._fast_call = self._fast_api = None  # neither may serve the evicted program
 
     def _drop_shape_trace(self, shape_trace: ShapeTrace) -> None:
         self._shape_traces.remove(shape_trace)
@@ -1097,6 +1099,7 @@ class trace(ProfileAccess):
             return None
         return ApiTracer(replayer, entry.record, args, kwargs)
 
+    @collector_paused()  # tracejit's own work, not the function's: see runtime/gc_pause.py
     def _prepare_api(self, entry: TraceEntry, trace, replayer: Replayer, args: tuple, kwargs: dict,
                      context: tuple) -> None:
         """After an aten-level replay that noted its torch-level calls: build the API-level check."""
@@ -1141,6 +1144,7 @@ class trace(ProfileAccess):
         except NotReplayable as reason:
             self._refuse_api(entry, str(reason))
 
+    @collector_paused()  # tracejit's own work, not the function's: see runtime/gc_pause.py
     def _prepare_host_free(self, entry: TraceEntry, handles: HandleMap, names: ExternalNames, args: tuple,
                            kwargs: dict, scalars: list | None = None, result: Any = None,
                            live_graph: Callable[[torch.Tensor], bool] | None = None) -> None:
@@ -1251,6 +1255,7 @@ class trace(ProfileAccess):
                 f"could not be bound after {_UNBOUND_WARNING} calls in a row ({reason}); it is tried again on "
                 f"every call. Said once per trace.")
 
+    @collector_paused()  # tracejit's own work, not the function's: see runtime/gc_pause.py
     def _host_free_runner(self, entry: TraceEntry, checked: bool = False) -> HostFreeRunner:
         """Compile the trace's host-free program (raises HostDependencyError if it has none)."""
         started = CLOCK()
@@ -1292,6 +1297,7 @@ class trace(ProfileAccess):
             else:
                 self._fast_calls, self._fast_entries = (call, latest_call), (entry, latest)
 
+    @collector_paused()  # tracejit's own work, not the function's: see runtime/gc_pause.py
     def _compile(self, record: Record, fused: bool = True) -> CheckedProgram:
         """The checked program of a record; `fused=False` (symbolic-shape specializations): no fused
         kernels, which are generated for fixed sizes."""

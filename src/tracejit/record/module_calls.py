@@ -41,6 +41,13 @@ STANDALONE = frozenset({
     nn.TransformerDecoder, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.ModuleList,
 })
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# the methods the forward of these layers calls besides their submodules': a library patching one
+# on the class (LoRA, another attention kernel) changes what a call computes (the stand-in's check
+# compares them with torch's own, runtime/stand_ins.py)
+_HELPERS = ("forward", "_sa_block", "_ff_block", "_mha_block")
+CLASS_METHODS = {cls: {name: cls.__dict__[name] for name in _HELPERS if name in cls.__dict__}
+                 for cls in (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                             nn.TransformerEncoder, nn.TransformerDecoder)}
 # held separately (parameters, buffers, submodules) or only for state_dict()
 _NOT_FORWARD_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 
@@ -83,9 +90,26 @@ def _refusal(module: nn.Module) -> str | None:
             return f"{type(sub).__qualname__} is not one of torch.nn's modules the API level answers whole"
         if "forward" in sub.__dict__:
             return "its forward was replaced"
+        shadowing = next((k for k, v in sub.__dict__.items() if callable(v) and not isinstance(v, nn.Module)
+                          and k != "activation" and hasattr(type(sub), k)), None)
+        if shadowing is not None:
+            return f"its method {shadowing} was replaced on the instance"
+        methods = CLASS_METHODS.get(type(sub), {})
+        if any(type(sub).__dict__.get(name) is not function for name, function in methods.items()):
+            return f"a method of {type(sub).__qualname__} was replaced on the class"
+        activation = sub.__dict__.get("activation")
+        if callable(activation) and not isinstance(activation, nn.Module) and not _torch_function(activation):
+            # Python the forward calls, which may read anything (a global slope)
+            return f"its activation {getattr(activation, '__qualname__', activation)!r} is not one of torch's"
         if any(getattr(sub, name) for name in _HOOKS):
             return "it has hooks"
     return None
+
+
+def _torch_function(function: object) -> bool:
+    """One of torch's own functions (F.relu, F.gelu, torch.tanh), not a function of the user's."""
+    module = getattr(function, "__module__", None) or getattr(getattr(function, "__self__", None), "__name__", "")
+    return isinstance(module, str) and (module == "torch" or module.startswith(("torch.", "torch._C")))
 
 
 def _state(module: nn.Module) -> ModuleState:

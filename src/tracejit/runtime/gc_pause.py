@@ -1,9 +1,10 @@
-"""The slow path of a traced call with Python's cyclic garbage collector paused.
+"""Compiling with Python's cyclic garbage collector paused.
 
-Recording and compiling allocate many small objects (records, graphs, generated source), and
-the collector's full passes over every live object (torch's own modules included) cost 15-25% of
-a first call. They find little there: what a call makes and drops is mostly freed by reference
-counting. The collector runs again once the call is over, on what built up meanwhile.
+Compiling allocates many small objects (graphs, passes, generated source), and the collector's
+full passes over every live object (torch's own modules included) cost 15-25% of a first call.
+They find little there: what compiling makes and drops is mostly freed by reference counting.
+Only tracejit's own work is paused (building programs, binding them), never the user's function,
+whose cyclic garbage is collected as in eager; the collector runs again right after.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from ..record.record import Flag, Kind, OutputSpec, Record, math_bits
 from ..record.recorder import storage_address
 from ..record.rng import rng_dependency
 from ..signature import (
+    KEYWORD_ITEMS,
     any_gradient_hooks,
     call_context_key,
     gradient_hooks,
@@ -267,7 +268,7 @@ def plain_attributes(owner: Any) -> dict | None:
     attributes = getattr(owner, "__dict__", None)
     if type(attributes) is not dict:
         return None
-    return {key: plain_copy(value) for key, value in list(attributes.items())[:_HELD_ITEMS] if plain_value(value)}
+    return {key: plain_copy(value) for key, value in list(attributes.items())[:_PLAIN_ATTRIBUTES] if plain_value(value)}
 
 
 def _reference(value: Any) -> Any:
@@ -305,7 +306,8 @@ def _held_objects(value: Any) -> tuple | None:
     return type(value), tuple(key for key, _ in items), tuple(held)
 
 
-_HELD_ITEMS = 64  # the most items of a keyword container compared
+_HELD_ITEMS = KEYWORD_ITEMS  # the most items of a keyword container compared (as the signature walks)
+_PLAIN_ATTRIBUTES = 64  # the most attributes of a bound method's object compared
 
 
 def same_objects(value: Any, snapshot: tuple) -> bool:

@@ -32,7 +32,7 @@ import torch
 
 from ..record.api import ApiCall, CallKind, RefKind, TensorRef
 from ..record.ddp_calls import is_ddp
-from ..record.module_calls import ModuleCall, ModuleState, global_hook_dicts
+from ..record.module_calls import CLASS_METHODS, ModuleCall, ModuleState, global_hook_dicts
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
 from ..record.own_hooks import any_foreign
 from .api_match import FAIL, answer_expr, match_lines, source_of
@@ -646,7 +646,13 @@ class _ForwardSource:
         self.lines.append(f"{d} = {expr}.__dict__")
         hooks = " or ".join(f"{d}[{name!r}]" for name in _MODULE_HOOKS)
         replaced = "" if top else f" or 'forward' in {d}"
-        self.fail_if(f"type({expr}) is not {self.program.constant(type(state.module()), 'C')} or {hooks}{replaced}")
+        cls = type(state.module())
+        self.fail_if(f"type({expr}) is not {self.program.constant(cls, 'C')} or {hooks}{replaced}")
+        methods = CLASS_METHODS.get(cls)
+        if methods:  # torch's own methods still (not patched on the class since the call was noted)
+            owner = self.program.constant(cls.__dict__, "cd")
+            self.fail_if(" or ".join(f"{owner}.get({name!r}) is not {self.program.constant(function, 'fm')}"
+                                     for name, function in methods.items()))
         if self.by_identity:
             self._same_objects(d, state)
         else:
