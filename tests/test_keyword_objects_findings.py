@@ -298,3 +298,69 @@ def test_a_global_set_is_compared_in_the_order_it_iterates_without_the_host():
     for _ in range(6):
         assert torch.equal(traced(x), _pick(x))
     assert traced.stats.host_free_calls >= 3
+
+
+class _ClassLevel:
+    scale = 2.0  # a class attribute the method reads
+
+    def loss(self, x):
+        return x * self.scale
+
+
+class _Slotted:
+    __slots__ = ("scale",)
+
+    def __init__(self):
+        self.scale = 2.0
+
+    def loss(self, x):
+        return x * self.scale
+
+
+def _apply(x, *, loss_fn):
+    return loss_fn(x)
+
+
+class _Crowded:
+    def __init__(self):
+        self.__dict__.update({f"a{i}": i for i in range(300)})  # more settings than are compared
+        self.scale = 2.0
+
+    def loss(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("kind", [_ClassLevel, _Slotted, _Crowded], ids=["class_attribute", "slots", "many_attributes"])
+def test_a_bound_method_follows_every_setting_of_its_object_without_the_host(kind):
+    # class attributes, __slots__ and attributes past the 64th were not compared: frozen silently
+    obj = kind()
+    traced = tracejit.trace(_apply, without_host=True)
+    x = torch.ones(3)
+    try:
+        for i in range(6):
+            if i == 3:
+                if kind is _ClassLevel:
+                    _ClassLevel.scale = 5.0
+                else:
+                    obj.scale = 5.0
+            assert torch.equal(traced(x, loss_fn=obj.loss), _apply(x, loss_fn=obj.loss)), i
+    finally:
+        _ClassLevel.scale = 2.0
+
+
+class _WithTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = np.array([1.0, 2.0], dtype=np.float32)
+
+    def forward(self, x):
+        return x * torch.tensor(self.w)
+
+
+def test_a_numpy_array_a_module_holds_is_compared_without_the_host():
+    model = _WithTable()
+    traced = tracejit.trace(_noisy_forward, without_host=True)
+    for i in range(6):
+        model.w[0] = 1.0 + i // 2
+        x = torch.ones(2)
+        assert torch.equal(traced(x, model=model), _noisy_forward(x, model=model)), i

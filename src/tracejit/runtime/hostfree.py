@@ -254,9 +254,15 @@ def _expected(value: Any) -> tuple:
     weakly where it can be; a bound method, made anew on every attribute access
     (`loss_fn=trainer.loss`), by its instance and function; a slice, range or set by value."""
     if isinstance(value, types.MethodType):
-        # the settings of a plain object the method reads (`trainer.loss_scale`) as they are now
+        # the settings of a plain object the method reads (`trainer.loss_scale`) as they are now;
+        # one whose settings cannot all be read (slots, thousands of attributes) is compared by
+        # the method object itself, made anew on each access: the call runs the function
         owner = value.__self__
-        attributes = None if isinstance(owner, torch.nn.Module) else plain_attributes(owner)
+        if isinstance(owner, torch.nn.Module):  # guarded as a keyword module (module_guards)
+            return "method", _reference(owner), (value.__func__, None)
+        attributes = plain_attributes(owner)
+        if attributes is None:
+            return "is", _reference(value), None
         return "method", _reference(owner), (value.__func__, attributes)
     if type(value) in (slice, range, frozenset, set) and (plain_value(value) or plain_set(value)):
         return "value", plain_copy(value), type(value)
@@ -264,11 +270,20 @@ def _expected(value: Any) -> tuple:
 
 
 def plain_attributes(owner: Any) -> dict | None:
-    """The plain values among an object's attributes, as copies (None if it has no `__dict__`)."""
+    """The plain values among an object's attributes and its classes' (`scale = 2.0` in the class
+    body), as copies; None where they cannot all be read: no `__dict__`, `__slots__`, more than
+    _PLAIN_ATTRIBUTES attributes."""
     attributes = getattr(owner, "__dict__", None)
-    if type(attributes) is not dict:
+    cls = type(owner)
+    if (type(attributes) is not dict or len(attributes) > _PLAIN_ATTRIBUTES
+            or any("__slots__" in vars(c) for c in cls.__mro__[:-1])):
         return None
-    return {key: plain_copy(value) for key, value in list(attributes.items())[:_PLAIN_ATTRIBUTES] if plain_value(value)}
+    found = {key: plain_copy(value) for key, value in attributes.items() if plain_value(value)}
+    for c in cls.__mro__[:-1]:
+        for key, value in vars(c).items():
+            if not key.startswith("__") and key not in found and key not in attributes and plain_value(value):
+                found[key] = plain_copy(value)
+    return found
 
 
 def _reference(value: Any) -> Any:
@@ -307,7 +322,7 @@ def _held_objects(value: Any) -> tuple | None:
 
 
 _HELD_ITEMS = KEYWORD_ITEMS  # the most items of a keyword container compared (as the signature walks)
-_PLAIN_ATTRIBUTES = 64  # the most attributes of a bound method's object compared
+_PLAIN_ATTRIBUTES = 256  # the most attributes of a bound method's object compared
 
 
 def same_objects(value: Any, snapshot: tuple) -> bool:

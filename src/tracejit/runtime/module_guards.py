@@ -29,10 +29,12 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..record.ddp_calls import is_ddp
 from ..record.module_calls import global_hook_dicts
+from ..record.names import plain_copy, plain_value, same_value
 from ..record.own_hooks import foreign
 from .stand_ins import identity_checks, immutable
 
@@ -95,6 +97,13 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
                                               if key not in _NOT_SETTINGS and immutable(value)}
         if settings:
             conditions.append(identity_checks(d, settings, constant))
+        # a small numpy array it holds (`torch.tensor(self.w)` builds its values into the
+        # program): compared by its bytes, as a keyword's or a global's is
+        arrays = {key: value for key, value in attributes.items() if type(value) is np.ndarray and plain_value(value)}
+        if arrays:
+            same = constant(same_value, "sv")
+            conditions += [f"not {same}({d}.get({key!r}), {constant(plain_copy(value), 'arr')})"
+                           for key, value in arrays.items()]
         if is_ddp(module):
             conditions += _ddp_python_state(d, attributes, constant)
         children = attributes["_modules"]
