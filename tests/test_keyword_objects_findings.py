@@ -364,3 +364,34 @@ def test_a_numpy_array_a_module_holds_is_compared_without_the_host():
         model.w[0] = 1.0 + i // 2
         x = torch.ones(2)
         assert torch.equal(traced(x, model=model), _noisy_forward(x, model=model)), i
+
+
+class _Holder:
+    def __init__(self, model):
+        self.model = model
+
+
+def _through_nested(x, *, st):
+    return (st["models"][0](x) * 2).detach()
+
+
+def _through_holder(x, *, st):
+    return (st.model(x) * 2).detach()
+
+
+@pytest.mark.parametrize("function, wrap", [(_through_nested, lambda m: {"models": [m]}), (_through_holder, _Holder)],
+                         ids=["nested_container", "object_of_yours"])
+def test_eval_on_a_model_deeper_in_a_keyword_selects_a_trace_of_its_own(function, wrap):
+    # it raised TraceMismatchError on every call after eval() (review 35, R6)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    st = wrap(model)
+    traced = tracejit.trace(function)
+    x = torch.randn(8, 4)
+    for i in range(7):
+        model.train(i < 3)
+        torch.manual_seed(i)
+        want = function(x, st=st)
+        torch.manual_seed(i)
+        assert torch.equal(traced(x, st=st), want), i
+    assert len(traced._entries()) == 2 and traced.stats.checked_replays >= 4

@@ -14,6 +14,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.nn.utils.parametrize as _parametrize
 from torch.utils._device import DeviceContext
 
+from .record.names import plain_object
 from .record.record import describe_math_bits, math_bits
 
 
@@ -79,18 +80,33 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 
 
 def _keyword_items(kwargs: dict) -> Iterator[tuple[Callable[[], str], object]]:
-    """(its expression, made when asked; value) of each keyword argument and of each of the first
-    KEYWORD_ITEMS items of a keyword dict, list or tuple, in keyword order."""
+    """(its expression, made when asked; value) of each keyword argument and, two levels deep, of
+    the items of a keyword dict, list or tuple and the attributes of an object of the user's class
+    (`st={"models": [m]}`, `trainer.model`), KEYWORD_ITEMS in all, in keyword order."""
+    budget = [KEYWORD_ITEMS]  # items looked at in all (a vocabulary is not walked on every call)
     for name, value in kwargs.items():
-        if type(value) is dict:
-            for key, item in itertools.islice(value.items(), KEYWORD_ITEMS):
-                if type(key) in (str, int):
-                    yield (lambda name=name, key=key: f"kw[{name!r}][{key!r}]"), item
-        elif type(value) in (list, tuple):
-            for i, item in enumerate(value[:KEYWORD_ITEMS]):
-                yield (lambda name=name, i=i: f"kw[{name!r}][{i}]"), item
-        else:
-            yield (lambda name=name: f"kw[{name!r}]"), value
+        yield from _items_of(lambda name=name: f"kw[{name!r}]", value, 2, budget)
+
+
+def _items_of(expr: Callable[[], str], value: object, depth: int,
+              budget: list[int]) -> Iterator[tuple[Callable[[], str], object]]:
+    budget[0] -= 1
+    if budget[0] < 0:
+        return
+    if depth and type(value) is dict:
+        for key, item in list(itertools.islice(value.items(), max(budget[0], 0))):
+            if type(key) in (str, int):
+                yield from _items_of(lambda expr=expr, key=key: f"{expr()}[{key!r}]", item, depth - 1, budget)
+    elif depth and type(value) in (list, tuple):
+        for i, item in enumerate(value[:max(budget[0], 0)]):
+            yield from _items_of(lambda expr=expr, i=i: f"{expr()}[{i}]", item, depth - 1, budget)
+    elif depth and plain_object(value):
+        yield expr, value  # itself (a callable object of the user's class), then what it holds
+        for key, item in list(itertools.islice(vars(value).items(), max(budget[0], 0))):
+            if key.isidentifier() and not key.startswith("_"):
+                yield from _items_of(lambda expr=expr, key=key: f"{expr()}.{key}", item, depth - 1, budget)
+    else:
+        yield expr, value
 
 
 # the items of a keyword container looked at: a list of models or losses is, a vocabulary is not

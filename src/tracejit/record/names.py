@@ -565,7 +565,7 @@ _RUNTIME_MODULES = frozenset({"threading", "multiprocessing", "queue", "asyncio"
                               "socket", "io", "_io", "selectors", "subprocess", "weakref", "random"})
 
 
-def _plain_object(value: Any) -> bool:
+def plain_object(value: Any) -> bool:
     """An instance of the user's own class whose attributes are its state (not a function, class,
     module of code, a torch object with state of its own, a runtime object of the standard
     library such as a `threading.Barrier`, or tracejit's own: a trace, whose statistics change on
@@ -610,7 +610,7 @@ def _walk_plain(value: Any, prefix: str, locator: Locator, found: _Found, optimi
     elif type(value) is dict:
         children = [(f"{prefix}[{k!r}]", ("item", k), v) for k, v in list(value.items())[:_PLAIN_ITEMS]
                     if type(k) in (str, int)]
-    elif _plain_object(value):
+    elif plain_object(value):
         found.holders.append((value, prefix, "object"))
         children = [(f"{prefix}.{k}", ("attr", k), v) for k, v in list(vars(value).items())[:_PLAIN_ITEMS]
                     if k.isidentifier()]
@@ -684,7 +684,7 @@ def _walk_module(module: torch.nn.Module, prefix: str, locator: Locator, found: 
         if isinstance(value, torch.Tensor):  # a plain tensor attribute (`self.h = h`)
             found.add(value, f"{prefix}.{name}", where)
         elif isinstance(value, (torch.optim.Optimizer, torch.amp.GradScaler, torch.Generator)) or (
-                (isinstance(value, _SEQUENCES) or type(value) is dict or (users_own and _plain_object(value)))
+                (isinstance(value, _SEQUENCES) or type(value) is dict or (users_own and plain_object(value)))
                 and name not in _MODULE_INTERNALS and (users_own or name[0] != "_")):
             # an optimizer it owns (`self.opt`), a history it keeps (`self.hist.append(y)`), a
             # cache (`self.cache["h"]`), not torch's bookkeeping: searched as a root's values are
