@@ -35,6 +35,12 @@ class ReferenceBackend(Backend):
 
         return is_row_op(node.target) and self.can_fuse_devices(graph, node) and _lowers_alone(graph, node)
 
+    def can_chain_linear(self, graph: Graph, node: Node) -> bool:
+        from .c.linear import LINEAR_DTYPES
+
+        return self.can_fuse_devices(graph, node) and all(graph.values[v].meta.dtype in LINEAR_DTYPES
+                                                          for v in node.inputs)
+
     def can_fuse_devices(self, graph: Graph, node: Node) -> bool:
         devices = {graph.values[v].meta.device for v in (*node.inputs, *(o for o in node.outputs if o is not None))}
         return len(devices) == 1
@@ -58,6 +64,10 @@ class AutoBackend(Backend):
     def can_fuse_row(self, graph: Graph, node: Node) -> bool:
         backend = self.by_device.get(device_of(graph, node).type)
         return backend is not None and backend.can_fuse_row(graph, node)
+
+    def can_chain_linear(self, graph: Graph, node: Node) -> bool:
+        backend = self.by_device.get(device_of(graph, node).type)
+        return backend is not None and backend.can_chain_linear(graph, node)
 
     def compile(self, graph: Graph, fused: list) -> dict:
         kernels = {}

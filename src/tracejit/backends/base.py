@@ -41,6 +41,10 @@ class Backend(abc.ABC):
     def can_fuse(self, graph: Graph, node: Node) -> bool:
         return entry_for(node.target) is not None and self._addresses(graph, node) and _lowers_alone(graph, node)
 
+    def can_chain_linear(self, graph: Graph, node: Node) -> bool:
+        """Whether a small matrix product may become (part of) a linear kernel (passes/chain_linear.py)."""
+        return False
+
     def can_fuse_row(self, graph: Graph, node: Node) -> bool:
         """Whether a row op (rows.py: softmax and friends over the last dim) may head a row kernel."""
         return is_row_op(node.target) and self._addresses(graph, node) and _lowers_alone(graph, node)
@@ -69,7 +73,7 @@ class CompiledBackend(Backend):
         specs, indices = [], []
         for index, node in fused:
             try:
-                specs.append(lower_fused(graph, node))
+                specs.append(self.lower(graph, node))
                 indices.append(index)
             except Unsupported:
                 continue
@@ -77,6 +81,10 @@ class CompiledBackend(Backend):
             return {}
         kernels = self.build(graph, specs, [node for i, node in fused if i in set(indices)])
         return {index: kernel for index, kernel in zip(indices, kernels) if kernel is not None}
+
+    def lower(self, graph: Graph, node: Node) -> Any:
+        """What `build` renders for a FUSED node; raises Unsupported when it cannot be a kernel."""
+        return lower_fused(graph, node)
 
     @abc.abstractmethod
     def build(self, graph: Graph, specs: list[KernelSpec], nodes: list[Node]) -> list[Kernel | None]:

@@ -98,6 +98,8 @@ def lower_fused(graph: Graph, node: Node) -> KernelSpec:
     """The kernel of a FUSED node; raises Unsupported when some member cannot be expressed."""
     from .rows import is_row_op, lower_row
 
+    if node.target.kind != "elementwise":
+        raise Unsupported(f"{node.name} is a {node.target.kind} group, not elementwise")
     if any(is_row_op(m.target) for m in node.members):
         return lower_row(graph, node)
     return _Lowering(graph, node).run()

@@ -15,3 +15,6 @@ class FusedGroup:
     # a row group (passes/fuse_reduce.py): the other shapes its members compute, one value per row
     # (layer norm's mean and rstd, a sum over the row), per column, or one in all (a loss)
     rows: tuple[tuple[int, ...], ...] = ()
+    # "elementwise" (passes/group.py, fuse_reduce.py) or "linear": a chain of small matrix
+    # products (passes/chain_linear.py), `shape` its result's
+    kind: str = "elementwise"

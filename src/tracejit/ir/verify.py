@@ -127,7 +127,10 @@ def _group_problems(graph: Graph, node: Node, metadata: bool) -> list[str]:
         available |= made
         produced |= made
         problems += [f"member {number} {p}" for p in _call_problems(graph, member, metadata)]
-        problems += _space_problems(graph, node, number, member)
+        if getattr(node.target, "kind", "elementwise") == "linear":
+            problems += _chain_problems(node, number, member)
+        else:
+            problems += _space_problems(graph, node, number, member)
     if not set(v for v in node.outputs if v is not None) <= produced:
         problems.append("produces values no member computes")
     if node.writes != tuple(v for m in node.members for v in m.writes):
@@ -145,3 +148,12 @@ def _space_problems(graph: Graph, node: Node, number: int, member: Node) -> list
     allowed = {tuple(shape)} | {tuple(s) for s in getattr(node.target, "rows", ())}
     return [f"member {number} ({member.name}) computes {list(graph.values[v].meta.shape)} in a group over "
             f"{list(shape)}" for v in member.outputs if v is not None and graph.values[v].meta.shape not in allowed]
+
+
+def _chain_problems(node: Node, number: int, member: Node) -> list[str]:
+    """A linear group's members are products, each after the first multiplying the one before."""
+    if len(member.outputs) != 1:
+        return [f"member {number} ({member.name}) of a linear group has {len(member.outputs)} outputs"]
+    if number and node.members[number - 1].outputs[0] not in member.inputs:
+        return [f"member {number} ({member.name}) of a linear group does not read the product before it"]
+    return []

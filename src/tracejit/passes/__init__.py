@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..ir.graph import Graph
 from ..ir.verify import verify
 from .bucket_collectives import DEFAULT_BUCKET_BYTES, bucket_all_reduces
+from .chain_linear import CanChain, chain_small_linear, linear_groups
 from .cse import eliminate_common_subexpressions
 from .dce import eliminate_dead_code
 from .fold_constants import fold_constants
@@ -40,21 +41,25 @@ PIPELINE: list[tuple[int, Pass]] = [
     (2, fuse_linear_activation),
     # Step 6: views of external tensors are computed once and kept across calls.
     (2, hoist_external_views),
-    # Step 7: per-tensor all-reduces become bucketed ones (torch.distributed), before grouping so
+    # Step 7: small matrix products (batch-1 Linear layers) become one kernel per chain (the C backend fills this).
+    (2, chain_small_linear),
+    # Step 8: per-tensor all-reduces become bucketed ones (torch.distributed), before grouping so
     # that the ops they move can still fuse.
     (2, bucket_all_reduces),
-    # Step 8: elementwise chains become fused kernel nodes (the fused-kernel backends fill this).
+    # Step 9: elementwise chains become fused kernel nodes (the fused-kernel backends fill this).
     (2, group_elementwise),
-    # Step 9: intermediate buffers get persistent storage, reused when lifetimes do not overlap.
+    # Step 10: intermediate buffers get persistent storage, reused when lifetimes do not overlap.
     (2, plan_memory),
 ]
 
 
 def pipeline(can_fuse: CanFuse | None = None, fusion_fuel: int | None = None, recompute: Pass | None = None,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, can_fuse_row: CanFuseRow | None = None,
-             graph_opt: bool = False, dimshuffle: bool = False) -> list[tuple[int, Pass]]:
+             graph_opt: bool = False, dimshuffle: bool = False,
+             can_chain_linear: CanChain | None = None) -> list[tuple[int, Pass]]:
     """PIPELINE with the trace's choices bound: the fusion backend's `can_fuse` (and the fuel that
-    bounds how many groups form) for the grouping pass, the pass that chooses what backward
+    bounds how many groups form, linear chains counted first) for the grouping pass, its
+    `can_chain_linear` for chain_small_linear, the pass that chooses what backward
     recomputes (sublinear memory, dtr_config) after dead code elimination when requested, and the
     all-reduce bucket size. `can_fuse_row` (jit_fuse_reduce) adds fuse_row_reductions before the
     grouping pass; with `graph_opt` (any graph_opt_config fusion) lone `_foreach_` ops become kernels,
@@ -71,10 +76,17 @@ def pipeline(can_fuse: CanFuse | None = None, fusion_fuel: int | None = None, re
         alone = worth_alone(dimshuffle) if graph_opt else None
 
         def group_elementwise_for_backend(graph: Graph) -> Graph:
-            return group_elementwise(graph, can_fuse, fuel=fusion_fuel, alone=alone)
+            fuel = fusion_fuel if fusion_fuel is None else fusion_fuel - len(linear_groups(graph))
+            return group_elementwise(graph, can_fuse, fuel=fuel, alone=alone)
 
         group_elementwise_for_backend.__name__ = "group_elementwise"
         passes = [(level, group_elementwise_for_backend if p is group_elementwise else p) for level, p in passes]
+    if can_chain_linear is not None:
+        def chain_small_linear_for_backend(graph: Graph) -> Graph:
+            return chain_small_linear(graph, can_chain_linear, fuel=fusion_fuel)
+
+        chain_small_linear_for_backend.__name__ = "chain_small_linear"
+        passes = [(level, chain_small_linear_for_backend if p is chain_small_linear else p) for level, p in passes]
     if can_fuse is not None and can_fuse_row is not None:
         def fuse_row_reductions_for_backend(graph: Graph) -> Graph:
             return fuse_row_reductions(graph, can_fuse, can_fuse_row)

@@ -6,8 +6,8 @@ Before (host-free graph):                      After:
 
 The pair is the body of every `nn.Linear` + `nn.ReLU`; the fused op computes the product and
 applies the ReLU in place on its result, so the numbers are bit for bit the same while one op
-call and one allocation disappear. Applies when nothing else reads the addmm result and it is
-neither returned nor kept.
+call and one allocation disappear. Applies when nothing else reads the addmm result, it is
+neither returned nor kept, and nothing in between writes what the addmm reads.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ def fuse_linear_activation(graph: Graph) -> Graph:
     users = graph.users()
     versions = versions_of(graph)
     keep = set(graph.outputs) | {versions[h][-1] for h in graph.escaped if h in versions}
-    producers = {n.outputs[0]: n for n in graph.nodes if n.op is Op.CALL and n.target is aten.addmm.default}
+    producers = {n.outputs[0]: (i, n) for i, n in enumerate(graph.nodes)
+                 if n.op is Op.CALL and n.target is aten.addmm.default}
     replaced: dict[int, object] = {}  # id(node) -> replacement (None: drop)
-    for node in graph.nodes:
+    for index, node in enumerate(graph.nodes):
         if node.op is not Op.CALL or node.target is not aten.relu.default:
             continue
-        addmm = producers.get(node.inputs[0])
+        at, addmm = producers.get(node.inputs[0], (None, None))
         value = node.inputs[0]
         if (addmm is None or len(users.get(value, [])) != 1 or value in keep or len(versions[graph.values[value].handle]) != 1
-                or addmm.scalars or len(addmm.statics) != 3):
+                or addmm.scalars or len(addmm.statics) != 3 or _written_between(graph, addmm, graph.nodes[at + 1:index])):
             continue
         fused = replace(addmm, target=aten._addmm_activation.default, outputs=node.outputs,
                         positions=tuple(sorted((*addmm.positions, *node.positions))), source=node.source)
@@ -52,3 +53,10 @@ def fuse_linear_activation(graph: Graph) -> Graph:
         else:
             nodes.append(node)
     return graph.with_nodes(nodes, "fuse_linear_activation")
+
+
+def _written_between(graph: Graph, addmm, between) -> bool:
+    """Whether an op between the product and its ReLU writes memory the product reads: the fused
+    op runs at the ReLU's place and would read the new contents (`h = F.linear(x, W); x.mul_(2)`)."""
+    read = {graph.values[v].root for v in addmm.inputs}
+    return any(graph.values[w].root in read for node in between for w in node.writes)

@@ -41,7 +41,8 @@ def optimize(graph: Graph, options: CompileOptions) -> PipelineResult:
     can_fuse_row = _row_fusion(options)
     passes = pipeline(can_fuse, fusion_fuel=fuel, recompute=_recompute_pass(options), bucket_bytes=bucket_bytes(),
                       can_fuse_row=can_fuse_row, graph_opt=options.fuse_reduce or options.fuse_dimshuffle,
-                      dimshuffle=options.fuse_dimshuffle)
+                      dimshuffle=options.fuse_dimshuffle,
+                      can_chain_linear=options.fusion.can_chain_linear if options.fusion is not None else None)
     return run_pipeline(graph, options.opt_level, check=verify_passes(), passes=passes)
 
 

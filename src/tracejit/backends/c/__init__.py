@@ -9,6 +9,7 @@ from ..base import CompiledBackend, Kernel
 from ..lower import KernelSpec
 from ..optable import Unsupported
 from .launch import make_launcher
+from .linear import LINEAR_DTYPES, LinearChain, lower_linear, make_linear_launcher, render_linear
 from .render import C_TYPES, prelude, render_kernel
 from .toolchain import CompilerUnavailable, build, compiler, warn_unavailable
 
@@ -26,12 +27,20 @@ class CBackend(CompiledBackend):
             return False
         return True
 
-    def build(self, graph: Graph, specs: list[KernelSpec], nodes: list[Node]) -> list[Kernel | None]:
+    def can_chain_linear(self, graph: Graph, node: Node) -> bool:
+        return self._addresses(graph, node) and all(graph.values[v].meta.dtype in LINEAR_DTYPES for v in node.inputs)
+
+    def lower(self, graph: Graph, node: Node) -> KernelSpec | LinearChain:
+        if node.target.kind == "linear":
+            return lower_linear(graph, node)
+        return super().lower(graph, node)
+
+    def build(self, graph: Graph, specs: list[KernelSpec | LinearChain], nodes: list[Node]) -> list[Kernel | None]:
         sources: list[str | None] = []
         names: list[str | None] = []
         for spec in specs:
             try:
-                body = render_kernel(spec, "KERNEL")
+                body = render_linear(spec, "KERNEL") if isinstance(spec, LinearChain) else render_kernel(spec, "KERNEL")
             except Unsupported:  # a layout the renderer cannot walk: the group runs by reference
                 sources.append(None)
                 names.append(None)
@@ -44,14 +53,16 @@ class CBackend(CompiledBackend):
         rendered = [spec for spec, source in zip(specs, sources) if source is not None]
         if not rendered:
             return [None] * len(specs)
-        unit = prelude(rendered) + "\n" + "\n".join(dict.fromkeys(s for s in sources if s is not None))
+        bodies = "\n".join(dict.fromkeys(s for s in sources if s is not None))
+        unit = prelude([s for s in rendered if isinstance(s, KernelSpec)]) + "\n" + bodies
         library = build(unit)
         kernels: list[Kernel | None] = []
         for spec, node, name, source in zip(specs, nodes, names, sources):
             if source is None:
                 kernels.append(None)
                 continue
-            launcher = make_launcher(spec, getattr(library, name), self.fallback(graph, node), name)
+            make = make_linear_launcher if isinstance(spec, LinearChain) else make_launcher
+            launcher = make(spec, getattr(library, name), self.fallback(graph, node), name)
             launcher.source = source
             kernels.append(launcher)
         return kernels
