@@ -476,3 +476,40 @@ def test_collectives_over_host_tensors_are_polled(single_rank, monkeypatch):
     assert traced.stats.host_free_calls == 2
     # the recording call waits as torch does; the programs poll
     assert seen == [("all_reduce", False), ("broadcast", False)] + [("all_reduce", True), ("broadcast", True)] * 2
+
+
+def test_a_torch_function_patched_under_the_ddp_stand_in_is_followed(single_rank):
+    """`F.gelu = mine` after the step was traced: the DistributedDataParallel stand-in answered the
+    wrapped model's recorded forward (review 39 r9); the stand-in now checks what every other
+    module stand-in checks."""
+    import torch.nn.functional as F
+
+    def step(x, *, model, opt):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def run(function, patch_at):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses, original = [], F.gelu
+        try:
+            for i in range(14):
+                if i == patch_at:
+                    F.gelu = lambda x, approximate="none": original(x) * 0.5
+                losses.append(function(torch.randn(4, 8, generator=g), model=model, opt=opt).detach())
+        except tracejit.TraceMismatchError:
+            losses.append("mismatch")
+        finally:
+            F.gelu = original
+        return losses
+
+    traced = tracejit.trace(step, backend="aten")
+    got, want = run(traced, 10), run(step, 10)
+    assert traced.stats.ddp_stand_ins >= 2
+    assert got[-1] == "mismatch" or all(torch.equal(a, b) for a, b in zip(got, want))

@@ -273,7 +273,7 @@ def call_context_key() -> tuple:
     dtypes = (_autocast_dtype("cpu"), _autocast_dtype("cuda") if _CUDA_BUILD else None)
     # the attention kernels torch may pick (`sdpa_kernel(SDPBackend.MATH)`: CPU's flash kernel
     # rounds otherwise)
-    attention = (_flash_sdp(), _math_sdp(), _efficient_sdp(), _cudnn_sdp())
+    attention = attention_backends()
     # last: whether the caller's saved_tensors_hooks are on (see under_saved_tensor_hooks)
     hooked = _saved_hooks(False) is not None
     if not _any_autocast():  # the usual case, in one call
@@ -301,6 +301,11 @@ _flash_sdp = torch._C._get_flash_sdp_enabled
 _math_sdp = torch._C._get_math_sdp_enabled
 _efficient_sdp = torch._C._get_mem_efficient_sdp_enabled
 _cudnn_sdp = torch._C._get_cudnn_sdp_enabled
+
+
+def attention_backends() -> tuple[bool, ...]:
+    """Which attention kernels torch may pick now (`sdpa_kernel(...)` switches them)."""
+    return _flash_sdp(), _math_sdp(), _efficient_sdp(), _cudnn_sdp()
 
 
 _autocast_dtype = torch.get_autocast_dtype

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..record.amp import is_inf_check
-from ..record.calls import data_dependent_size
+from ..record.calls import KwargStatic, data_dependent_size, default_dtype_results
 from ..record.collectives import is_collective
 from ..record.record import Flag, Kind, Record, TensorMeta
 from .graph import INPUT_OP_OF_KIND, Graph, Node, Op, Value
@@ -70,6 +70,9 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
             value = versions.create(info.handle)
             nodes.append(Node(INPUT_OP_OF_KIND[info.kind], None, (), (value,), input_name=info.name))
     scalar_base = 0
+    # a factory without `dtype=` made the default dtype of the moment it ran (one the function may
+    # set itself): the program, run later, makes that dtype
+    pinned = default_dtype_results(record)
     for op in record.ops:
         inputs = tuple(versions.read(h) for h in op.inputs)
         writes = versions.write(op.mutated) if op.mutated else ()
@@ -81,7 +84,8 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
             if h in op.mutated and meta is not None and meta != versions.values[versions.read(h)].meta:
                 versions.change_meta(h, meta)
         nodes.append(Node(Op.CALL, op.op, inputs, outputs, writes=writes, positions=(op.index,), source=op.source,
-                          statics=op.statics, scalars=op.scalars, out_kind=op.out_kind, scalar_base=scalar_base,
+                          statics=_with_dtype(op.statics, pinned[op.index]) if op.index in pinned else op.statics,
+                          scalars=op.scalars, out_kind=op.out_kind, scalar_base=scalar_base,
                           input_metas=tuple(versions.values[v].meta for v in inputs),
                           backward_of=op.backward_of, grad_enabled=op.grad_enabled))
         scalar_base += len(op.scalars)
@@ -123,3 +127,9 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
                               | {r.position for r in record.host_reads if is_inf_check(r.what)})),
     )
 
+
+
+def _with_dtype(statics: tuple, dtype) -> tuple:
+    """The call's structure with `dtype=` given."""
+    kept = tuple(item for item in statics if not (isinstance(item, KwargStatic) and item.name == "dtype"))
+    return (*kept, KwargStatic("dtype", dtype))

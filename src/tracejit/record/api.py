@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..signature import autocast_state
+from ..signature import attention_backends, autocast_state
 from .amp import is_inf_check
 from .calls import data_dependent_size
 from .modes import _HIDDEN_READ_HOOKS, _HOST_READ_HOOKS, _STAND_IN_READ_HOOKS, HOST_READ_METHODS
@@ -112,6 +112,10 @@ class ApiCall:
     # the autocast state it was made under (signature.autocast_state): the function may enter or
     # leave autocast itself, which changes what a call dispatches without reaching the mode
     autocast: tuple | None = None
+    # likewise the default dtype (`torch.set_default_dtype` inside the function: what a factory or
+    # a scalar promotes to) and, for attention calls, the attention kernels enabled (`sdpa_kernel`)
+    default_dtype: torch.dtype | None = None
+    attention: tuple | None = None
 
 
 @dataclass
@@ -457,7 +461,9 @@ class ApiTracer(TorchFunctionMode):
             if short == "_set_grad_enabled" and len(args) == 1 and type(args[0]) is bool and not kwargs:
                 template_args = (args[0],)  # the mode decides what the calls after it record
         self.trace.calls.append(ApiCall(index, func, name, kind, (start, end), template_args, template_kwargs,
-                                        template_result, source, autocast=autocast_state()))
+                                        template_result, source, autocast=autocast_state(),
+                                        default_dtype=torch.get_default_dtype(),
+                                        attention=attention_backends() if "attention" in short else None))
 
 
 # hook -> the torch.Tensor method it wraps, as the checker sees it called (no hooks installed then);

@@ -282,3 +282,23 @@ def data_dependent_size(op: Any, record: Any) -> bool:
 def is_ignored_op(op: Any) -> bool:
     """Profiler bookkeeping ops, which carry no computation and are never matched."""
     return getattr(op, "namespace", "") == "profiler"
+
+
+def default_dtype_results(record) -> dict[int, torch.dtype]:
+    """position -> dtype of each op that makes a floating tensor of the default dtype (a factory,
+    `torch.full((4,), 0.5)`, with no `dtype=`): `torch.set_default_dtype` inside the function makes
+    the same call another dtype, with the same arguments."""
+    found = {}
+    for position, op in enumerate(record.ops):
+        schema = getattr(op.op, "_schema", None)
+        if schema is None or not any(a.name == "dtype" and a.kwarg_only for a in schema.arguments):
+            continue
+        if len(op.outputs) != 1 or op.inputs:  # `zeros_like(t)`, `t.new_zeros()`: t's dtype
+            continue
+        dtype = record.tensors[op.outputs[0]].meta.dtype
+        if not dtype.is_floating_point:
+            continue
+        _, kwargs = rebuild_call(op.statics, [], list(op.scalars))
+        if kwargs.get("dtype") is None:
+            found[position] = dtype
+    return found

@@ -9,6 +9,7 @@ checked replay at the API level answers the whole module call when that state is
 
 from __future__ import annotations
 
+import types
 import weakref
 from _thread import get_ident
 from dataclasses import dataclass, field
@@ -41,13 +42,27 @@ STANDALONE = frozenset({
     nn.TransformerDecoder, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.ModuleList,
 })
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-# the methods the forward of these layers calls besides their submodules': a library patching one
-# on the class (LoRA, another attention kernel) changes what a call computes (the stand-in's check
-# compares them with torch's own, runtime/stand_ins.py)
-_HELPERS = ("forward", "_sa_block", "_ff_block", "_mha_block")
-CLASS_METHODS = {cls: {name: cls.__dict__[name] for name in _HELPERS if name in cls.__dict__}
-                 for cls in (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
-                             nn.TransformerEncoder, nn.TransformerDecoder)}
+# the methods of these classes their forward may call (their own and their torch.nn bases'): a
+# library patching one on the class (LoRA, another attention kernel, `nn.Conv2d._conv_forward`)
+# changes what a call computes (the stand-in's check compares them with torch's own,
+# runtime/stand_ins.py)
+_NOT_CALLED_BY_FORWARD = frozenset({"extra_repr", "reset_parameters", "reset_running_stats", "_reset_parameters",
+                                    "_load_from_state_dict", "_save_to_state_dict", "_init_weights"})
+
+
+def _forward_methods(cls: type) -> dict[str, object]:
+    found: dict[str, object] = {}
+    for base in cls.__mro__:
+        if base is nn.Module or not issubclass(base, nn.Module):
+            break
+        for name, value in vars(base).items():
+            if (isinstance(value, types.FunctionType) and name not in found and name not in _NOT_CALLED_BY_FORWARD
+                    and not (name.startswith("__") and name.endswith("__"))):
+                found[name] = value
+    return found
+
+
+CLASS_METHODS = {cls: _forward_methods(cls) for cls in STANDALONE}
 # held separately (parameters, buffers, submodules) or only for state_dict()
 _NOT_FORWARD_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 
@@ -61,6 +76,7 @@ class ModuleState:
     parameters: dict[str, Any]
     buffers: dict[str, Any]
     children: dict[str, weakref.ref]
+    keys: frozenset = frozenset()  # of its __dict__: one set since may shadow a method of the class
 
 
 @dataclass
@@ -95,7 +111,7 @@ def _refusal(module: nn.Module) -> str | None:
         if shadowing is not None:
             return f"its method {shadowing} was replaced on the instance"
         methods = CLASS_METHODS.get(type(sub), {})
-        if any(type(sub).__dict__.get(name) is not function for name, function in methods.items()):
+        if any(getattr(type(sub), name, None) is not function for name, function in methods.items()):
             return f"a method of {type(sub).__qualname__} was replaced on the class"
         activation = sub.__dict__.get("activation")
         if callable(activation) and not isinstance(activation, nn.Module) and not _torch_function(activation):
@@ -116,7 +132,7 @@ def _state(module: nn.Module) -> ModuleState:
     attributes = {k: v for k, v in module.__dict__.items()
                   if k not in _NOT_FORWARD_STATE and "hooks" not in k}
     return ModuleState(weakref.ref(module), attributes, dict(module._parameters), dict(module._buffers),
-                       {k: weakref.ref(v) for k, v in module._modules.items() if v is not None})
+                       {k: weakref.ref(v) for k, v in module._modules.items() if v is not None}, frozenset(module.__dict__))
 
 
 class ModuleCalls:

@@ -352,6 +352,43 @@ def plain_roots(function: Callable) -> list[tuple[str, tuple[str, Any], Any]]:
     return [(name, root, value) for root, (name, value) in found.items()]
 
 
+def module_roots(function: Callable) -> list[tuple[str, tuple[str, Any], Any]]:
+    """The torch.nn modules among the globals and closure cells the function reads, and among
+    the globals of the plain functions of its own module it reads (a helper's `MT.temperature`),
+    as (name, root, value)."""
+    function = code_owner(function)
+    found: dict[tuple[str, Any], tuple[str, Any]] = {}
+    for name, root, value in roots_of(function, {}):
+        if isinstance(value, torch.nn.Module):
+            found[root] = (name, value)
+        if (root[0] == "global" and isinstance(value, types.FunctionType)
+                and value.__globals__ is getattr(function, "__globals__", None)):
+            for inner, inner_root, inner_value in roots_of(value, {}):
+                if inner_root[0] == "global" and isinstance(inner_value, torch.nn.Module):
+                    found.setdefault(inner_root, (f"{inner} (read by {name})", inner_value))
+    return [(name, root, value) for root, (name, value) in found.items()]
+
+
+def keys_read_through(function: Callable, attribute: str) -> frozenset[str] | None:
+    """None if neither the function's code, the code it defines, nor a plain function of its own
+    module it loads names `attribute`; else the strings those codes hold (`opt.param_groups[0]["lr"]`
+    read by the step itself holds "lr"), the keys it may read there."""
+    function = code_owner(function)
+    codes = [getattr(function, "__code__", None)]
+    codes += [value.__code__ for _, root, value in roots_of(function, {})
+              if root[0] == "global" and isinstance(value, types.FunctionType)
+              and value.__globals__ is getattr(function, "__globals__", None)]
+    named, strings = False, set()
+    while codes:
+        code = codes.pop()
+        if code is None:
+            continue
+        named = named or attribute in code.co_names
+        strings.update(const for const in code.co_consts if type(const) is str)
+        codes += [const for const in code.co_consts if isinstance(const, types.CodeType)]
+    return frozenset(strings) if named else None
+
+
 # functions, compared by identity: another one (`ACT = torch.sigmoid` for `torch.tanh`, a helper
 # defined again) computes otherwise
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)

@@ -51,7 +51,7 @@ from ..record.modes import CallContext, enter_api_checked_call, leave_api_checke
 from ..record.reads import read_slice, storage_root
 from ..record.record import Kind, Record, math_bits
 from ..record.recorder import version_of
-from ..signature import autocast_state, call_context_key
+from ..signature import attention_backends, autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
 from .ddp_stand_in import DeferredWrites, distributed_refusal, seal_ddp_spans
@@ -216,7 +216,8 @@ class ApiProgram:
             for i, template in enumerate(call.args):
                 body += match_lines(f"args[{i}]", template, self)
             return self._function(name, params, [*body, f"return {reader}(args, kwargs, S)"])
-        body = [f"if len(args) != {len(call.args)}: return FAIL", self.autocast_check(call.autocast)]
+        body = [f"if len(args) != {len(call.args)}: return FAIL", self.autocast_check(call.autocast),
+                *self.context_checks(call)]
         if call.kwargs:
             body.append(f"if kwargs.keys() != {self.constant(set(call.kwargs), 'k')}: return FAIL")
         else:
@@ -262,6 +263,16 @@ class ApiProgram:
             return "if ANY_AUTOCAST(): return FAIL"
         self.namespace["AUTOCAST"] = autocast_state
         return f"if AUTOCAST() != {self.constant(recorded, 'ac')}: return FAIL"
+
+    def context_checks(self, call: ApiCall) -> list[str]:
+        """Lines that fail a call made under another default dtype, or an attention call under other
+        attention kernels, than recorded: the function may switch them itself, unseen by the mode."""
+        self.namespace["DEFAULT_DTYPE"] = torch.get_default_dtype
+        lines = [f"if DEFAULT_DTYPE() is not {self.constant(call.default_dtype, 'dd')}: return FAIL"]
+        if call.attention is not None:
+            self.namespace["ATTENTION"] = attention_backends
+            lines.append(f"if ATTENTION() != {self.constant(call.attention, 'at')}: return FAIL")
+        return lines
 
     def _direct_slots(self, call: ApiCall) -> dict:
         """Where the Python numbers of `call` go when it binds one aten op directly

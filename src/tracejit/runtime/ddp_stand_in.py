@@ -110,6 +110,7 @@ class DdpForwardSource(_ForwardSource):
         namespace.setdefault("ANY_FOREIGN", any_foreign)  # hooks of the user's, not tracejit's own
         self.fail_if("any(GLOBAL_HOOKS) and ANY_FOREIGN(GLOBAL_HOOKS)")
         self.fail_if(f"GRAD_ENABLED() is not {call.ddp.grad_enabled}")
+        self.inner_checks(call)
         self.fail_if(f"len(args) != {len(call.args)} or kwargs.keys() != {program.constant(set(call.kwargs), 'k')}")
         for i, template in enumerate(call.args):
             self.lines += match_lines(f"args[{i}]", template, program)

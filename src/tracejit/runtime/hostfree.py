@@ -38,6 +38,8 @@ from ..record.names import (
     container_expression,
     differs_expression,
     group_suffix,
+    keys_read_through,
+    module_roots,
     plain_copy,
     plain_roots,
     plain_set,
@@ -535,8 +537,15 @@ class HostFreeRunner:
         # the function, whose module calls are checked (or stood in for) one by one
         keyword_module_refs = [weakref.ref(v) for _, v in keyword_modules(kwargs)]
         new_hooks: list[str] = []  # checks that only a hook registered since binding can fail
+        # the modules of globals and closure cells too: the function may read their settings
+        # without calling their forward (`MT.head(MT.body(x)) / MT.temperature`)
+        root_module_refs = [weakref.ref(value) for _, _, value in module_roots(self.function)]
         guards = [] if self.checked else module_guards(
-            guarded_modules([*keyword_module_refs, *self.record.modules_called]), src.constant, _fail, new_hooks)
+            guarded_modules([*keyword_module_refs, *root_module_refs, *self.record.modules_called]), src.constant,
+            _fail, new_hooks)
+        if not self.checked:  # a module an object of yours holds (`trainer.model`), rebound since
+            guards += [_fail(f"{expr} is not {src.constant(ref, 'km')}()", f"{expr} is another module")
+                       for (expr, _), ref in zip(keyword_modules(kwargs), keyword_module_refs)]
         # The guards above check the modules and optimizers the binding call was given; another
         # object by the same keyword (`loss_fn=nn.L1Loss()` for an MSELoss, a Sequential rebuilt
         # around the same layers: no parameter tells them apart) runs the function instead.
@@ -660,7 +669,15 @@ class HostFreeRunner:
                 src.pending.clear()
         guards += self._generator_guards(names, kwargs, src) if not self.checked else []
         bindings = find_bindings(self.record, objects, optimizers, scalars)
-        settings = setting_guards(optimizers, bindings, src, _fail, stepped_optimizers(self.record, objects, optimizers))
+        stepped = stepped_optimizers(self.record, objects, optimizers)
+        read = keys_read_through(self.function, "param_groups") if not self.checked else None
+        if read:
+            # the function reads settings itself (`lr * wd` of its own decay, a loss scaled by the
+            # learning rate, a coefficient kept in a group): a bound setting would reach step()
+            # alone, and an optimizer that did not step may still feed them to the function's ops.
+            # Those it may read (the keys its code holds) are compared.
+            bindings = [b for b in bindings if b.key not in read]
+        settings = setting_guards(optimizers, bindings, src, _fail, stepped, read or frozenset())
         settings += scaler_guards(self.function, kwargs, self.record.scalers_updated, src.constant, _fail)
         if not self.checked:  # a checked call runs step(), and its hooks with it
             guards += optimizer_hook_guards(optimizers, src.constant, _fail, new_hooks)
@@ -1045,6 +1062,12 @@ class HostFreeRunner:
         for name, root, value in plain_roots(self.function):
             guards.append(_fail(f"not SAME_VALUE({root_expression(root)}, {src.constant(plain_copy(value), 'p')})",
                                 f"{name} is not {value!r} anymore"))
+        # a module held by a global or a closure cell is the same object: one rebound to another
+        # over the same parameters (`MODEL = nn.Sequential(*MODEL, nn.Softmax(-1))`), or to another
+        # parameterless module (`ACT = ACTS["gelu"]`), passes every parameter's guard
+        for name, root, value in module_roots(self.function):
+            guards.append(_fail(f"{root_expression(root)} is not {src.constant(weakref.ref(value), 'gm')}()",
+                                f"{name} is another module"))
         return guards
 
     def _first_read_in_backward(self, handle: int) -> bool:

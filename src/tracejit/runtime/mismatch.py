@@ -44,6 +44,17 @@ def different_op(record: Record, position: int, func: Any, statics: tuple, tenso
     )
 
 
+def other_default_dtype(record: Record, position: int, now: torch.dtype, source: SourceLocation) -> TraceMismatchError:
+    op = record.ops[position]
+    made = record.tensors[op.outputs[0]].meta.dtype
+    return TraceMismatchError(
+        _header(record, position, f"{op.name} makes a tensor of the default dtype, {now} now and {made} when "
+                                  f"recorded (torch.set_default_dtype inside the call)")
+        + _recorded(record, op)
+        + f"\n  reached at {source}; pass dtype= to the factory, or set the default dtype outside the traced call"
+    )
+
+
 def _tensor_or_number(recorded: Any, got: Any) -> str:
     """A note for another overload of the recorded op that takes a tensor where it took a number or
     the other way round (`_fused_adam_.tensor_lr` and `.default`): an optimizer setting in

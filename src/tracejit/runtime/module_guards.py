@@ -7,7 +7,8 @@ closure, a global, a helper function): the recording call noted each module whos
 (`Record.modules_called`), and the generated call checks each of them and its submodules:
 
 - `training`, and every setting that is an immutable value (`p`, `negative_slope`, `momentum`,
-  `eps`, a user module's `heads`...), by identity: the recorded object, or the call runs the
+  `eps`, a user module's `heads`, a dtype, an enum member...), by identity, and every other plain
+  value (a device, a `torch.Size`, a range or slice, a list or dict of numbers) by value: the recorded object, or the call runs the
   function (which re-binds the new object, so a setting set again to an equal value costs one
   checked call);
 - no forward, forward-pre or backward hook of its own, and no `forward` assigned to the instance,
@@ -29,7 +30,6 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..record.ddp_calls import is_ddp
@@ -71,6 +71,7 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
         attributes = module.__dict__
         d = local[id(module)] = f"md{len(local)}"
         parent = parents.get(id(module))
+        by_type = False  # another object of the same type may stand here
         if parent is not None and id(parent[0]) in local:
             child = f"{local[id(parent[0])]}['_modules'][{parent[1]!r}]"
             lines.append(f"mc = {child}")
@@ -78,6 +79,7 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
                 same = f"mc is not {constant(weakref.ref(module), 'mr')}()"
             else:
                 same = f"type(mc) is not {constant(type(module), 'mt')}"
+                by_type = True
             lines.append(fail(same, f"{child} is another module"))
             lines.append(f"{d} = mc.__dict__")
         else:
@@ -87,6 +89,8 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
             hooks = attributes.get(name)
             if hooks:
                 conditions.append(f"tuple({d}[{name!r}]) != {constant(tuple(hooks), 'hk')}")
+            elif by_type:  # a replacement may carry hooks registered before binding (or deep-copied)
+                conditions.append(f"{d}[{name!r}]")
             else:  # only a hook registered since can make it non-empty
                 new_hooks.append(fail(f"{d}[{name!r}]", f"a hook was registered on the {type(module).__qualname__} module"))
         forward = attributes.get("forward")
@@ -99,7 +103,11 @@ def module_guards(modules: list[torch.nn.Module], constant: Callable[[Any, str],
             conditions.append(identity_checks(d, settings, constant))
         # a small numpy array it holds (`torch.tensor(self.w)` builds its values into the
         # program): compared by its bytes, as a keyword's or a global's is
-        arrays = {key: value for key, value in attributes.items() if type(value) is np.ndarray and plain_value(value)}
+        # and any other plain value (a device, a torch.Size, a range, a slice, a list or dict of
+        # numbers), compared by value: changed in place too, and set again to an equal one (each
+        # forward may make `self.device = x.device` anew)
+        arrays = {} if is_ddp(module) else {key: value for key, value in attributes.items()
+                                            if key not in _NOT_SETTINGS and key not in settings and plain_value(value)}
         if arrays:
             same = constant(same_value, "sv")
             conditions += [f"not {same}({d}.get({key!r}), {constant(plain_copy(value), 'arr')})"

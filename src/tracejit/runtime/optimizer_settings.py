@@ -19,7 +19,7 @@ import torch
 import torch.optim.optimizer as optimizer_module
 
 from ..record.calls import scalar_slot_names
-from ..record.names import root_expression, roots_of
+from ..record.names import plain_copy, plain_value, root_expression, roots_of, same_value
 from ..record.own_hooks import foreign
 from ..record.record import Record
 from ..record.regions import in_optimizer_step
@@ -277,14 +277,14 @@ def stepped_optimizers(record: Record, objects: dict[int, torch.Tensor], optimiz
 
 
 def setting_guards(optimizers: list[tuple[str, Any]], bindings: list[SettingBinding], src: Any, fail: Any,
-                   stepped: set[str]) -> list[str]:
+                   stepped: set[str], read: frozenset = frozenset()) -> list[str]:
     """Every setting of every param group of the keyword optimizers that is not bound (maximize,
     nesterov, amsgrad, dampening, ...) is what the program was built with, and so are the groups
     and their parameters (add_param_group, a new params list). A bound setting other than the
     learning rate stays a float, nonzero where it was: SGD skips its momentum and weight decay
     ops at 0, so its zeroness is part of the record, and a bound learning rate stays a number.
-    Settings of an optimizer that did not step (`stepped`) are not guarded; its groups and
-    parameters are (`zero_grad()` walks them)."""
+    Settings of an optimizer that did not step (`stepped`) are not guarded, but for the keys the
+    function may read itself (`read`); its groups and parameters are (`zero_grad()` walks them)."""
     lines = []
     bound: dict[tuple, set] = {}
     for b in bindings:
@@ -296,7 +296,9 @@ def setting_guards(optimizers: list[tuple[str, Any]], bindings: list[SettingBind
             ids = src.constant(tuple(id(p) for p in group["params"]), "ids")
             lines.append(fail(f"PARAM_IDS({groups}[{index}]['params']) != {ids}",
                               f"param group {index} of {name} has other parameters"))
-            for key, value in sorted(group.items()) if name in stepped else ():
+            for key, value in sorted(group.items()):
+                if name not in stepped and key not in read:  # the function itself may read `read`
+                    continue
                 setting = f"{groups}[{index}][{key!r}]"
                 elements = bound.get((name, index, key), set())
                 what = f"{key} of param group {index} of {name}"
@@ -319,13 +321,19 @@ def _unbound_guards(setting: str, value: Any, src: Any, fail: Any, what: str, bo
     a tensor and a number (either way) runs other ops or is read elsewhere, so the call runs the
     function. Checked before any comparison by value, which a tensor would answer with a tensor.
     The `bound` elements of a tuple (OneCycleLR's float beta1 beside a tensor beta2) keep their
-    kind only, as _bound_value_guards says."""
+    kind only, as _bound_value_guards says. Any other value is compared as a plain value, or is
+    the same object."""
     if isinstance(value, torch.Tensor):
         return [fail(f"not isinstance({setting}, TENSOR)", f"{what} is not a tensor anymore")]
     if isinstance(value, _PRIMITIVES):
         return [fail(f"isinstance(v := {setting}, TENSOR) or v != {src.constant(value, 'hp')}", f"{what} changed")]
     if not isinstance(value, tuple) or not all(isinstance(v, (*_PRIMITIVES, torch.Tensor)) for v in value):
-        return []
+        # a list (`etas=[0.5, 1.2]`), a numpy number (a schedule's np.float32 lr), anything else:
+        # by value when it is a plain value (changed in place too), else the same object
+        if plain_value(value):
+            return [fail(f"not {src.constant(same_value, 'same')}({setting}, {src.constant(plain_copy(value), 'hp')})",
+                         f"{what} changed")]
+        return [fail(f"{setting} is not {src.constant(value, 'hp')}", f"{what} is another object")]
     checks = ["type(v) is not tuple", f"len(v) != {len(value)}"]
     for i, v in enumerate(value):
         if isinstance(v, torch.Tensor):

@@ -83,6 +83,7 @@ class Replayer:
         self._ops = self.record.ops
         self._length = len(self._ops)
         self._steps = program.steps
+        self._default_dtype_results = program.default_dtype_results
         self._table = self.handles.table
         # Externals bound so far in this call, held weakly: an extra strong reference changes
         # what autograd dispatches (AccumulateGrad steals a gradient only if nobody else holds it).
@@ -115,6 +116,10 @@ class Replayer:
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.recorder is None:
             position = self.position
+            if position in self._default_dtype_results and torch.get_default_dtype() is not \
+                    self._default_dtype_results[position] and func is self._ops[position].op:
+                return self._diverge(func, args, kwargs, lambda: mismatch.other_default_dtype(
+                    self.record, position, torch.get_default_dtype(), user_location()))
             if position < self._length and func is self._ops[position].op:
                 step = self._steps[position]
                 if step is not None:

@@ -21,10 +21,12 @@ of another optimizer) runs the real method, matched call by call as before.
 
 from __future__ import annotations
 
+import enum
 import functools
 import types
 import weakref
 from _thread import get_ident
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -41,7 +43,8 @@ from .optimizer_settings import SettingBinding, find_bindings
 
 _MISSING = object()
 _PRIMITIVES = (bool, int, float, str, type(None))
-_IMMUTABLE = (np.generic, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.MethodDescriptorType,
+_IMMUTABLE = (np.generic, torch.dtype, torch.layout, torch.memory_format, enum.Enum,
+              types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.MethodDescriptorType,
               types.WrapperDescriptorType, functools.partial)
 _PLAIN = frozenset({bool, int, str, type(None)})  # compared by value; floats keep the sign of a zero
 
@@ -541,6 +544,7 @@ def build_module_stand_ins(program: Any, calls: list[ApiCall], module_calls: lis
     """The forward stand-ins of the module calls the record allows, and why the others run."""
     from .ddp_stand_in import DdpForwardSource, DdpForwardStandIn  # they build on this module's classes
 
+    _torch_names.clear()  # where torch's functions are now (one patched since the last program)
     refused: dict[str, str] = {}
     external_slots = {id(ref()): slot for slot, ref in enumerate(program.external_refs) if ref() is not None}
     by_module: dict[int, tuple[weakref.ref, dict]] = {}
@@ -618,9 +622,7 @@ class _ForwardSource:
             namespace["GLOBAL_HOOKS"] = global_hook_dicts()
         namespace.setdefault("ANY_FOREIGN", any_foreign)  # hooks of the user's, not tracejit's own
         self.fail_if("any(GLOBAL_HOOKS) and ANY_FOREIGN(GLOBAL_HOOKS)")
-        inner = self.program.calls[call.start:call.end]
-        if inner:  # its calls dispatch what the autocast state they were made under decides
-            self.lines.append(self.program.autocast_check(inner[0].autocast))
+        self.inner_checks(call)
         self.fail_if(f"len(args) != {len(call.args)} or kwargs.keys() != {self.program.constant(set(call.kwargs), 'k')}")
         for i, template in enumerate(call.args):
             self.lines += match_lines(f"args[{i}]", template, self.program)
@@ -629,6 +631,22 @@ class _ForwardSource:
         states = {id(state.module()): state for state in call.snapshot}
         self._module("M", call.snapshot[0], states, top=True)
         return self._function(f"forward{number}_{call.start}", answer_expr(call.result, self.program))
+
+    def inner_checks(self, call: ModuleCall) -> None:
+        """Its calls dispatch what the autocast state they were made under decides, and what the
+        default dtype and the attention kernels enabled decide (the function may switch them,
+        unseen by the checker); and the torch functions its forward called are still torch's
+        (`F.gelu = mine` since)."""
+        inner = self.program.calls[call.start:call.end]
+        if not inner:
+            return
+        self.lines.append(self.program.autocast_check(inner[0].autocast))
+        attention = next((c for c in inner if c.attention is not None), None)
+        self.lines += self.program.context_checks(replace(inner[0], attention=attention and attention.attention))
+        bound = [f"{self.program.constant(names, 'ns')}.get({name!r}) is not {self.program.constant(c.func, 'fn')}"
+                 for c in {id(c.func): c for c in inner}.values() for names, name in torch_names(c.func)]
+        if bound:
+            self.fail_if(" or ".join(bound))
 
     def _function(self, name: str, answer: str) -> Any:
         """The generated check, returning `answer` when it passes. The check by identity reads the
@@ -647,11 +665,17 @@ class _ForwardSource:
         hooks = " or ".join(f"{d}[{name!r}]" for name in _MODULE_HOOKS)
         replaced = "" if top else f" or 'forward' in {d}"
         cls = type(state.module())
-        self.fail_if(f"type({expr}) is not {self.program.constant(cls, 'C')} or {hooks}{replaced}")
+        # an attribute set since may shadow a method the forward calls (`conv._conv_forward = ...`);
+        # `forward` is the stand-in itself (or, below the top, a replaced forward: failed above).
+        # Looked at only when the dict grew: a tag (`torch.compile` sets `_is_torch_compile`) is not one
+        self.program.namespace.setdefault("SHADOWS", _shadows)
+        keys = self.program.constant(state.keys, "ks")
+        self.fail_if(f"type({expr}) is not {self.program.constant(cls, 'C')} or {hooks}{replaced} "
+                     f"or len({d}) - ('forward' in {d}) != {len(state.keys)} and SHADOWS({d}, {keys}, type({expr}))")
         methods = CLASS_METHODS.get(cls)
         if methods:  # torch's own methods still (not patched on the class since the call was noted)
-            owner = self.program.constant(cls.__dict__, "cd")
-            self.fail_if(" or ".join(f"{owner}.get({name!r}) is not {self.program.constant(function, 'fm')}"
+            owner = self.program.constant(cls, "cl")
+            self.fail_if(" or ".join(f"{owner}.{name} is not {self.program.constant(function, 'fm')}"
                                      for name, function in methods.items()))
         if self.by_identity:
             self._same_objects(d, state)
@@ -713,10 +737,32 @@ def identity_checks(mapping: str, values: dict, constant: Callable[[Any, str], s
                        for key, value in values.items())
 
 
+def _shadows(attributes: dict, recorded: frozenset, cls: type) -> bool:
+    """Whether an attribute set on the instance since it was recorded hides one of its class."""
+    return any(key not in recorded and key != "forward" and hasattr(cls, key) for key in attributes)
+
+
+_TORCH_NAMESPACES = (torch.nn.functional, torch)
+_torch_names: dict[int, list[tuple[dict, str]]] = {}
+
+
+def torch_names(function: Any) -> list[tuple[dict, str]]:
+    """Where torch.nn.functional and torch hold `function` now, as (namespace dict, name)."""
+    if not _torch_names:
+        for namespace in _TORCH_NAMESPACES:
+            for name, value in vars(namespace).items():
+                if callable(value) and not isinstance(value, type):
+                    _torch_names.setdefault(id(value), []).append((vars(namespace), name))
+    # an id may have been reused since the map was made: only places holding this very object
+    return [(names, name) for names, name in _torch_names.get(id(function), ()) if names.get(name) is function]
+
+
 def immutable(value: Any) -> bool:
-    """Numbers (numpy's scalars too), strings, None and tuples of them, and functions (an
-    activation held as `self.act = torch.tanh`, a method, a `functools.partial`): the same object
-    is the same value and type, and the same function computes the same."""
+    """Numbers (numpy's scalars too), strings, None, dtypes, layouts, enum members (one object
+    each) and tuples of them, and functions (an activation held as `self.act = torch.tanh`, a
+    method, a `functools.partial`): the same object is the same value and type, and the same
+    function computes the same. (A device, a `torch.Size`, a range is made anew by code that
+    sets it to an equal value: module_guards compares such plain values by value.)"""
     if type(value) is tuple:
         return all(map(immutable, value))
     return type(value) in _PRIMITIVES or isinstance(value, _IMMUTABLE)
