@@ -115,10 +115,6 @@ def test_module_settings_of_every_immutable_kind_are_compared(change, without_ho
     new = {"out_dtype": torch.float64, "mode": Mode.MEAN, "keep": slice(1, 3), "dims": range(0, 1),
            "unflatten": torch.Size([1, 2])}[change]
 
-    def infer(x, *, model):
-        with torch.no_grad():
-            return model(x)
-
     torch.manual_seed(0)
     model = Settings()
     traced = tracejit.trace(infer, without_host=without_host, backend="aten")
@@ -142,10 +138,6 @@ def test_a_method_shadowed_on_a_torch_module_instance_is_seen_by_checked_calls()
     answered the recorded convolution."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU())
-
-    def infer(x, *, model):
-        with torch.no_grad():
-            return model(x)
 
     traced = tracejit.trace(infer, backend="aten")
     x = torch.randn(1, 2, 6, 6)
