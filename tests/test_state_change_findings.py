@@ -83,6 +83,7 @@ def test_a_numpy_learning_rate_from_a_schedule_is_followed_without_the_host(make
     traced = tracejit.trace(step, without_host=True, backend="aten")
     for got, want in zip(train(make, traced, after_step=schedule, calls=8), train(make, step, after_step=schedule, calls=8)):
         assert torch.equal(got, want)
+    assert traced.stats.host_free_calls + traced.stats.checked_replays >= 6  # replayed, not eager
 
 
 class Mode(enum.Enum):
@@ -131,6 +132,7 @@ def test_module_settings_of_every_immutable_kind_are_compared(change, without_ho
             continue
         want = infer(x, model=model)
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), i
+    assert traced.stats.host_free_calls if without_host else traced.stats.api_replays
 
 
 def test_a_method_shadowed_on_a_torch_module_instance_is_seen_by_checked_calls():
@@ -180,6 +182,7 @@ def test_attention_kernels_switched_inside_the_function_are_seen():
             assert torch.equal(got, attend(q, k, v)), i
     finally:
         USE_MATH[0] = False
+    assert traced.stats.checked_replays >= 2
 
 
 HIGH_PRECISION = [False]
@@ -261,6 +264,7 @@ def test_a_learning_rate_the_function_reads_itself_follows_the_schedule_without_
     traced = tracejit.trace(function, without_host=True, backend="aten")
     for got, want in zip(run(traced), run(function)):
         assert torch.equal(got.detach(), want.detach())
+    assert traced.stats.host_free_calls + traced.stats.checked_replays >= 4
 
 
 def accumulate(x, y, *, model, opt, do_step):
@@ -292,6 +296,7 @@ def test_settings_an_accumulating_call_reads_are_compared_without_the_host():
     traced = tracejit.trace(accumulate, without_host=True, backend="aten")
     for got, want in zip(run(traced), run(accumulate)):
         assert torch.equal(got.detach(), want.detach())
+    assert traced.stats.host_free_calls + traced.stats.checked_replays >= 6
 
 
 def infer(x, *, model):
@@ -319,6 +324,7 @@ def test_a_parameterless_module_swapped_for_a_hooked_one_of_its_type_is_seen_wit
         except tracejit.TraceMismatchError:
             continue
         assert torch.equal(got, infer(x, model=eager)), i
+    assert traced.stats.host_free_calls >= 2
 
 
 BASE = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
@@ -383,6 +389,7 @@ def test_modules_of_globals_and_of_objects_are_the_same_and_unchanged_without_th
             assert torch.equal(got, eager()), i
     finally:
         ACT, TEMPERED.temperature = ACTIVATIONS["tanh"], 1.0
+    assert traced.stats.host_free_calls >= 2
 
 
 @pytest.mark.parametrize("patched", ["gelu", "relu"])
@@ -486,6 +493,7 @@ def test_list_and_dict_settings_of_a_module_are_compared_by_value_without_the_ho
         except tracejit.TraceMismatchError:
             continue
         assert torch.equal(got, infer(x, model=model)), i
+    assert traced.stats.host_free_calls >= 2
 
 
 def test_a_method_patched_on_a_torch_module_class_is_seen_by_checked_calls():
@@ -506,6 +514,7 @@ def test_a_method_patched_on_a_torch_module_class_is_seen_by_checked_calls():
             assert torch.equal(got, infer(x, model=model)), i
     finally:
         nn.Conv2d._conv_forward = original
+    assert traced.stats.module_stand_ins >= 1
 
 
 def scaled_step(x, *, model, opt):
