@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..signature import attention_backends, autocast_state
 from .amp import is_inf_check
 from .calls import data_dependent_size
+from .function_calls import FunctionCall, FunctionCalls
 from .modes import _HIDDEN_READ_HOOKS, _HOST_READ_HOOKS, _STAND_IN_READ_HOOKS, HOST_READ_METHODS
 from .module_calls import ModuleCall, ModuleCalls
 from .optimizer_calls import OptimizerCall, OptimizerCalls
@@ -134,6 +135,7 @@ class ApiTrace:
     live_graph: Any = None  # tensor -> True if it has autograd history the call's backward did not free
     optimizer_calls: list[OptimizerCall] = field(default_factory=list)  # step()/zero_grad() spans of calls
     module_calls: list[ModuleCall] = field(default_factory=list)  # torch.nn module forwards' spans of calls
+    function_calls: list[FunctionCall] = field(default_factory=list)  # gradient clipping's spans of calls
     # the literals that require grad as the call made them (`torch.tensor(data, requires_grad=True)`):
     # the answers copying them do too (runtime/api_replay.py)
     literals_requiring_grad: set[int] = field(default_factory=set)
@@ -258,14 +260,17 @@ class ApiTracer(TorchFunctionMode):
         self._profiling = False
         self._optimizer_calls = OptimizerCalls()
         self._module_calls = ModuleCalls(self)
+        self._function_calls = FunctionCalls(self)
 
     def __enter__(self):
         self._module_calls.install()
+        self._function_calls.install()
         self._state_reads = _watch_state_reads(self._read_state)
         try:
             return super().__enter__()
         except BaseException:
             self._module_calls.remove()
+            self._function_calls.remove()
             _unwatch_state_reads(self._state_reads)
             raise
 
@@ -274,6 +279,7 @@ class ApiTracer(TorchFunctionMode):
             return super().__exit__(*exc)
         finally:
             self._module_calls.remove()
+            self._function_calls.remove()
             _unwatch_state_reads(self._state_reads)
 
     def _read_state(self) -> None:
@@ -356,6 +362,7 @@ class ApiTracer(TorchFunctionMode):
             self.trace.refuse("the function makes no torch call")
         self.trace.optimizer_calls = self._optimizer_calls.found
         self.trace.module_calls = self._module_calls.found
+        self.trace.function_calls = self._function_calls.found
         return self.trace
 
     # -- references -----------------------------------------------------------------------------

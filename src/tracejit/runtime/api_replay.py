@@ -55,6 +55,7 @@ from ..signature import attention_backends, autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
 from .ddp_stand_in import DeferredWrites, distributed_refusal, seal_ddp_spans
+from .function_stand_ins import build_function_stand_ins
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
 from .realize import _store_outputs
@@ -135,6 +136,9 @@ class ApiProgram:
         # too: its state changes are written once the program has run, runtime/ddp_stand_in.py)
         self.deferred_writes = DeferredWrites()
         self.module_stand_ins, refused = build_module_stand_ins(self, trace.calls, trace.module_calls)
+        self.stand_ins_refused.update(refused)
+        # and torch.nn.utils' gradient clipping, where its arguments are the recorded ones
+        self.function_stand_ins, refused = build_function_stand_ins(self, trace.calls, trace.function_calls)
         self.stand_ins_refused.update(refused)
         refusal = distributed_refusal(record, trace.calls, trace.module_calls)
         if refusal is not None:
@@ -675,6 +679,7 @@ class ApiChecker(TorchFunctionMode):
         self.stood_in = 0  # optimizer methods answered as a whole (runtime/stand_ins.py)
         self.stood_in_modules = 0  # torch.nn module calls answered as a whole
         self.stood_in_ddp = 0  # of which DistributedDataParallel calls (runtime/ddp_stand_in.py)
+        self.stood_in_functions = 0  # gradient clipping calls (runtime/function_stand_ins.py)
         return self
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -833,6 +838,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     scaler_stages = program.scalers.save(kwargs) if program.scalers else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
+    function_stand_ins = (program.function_stand_ins.install(checker) if program.function_stand_ins is not None
+                          else None)
     context = program.call_context
     if context is None or context.trace is not trace:
         context = program.call_context = CallContext(trace, checker, trace.options.capture_as_const)
@@ -861,6 +868,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             program.stand_ins.remove(stand_ins)
         if module_stand_ins:
             program.module_stand_ins.remove(module_stand_ins)
+        if function_stand_ins:
+            program.function_stand_ins.remove(function_stand_ins)
         if program.reads_host:
             program.checking_args = program.checking_kwargs = None
         if program.read_slices:
@@ -908,6 +917,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         stats.module_stand_ins += checker.stood_in_modules
         if checker.stood_in_ddp:
             stats.ddp_stand_ins += checker.stood_in_ddp
+    if checker.stood_in_functions:
+        stats.function_stand_ins += checker.stood_in_functions
     return output, None
 
 

@@ -633,20 +633,7 @@ class _ForwardSource:
         return self._function(f"forward{number}_{call.start}", answer_expr(call.result, self.program))
 
     def inner_checks(self, call: ModuleCall) -> None:
-        """Its calls dispatch what the autocast state they were made under decides, and what the
-        default dtype and the attention kernels enabled decide (the function may switch them,
-        unseen by the checker); and the torch functions its forward called are still torch's
-        (`F.gelu = mine` since)."""
-        inner = self.program.calls[call.start:call.end]
-        if not inner:
-            return
-        self.lines.append(self.program.autocast_check(inner[0].autocast))
-        attention = next((c for c in inner if c.attention is not None), None)
-        self.lines += self.program.context_checks(replace(inner[0], attention=attention and attention.attention))
-        bound = [f"{self.program.constant(names, 'ns')}.get({name!r}) is not {self.program.constant(c.func, 'fn')}"
-                 for c in {id(c.func): c for c in inner}.values() for names, name in torch_names(c.func)]
-        if bound:
-            self.fail_if(" or ".join(bound))
+        self.lines += span_checks(self.program, self.program.calls[call.start:call.end])
 
     def _function(self, name: str, answer: str) -> Any:
         """The generated check, returning `answer` when it passes. The check by identity reads the
@@ -728,6 +715,23 @@ class _ForwardSource:
                 self.same(f"{d}.get({key!r})", value, f"{type(state.module()).__qualname__}.{key}")
 
 
+def span_checks(program: Any, inner: list[ApiCall]) -> list[str]:
+    """Lines that FAIL a span of calls answered whole where its calls would dispatch otherwise: under
+    another autocast state, default dtype or set of attention kernels (the function may switch
+    them, unseen by the checker), or with one of the torch functions they called rebound since
+    (`F.gelu = mine`)."""
+    if not inner:
+        return []
+    attention = next((c for c in inner if c.attention is not None), None)
+    lines = [program.autocast_check(inner[0].autocast),
+             *program.context_checks(replace(inner[0], attention=attention and attention.attention))]
+    bound = [f"{program.constant(names, 'ns')}.get({name!r}) is not {program.constant(c.func, 'fn')}"
+             for c in {id(c.func): c for c in inner}.values() for names, name in torch_names(c.func)]
+    if bound:
+        lines.append(f"if {' or '.join(bound)}: return FAIL")
+    return lines
+
+
 def identity_checks(mapping: str, values: dict, constant: Callable[[Any, str], str]) -> str:
     """A condition true unless `mapping` holds exactly these objects under these keys (a key
     missing raises KeyError: the caller's). One `is` per key, inline: a fifth of the time of one
@@ -742,12 +746,12 @@ def _shadows(attributes: dict, recorded: frozenset, cls: type) -> bool:
     return any(key not in recorded and key != "forward" and hasattr(cls, key) for key in attributes)
 
 
-_TORCH_NAMESPACES = (torch.nn.functional, torch)
+_TORCH_NAMESPACES = (torch.nn.functional, torch, torch.linalg)
 _torch_names: dict[int, list[tuple[dict, str]]] = {}
 
 
 def torch_names(function: Any) -> list[tuple[dict, str]]:
-    """Where torch.nn.functional and torch hold `function` now, as (namespace dict, name)."""
+    """Where torch.nn.functional, torch and torch.linalg hold `function` now, as (namespace dict, name)."""
     if not _torch_names:
         for namespace in _TORCH_NAMESPACES:
             for name, value in vars(namespace).items():

@@ -22,6 +22,7 @@ class TraceStats:
     optimizer_stand_ins: int = 0  # optimizer step()/zero_grad() calls API-level replays answered as a whole
     module_stand_ins: int = 0  # torch.nn module calls API-level replays answered as a whole
     ddp_stand_ins: int = 0  # of those, DistributedDataParallel calls (runtime/ddp_stand_in.py)
+    function_stand_ins: int = 0  # clip_grad_norm_()/clip_grad_value_() calls API-level replays answered as a whole
     host_free_calls: int = 0  # calls served by the compiled program without running the function
     host_free_misses: int = 0  # without_host calls whose guards failed: the function ran instead
     shape_specializations: int = 0  # symbolic_shape: programs made for a new size from a symbolic trace, unrecorded

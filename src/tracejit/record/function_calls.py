@@ -1,0 +1,166 @@
+"""The torch-level calls torch.nn.utils' gradient clipping made, and its arguments.
+
+`clip_grad_norm_(model.parameters(), 1.0)` is a few ops, but its Python reads every parameter's
+`.grad`, groups the gradients and converts the scale, each a call the checker matches one by one:
+about 200 us of a checked call with 18 parameters, as much as the rest of a small training step.
+What it dispatches is decided by its arguments (the parameters by identity and order, the max
+norm, the norm type, the flags) and by the gradients, which the record answers anyway. So checked
+replay at the API level answers the whole call when the arguments are the recorded ones
+(runtime/function_stand_ins.py), as it answers an optimizer's step().
+
+torch wraps these functions in `_no_grad`, a closure over the function: every binding of the
+public one (`torch.nn.utils.clip_grad_norm_`, `from torch.nn.utils import clip_grad_norm_`) calls
+what the closure's cell holds. While the API tracer notes a call, the cell holds a function that
+notes where the call's torch-level calls begin and end; while a checked call runs, the stand-in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from _thread import get_ident
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.nn.utils import clip_grad
+
+
+@dataclass(frozen=True)
+class Answerable:
+    """A torch function a checked call may answer whole."""
+
+    name: str
+    cell: Any  # the cell of torch's `_no_grad` wrapper holding the function
+    function: Callable  # torch's function, which the cell holds otherwise
+    arguments: Callable  # (*args, **kwargs) -> the arguments by position, defaults filled in
+    helpers: tuple  # (namespace, name, function): the module functions it calls, as torch has them
+
+    def helpers_changed(self) -> bool:
+        return any(namespace.get(name) is not function for namespace, name, function in self.helpers)
+
+
+def _arguments_function(function: Callable) -> Callable | None:
+    """A function taking what `function` takes and returning its arguments in order; None when its
+    signature is not plain (positional-or-keyword parameters only)."""
+    parameters = list(inspect.signature(function).parameters.values())
+    if not parameters or any(p.kind is not p.POSITIONAL_OR_KEYWORD or not p.name.isidentifier() for p in parameters):
+        return None
+    defaults = {f"d{i}": p.default for i, p in enumerate(parameters) if p.default is not p.empty}
+    heads = [p.name if p.default is p.empty else f"{p.name}=d{i}" for i, p in enumerate(parameters)]
+    source = f"def arguments({', '.join(heads)}):\n    return ({''.join(p.name + ', ' for p in parameters)})\n"
+    namespace = dict(defaults)
+    exec(compile(source, f"<tracejit arguments of {function.__qualname__}>", "exec"), namespace)
+    return namespace["arguments"]
+
+
+def _helpers(function: Callable, depth: int = 3) -> tuple:
+    """The functions of torch's modules `function` calls through its module's globals, and theirs."""
+    found: dict[tuple[int, str], tuple] = {}
+
+    def visit(fn: Any, level: int) -> None:
+        fn = inspect.unwrap(fn)
+        code, namespace = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is None or namespace is None or level > depth:
+            return
+        for name in code.co_names:
+            value = namespace.get(name)
+            if (isinstance(value, types.FunctionType) and (id(namespace), name) not in found
+                    and (value.__module__ or "").startswith("torch.")):
+                found[(id(namespace), name)] = (namespace, name, value)
+                visit(value, level + 1)
+
+    visit(function, 0)
+    return tuple(found.values())
+
+
+def _answerable(wrapper: Any) -> Answerable | None:
+    code = getattr(wrapper, "__code__", None)
+    closure = getattr(wrapper, "__closure__", None)
+    if code is None or code.co_freevars != ("func",) or not closure:
+        return None  # torch wraps it otherwise: not answered
+    cell = closure[0]
+    function = cell.cell_contents
+    arguments = _arguments_function(function) if isinstance(function, types.FunctionType) else None
+    if arguments is None:
+        return None
+    return Answerable(function.__name__, cell, function, arguments, _helpers(function))
+
+
+ANSWERABLE = tuple(a for a in map(_answerable, (clip_grad.clip_grad_norm_, clip_grad.clip_grad_value_))
+                   if a is not None)
+
+
+def listed_parameters(parameters: Any) -> tuple[list | None, Any]:
+    """(the parameters as a list, what to pass on in their place): a generator is consumed here, so
+    torch's function gets a fresh one over the same items (it warns about an empty generator);
+    None when they cannot be listed without a torch call (a tensor is one parameter)."""
+    if isinstance(parameters, torch.Tensor):
+        return [parameters], parameters
+    if isinstance(parameters, (list, tuple)):
+        return list(parameters), parameters
+    if isinstance(parameters, types.GeneratorType):
+        listed = list(parameters)
+        return listed, (p for p in listed)
+    return None, parameters
+
+
+@dataclass
+class FunctionCall:
+    answerable: Answerable
+    start: int  # the index of its first torch-level call among the trace's calls
+    end: int  # one past its last
+    args: Any = None  # templates (record/api.py) of its arguments, the parameters as a list
+    result: Any = None
+    refused: str | None = None
+
+
+class FunctionCalls:
+    """Notes the calls of ANSWERABLE functions while the API tracer notes a call."""
+
+    def __init__(self, tracer: Any) -> None:
+        self.tracer = tracer
+        self.found: list[FunctionCall] = []
+        self.installed: list[tuple[Answerable, Callable]] = []
+        self.thread = get_ident()
+
+    def install(self) -> None:
+        self.thread = get_ident()
+        for answerable in ANSWERABLE:
+            if answerable.cell.cell_contents is answerable.function:  # not someone else's
+                noting = self._noting(answerable)
+                answerable.cell.cell_contents = noting
+                self.installed.append((answerable, noting))
+
+    def remove(self) -> None:
+        for answerable, noting in self.installed:
+            if answerable.cell.cell_contents is noting:
+                answerable.cell.cell_contents = answerable.function
+        self.installed = []
+
+    def _noting(self, answerable: Answerable) -> Callable:
+        function, trace = answerable.function, self.tracer.trace
+
+        def noting(*args: Any, **kwargs: Any) -> Any:
+            if get_ident() != self.thread or trace.refused is not None:
+                return function(*args, **kwargs)
+            try:
+                arguments = answerable.arguments(*args, **kwargs)
+            except TypeError:  # torch's function raises it
+                return function(*args, **kwargs)
+            listed, passed = listed_parameters(arguments[0])
+            start = len(trace.calls)
+            result = function(passed, *arguments[1:])
+            call = FunctionCall(answerable, start, len(trace.calls))
+            if not listed:
+                call.refused = "its parameters are no list, tuple, generator or tensor, or none"
+            else:
+                try:
+                    call.args = self.tracer._template((listed, *arguments[1:]))
+                    call.result = self.tracer._template(result)
+                except Exception:  # noqa: BLE001 - a value the templates cannot hold: the call runs for real
+                    call.refused = "its arguments or result cannot be followed"
+            self.found.append(call)
+            return result
+
+        return noting
