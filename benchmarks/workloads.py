@@ -30,6 +30,15 @@ def train_step(x, y, *, model, opt):
     return loss
 
 
+def clipped_train_step(x, y, *, model, opt):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def infer(x, *, model):
     with torch.no_grad():
         return model(x)
@@ -85,14 +94,15 @@ def _generator() -> torch.Generator:
     return torch.Generator().manual_seed(SEED)
 
 
-def _training(model_factory: Callable[[], nn.Module], x_shape: tuple, classes: int, adam: dict) -> Callable[[], Case]:
+def _training(model_factory: Callable[[], nn.Module], x_shape: tuple, classes: int, adam: dict,
+              step: Callable[..., Any] = train_step) -> Callable[[], Case]:
     def build() -> Case:
         generator = _generator()
         model = model_factory()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
         x = torch.randn(*x_shape, generator=generator)
         y = torch.randint(0, classes, (x_shape[0],), generator=generator)
-        return Case(train_step, (x, y), {"model": model, "opt": opt})
+        return Case(step, (x, y), {"model": model, "opt": opt})
     return build
 
 
@@ -129,6 +139,9 @@ def _rows() -> list[Workload]:
         for variant, adam in ADAM_VARIANTS.items()
     ]
     rows += [
+        Workload("mlp_train_clipped", "train",
+                 "mlp_train_small's step with clip_grad_norm_(model.parameters(), 1.0) before Adam(lr=1e-3, fused=True)",
+                 _training(lambda: models.mlp(small), (32, 64), 10, {"fused": True}, clipped_train_step)),
         Workload("mlp_train_medium", "train",
                  "MLP 784-512-512-10, batch 128, same step, Adam(lr=1e-3, fused=True)",
                  _training(lambda: models.mlp((784, 512, 512, 10)), (128, 784), 10, {"fused": True})),
