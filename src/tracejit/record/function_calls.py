@@ -54,9 +54,12 @@ def _arguments_function(function: Callable) -> Callable | None:
     return namespace["arguments"]
 
 
-def _helpers(function: Callable, depth: int = 3) -> tuple:
-    """The functions of torch's modules `function` calls through its module's globals, and theirs."""
+def _helpers(function: Callable, depth: int = 3) -> tuple | None:
+    """The functions `function` calls through its module's globals, and theirs, as torch has them;
+    None when one of them is not torch's (wrapped by a library before tracejit was imported: its
+    Python would run inside the span, which a stand-in skips)."""
     found: dict[tuple[int, str], tuple] = {}
+    foreign = []
 
     def visit(fn: Any, level: int) -> None:
         fn = inspect.unwrap(fn)
@@ -65,13 +68,16 @@ def _helpers(function: Callable, depth: int = 3) -> tuple:
             return
         for name in code.co_names:
             value = namespace.get(name)
-            if (isinstance(value, types.FunctionType) and (id(namespace), name) not in found
-                    and (value.__module__ or "").startswith("torch.")):
-                found[(id(namespace), name)] = (namespace, name, value)
-                visit(value, level + 1)
+            if (value is None or isinstance(value, (type, types.ModuleType)) or not callable(value)
+                    or (id(namespace), name) in found):
+                continue
+            found[(id(namespace), name)] = (namespace, name, value)
+            if not (getattr(value, "__module__", None) or "").startswith(("torch.", "typing")):
+                foreign.append(name)
+            visit(value, level + 1)
 
     visit(function, 0)
-    return tuple(found.values())
+    return None if foreign else tuple(found.values())
 
 
 def _answerable(wrapper: Any) -> Answerable | None:
@@ -82,27 +88,26 @@ def _answerable(wrapper: Any) -> Answerable | None:
     cell = closure[0]
     function = cell.cell_contents
     arguments = _arguments_function(function) if isinstance(function, types.FunctionType) else None
-    if arguments is None:
+    helpers = _helpers(function)
+    if arguments is None or helpers is None:
         return None
-    return Answerable(function.__name__, cell, function, arguments, _helpers(function))
+    return Answerable(function.__name__, cell, function, arguments, helpers)
 
 
 ANSWERABLE = tuple(a for a in map(_answerable, (clip_grad.clip_grad_norm_, clip_grad.clip_grad_value_))
                    if a is not None)
 
 
-def listed_parameters(parameters: Any) -> tuple[list | None, Any]:
-    """(the parameters as a list, what to pass on in their place): a generator is consumed here, so
-    torch's function gets a fresh one over the same items (it warns about an empty generator);
-    None when they cannot be listed without a torch call (a tensor is one parameter)."""
+def listed_parameters(parameters: Any) -> tuple[list, Any]:
+    """(the parameters as a list, what to pass on in their place), as torch's function lists them:
+    a tensor is one parameter; any other iterable is consumed here (its Python, a `filter`'s
+    predicate reading `p.requires_grad`, runs before the function's span, when the trace was noted
+    as in every call), so torch's function gets a fresh generator over the same items for a
+    generator (it warns about an empty one) and the list for anything else."""
     if isinstance(parameters, torch.Tensor):
         return [parameters], parameters
-    if isinstance(parameters, (list, tuple)):
-        return list(parameters), parameters
-    if isinstance(parameters, types.GeneratorType):
-        listed = list(parameters)
-        return listed, (p for p in listed)
-    return None, parameters
+    listed = list(parameters)
+    return listed, ((p for p in listed) if isinstance(parameters, types.GeneratorType) else listed)
 
 
 @dataclass
@@ -146,14 +151,14 @@ class FunctionCalls:
                 return function(*args, **kwargs)
             try:
                 arguments = answerable.arguments(*args, **kwargs)
+                listed, passed = listed_parameters(arguments[0])
             except TypeError:  # torch's function raises it
                 return function(*args, **kwargs)
-            listed, passed = listed_parameters(arguments[0])
             start = len(trace.calls)
             result = function(passed, *arguments[1:])
             call = FunctionCall(answerable, start, len(trace.calls))
             if not listed:
-                call.refused = "its parameters are no list, tuple, generator or tensor, or none"
+                call.refused = "it has no parameters"
             else:
                 try:
                     call.args = self.tracer._template((listed, *arguments[1:]))

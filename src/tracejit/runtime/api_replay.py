@@ -85,6 +85,12 @@ class ApiProgram:
         self.record = record
         self._batch: list[str] | None = None  # sources compiled together (see the steps below)
         self.external_objects = {h: weakref.ref(t) for h, t in externals.items()}  # by handle, for run_op_by_op
+        # handle -> the call's slot in E: a gradient read where it is (located) or a rebound tensor
+        # is there, not where the traced call found it (_bind_leaves)
+        handle_of = {id(t): h for h, t in externals.items()}
+        self.external_slot_of = {handle_of[id(obj)]: slot for slot, ref in enumerate(trace.externals)
+                                 if (obj := ref()) is not None and id(obj) in handle_of}
+        self.external_slot_of.update({handle: slot for slot, handle in trace.external_handles.items()})
         self.runner = runner
         self.context = context
         self.autocast = context[2] or context[4]  # autocast on for cpu or cuda (signature.call_context_key)
@@ -508,7 +514,8 @@ class _Reader:
 
     def _run(self, scalars: list) -> dict:
         record = self.program.record
-        env = _bind_leaves(self.program, self.program.checking_args, self.program.checking_kwargs, self.leaves)
+        env = _bind_leaves(self.program, self.program.checking_args, self.program.checking_kwargs, self.leaves,
+                           self.program.checker.externals)
         if env is None:
             raise ApiDiverged("an object the trace uses is gone")
         with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), outside_autocast():
@@ -553,10 +560,12 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return first, (last + 1) * size
 
 
-def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any) -> dict | None:
+def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any, externals: Any = ()) -> dict | None:
     """handle -> tensor for the inputs, externals and constants among `handles`; None if an
-    external is gone."""
+    external is gone. `externals` is the call's E: what it holds now (a gradient the call read
+    where it is, `p.grad` replaced since the trace was noted) stands for the recorded object."""
     record = program.record
+    slot_of = program.external_slot_of if externals else {}
     env = {}
     inputs = {h: a for h, a in zip(record.arg_handles, args)}
     inputs.update((h, kwargs[name]) for name, h in record.kwarg_handles.items())
@@ -566,6 +575,10 @@ def _bind_leaves(program: ApiProgram, args: tuple, kwargs: dict, handles: Any) -
         elif handle in record.constants:  # a literal: the record's copy stays as recorded
             env[handle] = record.constants[handle].clone() if record.tensors[handle].literal else record.constants[handle]
         else:
+            slot = slot_of.get(handle)
+            if slot is not None and slot < len(externals) and isinstance(externals[slot], torch.Tensor):
+                env[handle] = externals[slot]
+                continue
             ref = program.external_objects.get(handle)
             env[handle] = ref() if ref is not None else None
             if env[handle] is None:
@@ -898,7 +911,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if kept:
         # The function kept values the traced call did not (a list it appends to on some calls):
         # the host-free program may not even compute them. This call runs the record op by op.
-        output = run_op_by_op(program, args, kwargs, checker.scalars, kept)
+        output = run_op_by_op(program, args, kwargs, checker.scalars, kept, externals)
         if output is MISS:
             raise TraceMismatchError(
                 f"{trace.__name__}() kept {', '.join(f't{h}' for h in kept)} beyond the call, which the "
@@ -932,13 +945,13 @@ def _restore_generator(state: torch.Tensor | None) -> bool:
 
 
 def run_op_by_op(program: ApiProgram, args: tuple, kwargs: dict, scalars: list,
-                 kept: dict[int, torch.Tensor]) -> Any:
+                 kept: dict[int, torch.Tensor], externals: Any = ()) -> Any:
     """Run the record op by op with this call's numbers, leaving each kept value in the tensor the
     function holds; write escaped values back as the host-free program does. MISS if an object
     the trace uses is gone."""
     record = program.record
     leaves = [info.handle for info in record.tensors if info.kind is not Kind.INTERNAL]
-    bound = _bind_leaves(program, args, kwargs, leaves)
+    bound = _bind_leaves(program, args, kwargs, leaves, externals)
     if bound is None:
         return MISS
     env: list = [None] * len(record.tensors)

@@ -43,20 +43,22 @@ class _FunctionStandIn:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         checker, answerable = self.checker, self.answerable
         function = answerable.function
-        region = self.regions.get(checker.position) if checker is not None else None
         # this thread's call under the checker itself (not another trace's call inside the function),
         # in torch's wrapper (which turned grad mode off), not diverged
-        if (region is None or checker.diverged is not None or checker.thread != get_ident()
+        if (checker is None or checker.diverged is not None or checker.thread != get_ident()
                 or _STACK_DEPTH() == 0 or _STACK_AT(_STACK_DEPTH() - 1) is not checker or _GRAD_ENABLED()):
             return function(*args, **kwargs)
         try:
             arguments = answerable.arguments(*args, **kwargs)
+            listed, passed = listed_parameters(arguments[0])  # as when the trace was noted: before the span
         except TypeError:  # torch's function raises it
             return function(*args, **kwargs)
-        listed, passed = listed_parameters(arguments[0])
-        answer, end = region
-        result = FAIL if listed is None or answerable.helpers_changed() else answer(
-            (listed, *arguments[1:]), checker.inputs, checker.externals, checker.placeholders)
+        region = self.regions.get(checker.position)
+        result = FAIL
+        if region is not None and not answerable.helpers_changed():
+            answer, end = region
+            result = answer((listed, *arguments[1:]), checker.inputs, checker.externals, checker.placeholders,
+                            checker.scalars)
         if result is FAIL:
             return function(passed, *arguments[1:])
         checker.position = end
@@ -131,14 +133,25 @@ def build_function_stand_ins(program: Any, calls: list[ApiCall], function_calls:
     return (FunctionStandIns(stand_ins) if stand_ins else None), refused
 
 
+# the argument whose number reaches the program through one call of the span, passed on as that
+# call would pass it (a max norm that follows a schedule): clip_grad_norm_'s `max_norm`, as
+# `max_norm / (total_norm + 1e-6)` after `max_norm = float(max_norm)`
+_PASSED_NUMBERS = {"clip_grad_norm_": (1, "__rdiv__")}
+
+
 def _answer(program: Any, calls: list[ApiCall], call: FunctionCall) -> Any:
-    """`answer(a, A, E, P)`: FAIL unless the arguments `a` (the parameters listed) are the recorded
-    ones and the span would dispatch what it did; else the recorded result. A gradient the span
-    reads first (api_replay._located_externals) is taken from where it is, as its call would."""
+    """`answer(a, A, E, P, S)`: FAIL unless the arguments `a` (the parameters listed) are the
+    recorded ones and the span would dispatch what it did; else the recorded result. A gradient the
+    span reads first (api_replay._located_externals) is taken from where it is, as its call would."""
     inner = calls[call.start:call.end]
-    lines = [*span_checks(program, inner), f"if len(a) != {len(call.args)}: return FAIL"]
+    lines = [*span_checks(program, inner, strict=True), f"if len(a) != {len(call.args)}: return FAIL"]
+    passed = _passed_number(program, inner, call)
     for i, template in enumerate(call.args):
-        lines += match_lines(f"a[{i}]", template, program)
+        if passed is not None and i == passed[0]:
+            stores = "".join(f"; S[{slot}] = v" for slot in passed[1])
+            lines += [f"v = a[{i}]", "if type(v) is not float and type(v) is not int: return FAIL", f"v = float(v){stores}"]
+        else:
+            lines += match_lines(f"a[{i}]", template, program)
     located = [c for c in inner if c.index in program.located.values()]
     if located:
         program.namespace["NO_TORCH_FUNCTION"] = torch._C.DisableTorchFunction
@@ -151,4 +164,21 @@ def _answer(program: Any, calls: list[ApiCall], call: FunctionCall) -> Any:
         for found in located:
             lines += [f"if not isinstance(g{found.index}, TENSOR): return FAIL", f"E[{found.result.key}] = g{found.index}"]
     lines.append(f"return {answer_expr(call.result, program)}")
-    return program._function(f"{call.answerable.name}_{call.start}", "a, A, E, P", lines)
+    return program._function(f"{call.answerable.name}_{call.start}", "a, A, E, P, S", lines)
+
+
+def _passed_number(program: Any, inner: list[ApiCall], call: FunctionCall) -> tuple[int, tuple] | None:
+    """(argument index, the program's scalar slots) for the argument _PASSED_NUMBERS names, when the
+    one call of the span it reaches passes it on to the program (api_replay.Numbers), else None:
+    the number is then compared as any argument."""
+    index, name = _PASSED_NUMBERS.get(call.answerable.name, (None, None))
+    reaching = [c for c in inner if c.kind is CallKind.COMPUTE and c.name.rsplit(".", 1)[-1] == name]
+    if index is None or len(reaching) != 1 or index >= len(call.args):
+        return None
+    recorded, target = call.args[index], reaching[0]
+    if type(recorded) not in (int, float) or len(target.args) < 2 or target.args[1] != float(recorded):
+        return None
+    slot = program._direct_slots(target).get(("arg", 1))
+    if slot is None:
+        return None
+    return index, (slot, *(program.backward_links or {}).get(slot, ()))

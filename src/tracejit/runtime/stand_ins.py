@@ -715,21 +715,63 @@ class _ForwardSource:
                 self.same(f"{d}.get({key!r})", value, f"{type(state.module()).__qualname__}.{key}")
 
 
-def span_checks(program: Any, inner: list[ApiCall]) -> list[str]:
+def span_checks(program: Any, inner: list[ApiCall], strict: bool = False) -> list[str]:
     """Lines that FAIL a span of calls answered whole where its calls would dispatch otherwise: under
     another autocast state, default dtype or set of attention kernels (the function may switch
-    them, unseen by the checker), or with one of the torch functions they called rebound since
-    (`F.gelu = mine`)."""
+    them, unseen by the checker), or with one of the torch functions or Tensor methods they called
+    rebound since (`F.gelu = mine`, `torch.Tensor.to = mine`). `strict`: a call of a function torch
+    does not hold under its name now (wrapped before the trace was noted, so the wrapper's Python
+    ran in the span) raises ValueError, the span is not answered whole."""
     if not inner:
         return []
     attention = next((c for c in inner if c.attention is not None), None)
     lines = [program.autocast_check(inner[0].autocast),
              *program.context_checks(replace(inner[0], attention=attention and attention.attention))]
-    bound = [f"{program.constant(names, 'ns')}.get({name!r}) is not {program.constant(c.func, 'fn')}"
-             for c in {id(c.func): c for c in inner}.values() for names, name in torch_names(c.func)]
+    bound, operators = [], False
+    for call in {id(c.func): c for c in inner if type(c.func) is not _DESCRIPTOR_METHOD}.values():
+        places = torch_names(call.func)
+        bound += [f"{program.constant(names, 'ns')}.get({name!r}) is not {program.constant(call.func, 'fn')}"
+                  for names, name in places]
+        method = tensor_method(call.func)
+        if method is not None:
+            program.namespace.setdefault("TENSOR_CLASS", torch.Tensor)
+            bound.append(f"TENSOR_CLASS.{method} is not {program.constant(call.func, 'fn')}")
+            operators = True
+        elif strict and not places and call.kind in (CallKind.COMPUTE, CallKind.VIRTUAL):
+            raise ValueError(f"it calls {call.name}, which torch does not hold under that name now")
+    if operators:
+        # `a + b` reaches the checker as Tensor.add, `k / t` as Tensor.__rdiv__: the operator's own
+        # binding on torch.Tensor (`torch.Tensor.__add__ = mine`) is what Python calls
+        if strict and _FOREIGN_OPERATORS:
+            raise ValueError(f"torch.Tensor.{_FOREIGN_OPERATORS[0]} is not torch's")
+        program.namespace.setdefault("TENSOR_DICT_GET", vars(torch.Tensor).get)
+        program.namespace.setdefault("OPERATOR_NAMES", _OPERATOR_NAMES)
+        program.namespace.setdefault("OPERATORS", _OPERATORS)
+        bound.append("tuple(map(TENSOR_DICT_GET, OPERATOR_NAMES)) != OPERATORS")
     if bound:
         lines.append(f"if {' or '.join(bound)}: return FAIL")
     return lines
+
+
+_OPERATOR_NAMES = tuple(f"__{name}__" for stem in (
+    "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift")
+    for name in (stem, f"r{stem}", f"i{stem}")) + tuple(f"__{name}__" for name in (
+        "neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "eq", "ne", "getitem", "setitem"))
+_OPERATORS = tuple(map(vars(torch.Tensor).get, _OPERATOR_NAMES))  # as torch defines them (None: TensorBase's)
+_FOREIGN_OPERATORS = [name for name, op in zip(_OPERATOR_NAMES, _OPERATORS, strict=True)
+                      if op is not None and getattr(op, "__objclass__", None) is not torch._C.TensorBase
+                      and not (getattr(op, "__module__", None) or "").startswith("torch")]
+
+
+_DESCRIPTOR_METHOD = type(torch.Tensor.grad.__get__)  # `p.grad` reaches the checker as the property's __get__
+
+
+def tensor_method(function: Any) -> str | None:
+    """The name under which torch.Tensor holds `function` now, if it is one of its methods."""
+    name = getattr(function, "__name__", None)
+    if isinstance(name, str) and name.isidentifier() and getattr(torch.Tensor, name, None) is function:
+        return name
+    return None
 
 
 def identity_checks(mapping: str, values: dict, constant: Callable[[Any, str], str]) -> str:
