@@ -47,13 +47,14 @@ def clip_value(model):
 CLIPS = [clip_norm_generator, clip_norm_imported_list, clip_norm_without_foreach, clip_norm_one_tensor, clip_value]
 
 
-def step_with(clip):
-    def step(x, y, *, model, opt):
+def step_with(clip, set_to_none=True):
+    """A training step clipping with `clip(model, **keywords)` between backward and the step."""
+    def step(x, y, *, model, opt, **keywords):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        norm = clip(model)
+        norm = clip(model, **keywords)
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         return loss, norm
     return step
 
@@ -68,6 +69,14 @@ def run(traced, step, pairs, steps, extra=None, start=0):
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (i, g, w)
         assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+
+
+def traced_after(step, steps, pairs=None):
+    """The step traced (backend="aten") and run `steps` times against eager twins: (traced, pairs)."""
+    pairs = pairs or pair()
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, step, pairs, steps)
+    return traced, pairs
 
 
 def same_or_loud(traced, step, pairs, i, **keywords):
@@ -93,9 +102,7 @@ def torchs_own():
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda f: f.__name__)
 def test_a_clipped_step_is_answered_whole_and_matches_eager(clip):
     step = step_with(clip)
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 6)
+    traced, pairs = traced_after(step, 6)
     stats = traced.stats
     assert stats.records == 1 and stats.api_fallbacks == 0 and stats.api_replays >= 3, stats
     assert stats.function_stand_ins == stats.api_replays  # one clipping call each
@@ -117,14 +124,7 @@ def test_the_compiled_backend_clips_as_eager_does():
 
 
 def test_a_new_max_norm_is_passed_on_to_the_program():
-    def step(x, y, *, model, opt, max_norm=0.5):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-        return loss, norm
-
+    step = step_with(lambda model, max_norm=0.5: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     pairs = pair()
     traced = tracejit.trace(step, backend="aten")
     numbers = {i: {"max_norm": n} for i, n in enumerate([0.5, 0.5, 0.5, 0.5, 0.05, 0.01, 0.5, 2.0])}
@@ -135,18 +135,12 @@ def test_a_new_max_norm_is_passed_on_to_the_program():
 
 
 def test_another_parameter_list_is_not_answered_with_the_recorded_one():
-    def step(x, y, *, model, opt, head_only=False):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+    def clip(model, head_only=False):
         params = list(model.net[4].parameters()) if head_only else list(model.parameters())
-        norm = torch.nn.utils.clip_grad_norm_(params, 0.01)
-        opt.step()
-        opt.zero_grad()
-        return loss, norm
+        return torch.nn.utils.clip_grad_norm_(params, 0.01)
 
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 5)
+    step = step_with(clip)
+    traced, pairs = traced_after(step, 5)
     answered = traced.stats.function_stand_ins
     assert answered >= 2
     same_or_loud(traced, step, pairs, 5, head_only=True)
@@ -155,9 +149,7 @@ def test_another_parameter_list_is_not_answered_with_the_recorded_one():
 
 def test_a_patched_helper_turns_the_stand_in_off(monkeypatch):
     step = step_with(clip_norm_generator)
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 5)
+    traced, pairs = traced_after(step, 5)
     answered = traced.stats.function_stand_ins
     assert answered >= 2
     real = clip_grad._get_total_norm
@@ -171,35 +163,20 @@ def test_a_patched_helper_turns_the_stand_in_off(monkeypatch):
 
 
 def test_autocast_entered_around_the_clip_inside_the_function_is_not_answered_as_recorded():
-    def step(x, y, *, model, opt, under_autocast=False):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+    def clip(model, under_autocast=False):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        return loss, norm
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
 
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 4)
+    step = step_with(clip)
+    traced, pairs = traced_after(step, 4)
     answered = traced.stats.function_stand_ins
     same_or_loud(traced, step, pairs, 7, under_autocast=True)
     assert traced.stats.function_stand_ins == answered
 
 
 def test_a_nonfinite_check_reads_the_norm_and_runs_torchs_function():
-    def step(x, y, *, model, opt):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, error_if_nonfinite=True)
-        opt.step()
-        opt.zero_grad()
-        return loss, norm
-
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 5)
+    step = step_with(lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, error_if_nonfinite=True))
+    traced, pairs = traced_after(step, 5)
     assert traced.stats.function_stand_ins == 0 and traced.stats.api_replays >= 2
     refused = traced._fast_api.api.stand_ins_refused
     assert any(k.startswith("clip_grad_norm_()") and "reads a tensor on the host" in v for k, v in refused.items())
@@ -208,17 +185,8 @@ def test_a_nonfinite_check_reads_the_norm_and_runs_torchs_function():
 def test_gradients_accumulated_across_calls_are_clipped_where_they_are():
     # zero_grad(set_to_none=False) at the end: the gradients live on between calls, and the clip's
     # `p.grad` reads are the first of each call
-    def step(x, y, *, model, opt):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        return loss, norm
-
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 6)
+    step = step_with(clip_norm_generator, set_to_none=False)
+    traced, pairs = traced_after(step, 6)
     assert traced.stats.function_stand_ins >= 3 and traced.stats.api_fallbacks == 0
 
 
@@ -255,9 +223,7 @@ def test_the_norm_read_on_the_host_after_the_clip_is_this_calls():
 
 def test_torchs_function_is_back_after_every_call_and_after_a_raising_one():
     step = step_with(clip_norm_generator)
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 4)
+    traced, pairs = traced_after(step, 4)
     assert torchs_own()
 
     def failing(x, y, *, model, opt):
@@ -319,9 +285,7 @@ def test_a_module_parameter_replaced_between_calls_is_not_answered_with_the_old_
 ], ids=["filter", "generator_reading_grads", "dict_values"])
 def test_parameters_from_any_iterable_are_listed_as_torch_lists_them(params):
     step = step_with(lambda model: torch.nn.utils.clip_grad_norm_(params(model), 0.5))
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 6)
+    traced, pairs = traced_after(step, 6)
     assert traced.stats.function_stand_ins == traced.stats.api_replays >= 3
 
 
@@ -336,9 +300,7 @@ def test_a_torch_function_wrapped_before_the_trace_keeps_the_clip_checked_call_b
 
     monkeypatch.setattr(torch, "_foreach_norm", scaled_norm)
     step = step_with(clip_norm_generator)
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 5)
+    traced, pairs = traced_after(step, 5)
     scale["value"] = 4.0
     run(traced, step, pairs, 3, start=5)  # the scale is a number passed on to the program's mul
     assert traced.stats.function_stand_ins == 0 and traced.stats.api_replays >= 5
@@ -367,9 +329,7 @@ def test_a_tensor_operator_patched_after_the_trace_turns_the_stand_in_off(monkey
     # `total_norm + 1e-6` reaches the checker as Tensor.add and `max_norm / t` as Tensor.__rdiv__;
     # Python calls the operator's own binding
     step = step_with(clip_norm_generator)
-    pairs = pair()
-    traced = tracejit.trace(step, backend="aten")
-    run(traced, step, pairs, 5)
+    traced, pairs = traced_after(step, 5)
     answered = traced.stats.function_stand_ins
     real = getattr(torch.Tensor, operator)
     monkeypatch.setattr(torch.Tensor, operator, lambda a, b: real(a, b * 1000 if operator == "__add__" else b * 0.1))
