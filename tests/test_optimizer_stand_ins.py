@@ -197,13 +197,33 @@ def test_a_subclass_or_a_replaced_step_runs_as_written():
 
 
 def test_host_reads_without_a_formula_keep_the_real_step():
-    # Adagrad reads its step count too, but tracejit does not compute its numbers: its step() runs
-    pairs = [(model, torch.optim.Adagrad(model.parameters(), lr=0.1)) for model in pair_of_models()]
+    # NAdam reads its step count too, but tracejit does not compute its numbers: its step() runs
+    pairs = [(model, torch.optim.NAdam(model.parameters(), lr=0.1)) for model in pair_of_models()]
     traced = tracejit.trace(step, backend="aten")
     run(traced, pairs, 6)
     entry = traced._entries()[0]
-    assert any("does not compute Adagrad" in why for why in entry.api.stand_ins_refused.values())
+    assert any("does not compute NAdam" in why for why in entry.api.stand_ins_refused.values())
     assert stood_in(traced) == traced.stats.api_replays > 0  # zero_grad() only
+
+
+HOST_READING = {  # torch's CPU defaults read each step count with .item(): numbers computed by tracejit
+    "adagrad_loop": lambda p: torch.optim.Adagrad(p, lr=0.1, foreach=False, lr_decay=0.01, weight_decay=0.01),
+    "adagrad_foreach": lambda p: torch.optim.Adagrad(p, lr=0.1, foreach=True, lr_decay=0.01),
+    "adagrad_foreach_maximize": lambda p: torch.optim.Adagrad(p, lr=0.1, foreach=True, maximize=True, weight_decay=0.1),
+    "adamax_loop": lambda p: torch.optim.Adamax(p, lr=0.05, foreach=False, weight_decay=0.01),
+    "adamax_foreach": lambda p: torch.optim.Adamax(p, lr=0.05, foreach=True, betas=(0.8, 0.99)),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_READING))
+def test_adagrad_and_adamax_steps_are_answered_with_their_numbers_under_a_schedule(name):
+    pairs = [(model, HOST_READING[name](model.parameters())) for model in pair_of_models()]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1 / (1 + epoch)) for _, opt in pairs]
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, pairs, 10, between=lambda i: [s.step() for s in schedules])
+    stats = traced.stats
+    assert stats.api_fallbacks == 0 and stats.api_replays >= 6, stats
+    assert stood_in(traced) == 2 * stats.api_replays  # step() and zero_grad() of every API-level call
 
 
 def test_numbers_of_parameters_in_two_dtypes_are_not_guessed():

@@ -1,13 +1,15 @@
-"""The numbers torch.optim's Adam and AdamW pass to their ops when they read `step` on the host.
+"""The numbers torch.optim's Adam, AdamW, Adagrad and Adamax pass to their ops when they read
+`step` on the host.
 
 Without `fused=True` or `capturable=True` (torch's default on the CPU), Adam reads each parameter's
 step count with `.item()` and computes the bias corrections and the step size in Python, then
-passes them to its ops as numbers. A stand-in for such a `step()` (runtime/stand_ins.py) must pass
-the same numbers: these functions compute every number of one param group's update, in the order
-its ops take them, with the formulas of torch.optim.adam (`_single_tensor_adam`,
-`_multi_tensor_adam`). A stand-in uses one only after it gave, bit for bit, every number the
-record holds for the update it stands for; another torch version with other formulas is then a
-real step, never other numbers.
+passes them to its ops as numbers (Adagrad its decayed learning rate, Adamax its bias-corrected
+one). A stand-in for such a `step()` (runtime/stand_ins.py) must pass the same numbers: these
+functions compute every number of one param group's update, in the order its ops take them,
+with the formulas of torch.optim.adam (`_single_tensor_adam`, `_multi_tensor_adam`) and their
+counterparts in torch.optim.adagrad and torch.optim.adamax. A stand-in uses one only after it
+gave, bit for bit, every number the record holds for the update it stands for; another torch
+version with other formulas is then a real step, never other numbers.
 """
 
 from __future__ import annotations
@@ -49,12 +51,68 @@ def multi_tensor_adam(group: dict, steps: list[float], decoupled: bool) -> list:
     return numbers
 
 
+def single_tensor_adagrad(group: dict, steps: list[float], decoupled: bool) -> list:
+    """`_single_tensor_adagrad` on dense gradients: per parameter, in order."""
+    lr, lr_decay, eps, weight_decay = group["lr"], group["lr_decay"], group["eps"], group["weight_decay"]
+    numbers: list = []
+    for step in steps:
+        numbers.append(1)  # step_t += 1
+        if weight_decay != 0:
+            numbers.append(weight_decay)  # grad.add(param, alpha=...)
+        clr = lr / (1 + (step - 1) * lr_decay)
+        numbers += [eps, -clr]  # std.add_(eps), param.addcdiv_(grad, std, value=-clr)
+    return numbers
+
+
+def multi_tensor_adagrad(group: dict, steps: list[float], decoupled: bool) -> list:
+    """`_multi_tensor_adagrad` on dense gradients, the parameters of one device and dtype."""
+    lr, lr_decay, eps, weight_decay = group["lr"], group["lr_decay"], group["eps"], group["weight_decay"]
+    numbers: list = [1.0]  # _foreach_add_(steps, tensor(1.0), alpha=1.0)
+    if weight_decay != 0:
+        numbers.append(weight_decay)
+    numbers.append(eps)  # _foreach_add_(std, eps)
+    numbers += [-lr / (1 + (step - 1) * lr_decay) for step in steps]  # _foreach_mul(grads, minus_clr)
+    return numbers
+
+
+def single_tensor_adamax(group: dict, steps: list[float], decoupled: bool) -> list:
+    """`_single_tensor_adamax`, capturable=False: per parameter, in order."""
+    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    numbers: list = []
+    for step in steps:
+        numbers.append(1)  # step_t += 1
+        if weight_decay != 0:
+            numbers.append(weight_decay)
+        clr = lr / (1 - beta1**step)
+        numbers += [1 - beta1, beta2, eps, -clr]  # lerp_, mul_, add_, addcdiv_
+    return numbers
+
+
+def multi_tensor_adamax(group: dict, steps: list[float], decoupled: bool) -> list:
+    """`_multi_tensor_adamax`, capturable=False, the parameters of one device and dtype."""
+    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    numbers: list = [1.0]
+    if weight_decay != 0:
+        numbers.append(weight_decay)
+    numbers += [1 - beta1, beta2, eps]  # _foreach_lerp_, _foreach_mul_, _foreach_add_
+    numbers += [(lr / (1 - beta1**step)) * -1 for step in steps]  # _foreach_addcdiv_
+    return numbers
+
+
 Model = Callable[[dict, list, bool], list]
 MODELS: dict[type, list[Model]] = {
     torch.optim.Adam: [single_tensor_adam, multi_tensor_adam],
     torch.optim.AdamW: [single_tensor_adam, multi_tensor_adam],
+    torch.optim.Adagrad: [single_tensor_adagrad, multi_tensor_adagrad],
+    torch.optim.Adamax: [single_tensor_adamax, multi_tensor_adamax],
 }
-SETTINGS = ("lr", "betas", "eps", "weight_decay")  # what the numbers are computed from
+# what each optimizer's numbers are computed from (its other settings are compared by value)
+SETTINGS: dict[type, tuple[str, ...]] = {
+    torch.optim.Adam: ("lr", "betas", "eps", "weight_decay"),
+    torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"),
+    torch.optim.Adagrad: ("lr", "lr_decay", "eps", "weight_decay"),
+    torch.optim.Adamax: ("lr", "betas", "eps", "weight_decay"),
+}
 
 
 def decoupled(group: dict, optimizer_class: type) -> bool:

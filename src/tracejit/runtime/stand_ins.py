@@ -290,7 +290,7 @@ class _CheckSource:
             if any(inner.kind is CallKind.HOST_READ for inner in calls[call.start:call.end]):
                 fill = self._host_read_numbers(call, calls, snapshot)
                 self.namespace["FILL"] = fill
-                computed, bindings = SETTINGS, {}
+                computed, bindings = SETTINGS[snapshot.optimizer_class], {}
             else:
                 bindings = self._bindings(call, calls, snapshot, objects)
         else:
