@@ -166,11 +166,13 @@ class GeneratorWatch:
         return result
 
     def end(self) -> None:
-        if self.state is not None and not torch.equal(torch.default_generator.get_state(), self.state):
-            self.found.append(("the generator's state set after the call's last random op", self.position() + 1))
-        for generator, state in self.others.values():
-            if not torch.equal(generator.get_state(), state):
-                self.found.append(("the state of a torch.Generator set after its last random op", self.position() + 1))
+        with _disable_current_modes():  # tracejit's comparison, no op (nor host read) of the call
+            if self.state is not None and not torch.equal(torch.default_generator.get_state(), self.state):
+                self.found.append(("the generator's state set after the call's last random op", self.position() + 1))
+            for generator, state in self.others.values():
+                if not torch.equal(generator.get_state(), state):
+                    self.found.append(("the state of a torch.Generator set after its last random op",
+                                       self.position() + 1))
         self.others.clear()
 
 

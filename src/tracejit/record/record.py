@@ -227,6 +227,9 @@ class Record:
     ops: list[OpRecord]
     output: OutputSpec
     host_reads: list[HostRead] = field(default_factory=list)
+    # host reads of tensors no op of the call had used (a buffer, a global, `max_norm` held as a
+    # tensor): their data is real when the function runs, frozen without it (handle -1)
+    outside_reads: list[HostRead] = field(default_factory=list)
     hidden_reads: list[HiddenRead] = field(default_factory=list)
     excluded_blocks: list[ExcludedBlock] = field(default_factory=list)
     # Tensors the record must hold to be replayable: captured constants (with the version
@@ -256,6 +259,10 @@ class Record:
     # (ops before it, handle): a `.grad` set to None by Python (`opt.zero_grad()`), which no op shows;
     # a program that raises after that point clears it too (runtime/hostfree.py)
     grad_clears: tuple[tuple[int, int], ...] = ()
+    # weak references to the tensors no op of the call used whose `.grad` the call set to None and
+    # left None (`opt.zero_grad()` over the unused head of a multi-task model): a call without the
+    # function sets them too, after its program (runtime/hostfree.py)
+    outside_grad_clears: tuple = ()
 
     def info(self, handle: int) -> TensorInfo:
         return self.tensors[handle]

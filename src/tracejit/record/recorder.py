@@ -86,6 +86,7 @@ class Recorder:
         self.ops: list[OpRecord] = []
         self.handles = HandleMap()
         self.host_reads: list[HostRead] = []
+        self.outside_reads: list[HostRead] = []
         self.hidden_reads: list[HiddenRead] = []
         self.excluded_blocks: list[ExcludedBlock] = []
         # (ops before it, the tensor whose `.grad` Python set to None: its handle, or a weak
@@ -168,6 +169,7 @@ class Recorder:
         handles.drop_from(first_dropped)
         recorder.handles = handles
         recorder.host_reads = [r for r in record.host_reads if r.position <= position]
+        recorder.outside_reads = [r for r in record.outside_reads if r.position <= position]
         recorder.hidden_reads = [r for r in record.hidden_reads if r.position <= position]
         recorder.excluded_blocks = [b for b in record.excluded_blocks if b.position <= position]
         recorder.grad_clears = list(grad_clears) if grad_clears is not None else [
@@ -318,8 +320,9 @@ class Recorder:
 
     def _on_host_read(self, tensor: torch.Tensor, what: str) -> None:
         handle = self.handles.get(tensor)
-        if handle is None:
-            return  # a tensor from outside the trace: its data is real
+        if handle is None:  # a tensor from outside the trace: its data is real, but only with the function
+            self.outside_reads.append(HostRead(len(self.ops), -1, what, user_location()))
+            return
         flag = Flag.DATA_READ if what in ("numpy()", "numpy.asarray()", "tolist()", "repr()") else Flag.VALUE_READ
         self.tensors[handle].flags |= flag
         if in_grad_scaler():
@@ -457,6 +460,7 @@ class Recorder:
             ops=self.ops,
             output=output,
             host_reads=self.host_reads,
+            outside_reads=self.outside_reads,
             hidden_reads=self.hidden_reads,
             excluded_blocks=self.excluded_blocks,
             constants=self.constants,
@@ -467,6 +471,7 @@ class Recorder:
             rerecorded=self.rerecorded,
             inference_mode=self.inference_mode,
             grad_clears=resolve_grad_clears(self.grad_clears, self.handles),
+            outside_grad_clears=outside_grad_clears(self.grad_clears, self.handles),
         )
         held = autograd_saved(result) | self.held_storages()
         mark_escapes(record, self.handles, held, self.storages, _storages_of(result))
@@ -496,6 +501,20 @@ def resolve_grad_clears(clears: list[tuple[int, int | weakref.ref]], handles: Ha
         if tensor is not None:
             resolved.append((position, tensor))
     return tuple(resolved)
+
+
+def outside_grad_clears(clears: list[tuple[int, int | weakref.ref]], handles: HandleMap) -> tuple:
+    """The tensors without a handle (no op of the call used them) whose `.grad` the call cleared
+    and that end the call with none: a later `p.grad = t` of the call's own leaves it set."""
+    found: dict[int, weakref.ref] = {}
+    for _, tensor in clears:
+        obj = tensor() if isinstance(tensor, weakref.ref) else None
+        if obj is not None and handles.get(obj) is None and _GRAD_OF(obj) is None:
+            found.setdefault(id(obj), tensor)
+    return tuple(found.values())
+
+
+_GRAD_OF = torch._C.TensorBase.grad.__get__  # past any hook or mode: not a read of the function's
 
 
 def mark_escapes(record: Record, handles: HandleMap, saved_for_backward: set[int] = frozenset(),

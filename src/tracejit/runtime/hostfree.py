@@ -102,6 +102,16 @@ def refuse_host_dependencies(record: Record) -> None:
             f"the call); pass changing values as tensors; for torch.optim use fused=True (Adam/AdamW "
             f"read step.item() otherwise) or capturable=True; or trace without without_host."
         )
+    if record.outside_reads:
+        lines = "\n".join(f"    {r.what} of a tensor no op of the call had used at {r.source}: {r.source.code}"
+                          for r in record.outside_reads[:5])
+        raise HostDependencyError(
+            f"without_host=True cannot skip {record.function_name}(): the traced call reads on the host the value "
+            f"of tensors it finds (a buffer, a global, an attribute), and without the function that value would be "
+            f"frozen at the one it read when the trace was recorded:\n{lines}\n"
+            f"Remedies: read such values outside the traced function and pass them as arguments, use the tensor "
+            f"in ops instead of reading it (torch.where rather than `if t:`), or trace without without_host."
+        )
     if record.hidden_reads:
         lines = "\n".join(f"    {r.describe()}: {r.source.code}" for r in record.hidden_reads[:5])
         raise HostDependencyError(
@@ -445,7 +455,7 @@ class HostFreeRunner:
                  gradient_state: Callable[[dict], tuple] = gradient_state):
         # A checked call at the API level runs the function: its host reads are computed when they
         # happen (runtime/api_replay.py) and the numbers they lead to reach the program as `S`.
-        refuse_host_dependencies(replace(record, host_reads=[]) if checked else record)
+        refuse_host_dependencies(replace(record, host_reads=[], outside_reads=[]) if checked else record)
         self.checked = checked
         self.record = record
         self.program = program
@@ -1251,6 +1261,8 @@ class HostFreeRunner:
         body = self._grad_mode_views(objects)
         body += [line for _, lines in self.stores for line in lines]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
+        for ref in self.record.outside_grad_clears:  # parameters the call cleared but no op of it used
+            body += [f"o = {src.constant(ref, 'r')}()", "if o is not None: o.grad = None"]
         body += self._bucket_gradients(kwargs, written, src)
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
         # no_sync() say (`_post_forward`): whether the next forward broadcasts the buffers. The
