@@ -321,7 +321,9 @@ class Recorder:
     def _on_host_read(self, tensor: torch.Tensor, what: str) -> None:
         handle = self.handles.get(tensor)
         if handle is None:  # a tensor from outside the trace: its data is real, but only with the function
-            self.outside_reads.append(HostRead(len(self.ops), -1, what, user_location()))
+            locator = self.names.locator_of(tensor) if self.names is not None else None
+            if locator is None or locator.group is None:  # a param group's setting is bound where it is
+                self.outside_reads.append(HostRead(len(self.ops), -1, what, user_location()))
             return
         flag = Flag.DATA_READ if what in ("numpy()", "numpy.asarray()", "tolist()", "repr()") else Flag.VALUE_READ
         self.tensors[handle].flags |= flag
