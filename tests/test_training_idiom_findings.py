@@ -150,3 +150,70 @@ def test_a_gradient_the_call_sets_again_after_clearing_it_stays_set():
                            step(x, y, model=model_a, opt=opt_a, task_b=task_b)), i
         for (name, a), b in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
             assert (a.grad is None) == (b.grad is None), (i, name)
+
+
+def zero_grad_first_step(x, y, *, model, opt):
+    opt.zero_grad()  # before the forward, whose cross_entropy raises on a label out of range
+    loss = F.cross_entropy(model["h1"](torch.relu(model["body"](x))), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("without_host", [False, True], ids=["checked", "without_host"])
+def test_a_program_that_raises_after_zero_grad_leaves_the_unused_head_cleared(without_host):
+    # review 41 F3: the clear of a parameter no op used happens before the op that raises
+    (model_a, opt_a), (model_b, opt_b) = multi_task(), multi_task()
+    traced = tracejit.trace(zero_grad_first_step, backend="aten", without_host=without_host)
+    batches = data(7)
+
+    def head_b_has_a_gradient():
+        for model in (model_a, model_b):
+            model["h2"].weight.grad = torch.ones_like(model["h2"].weight)
+
+    for i, (x, y) in enumerate(batches[:6]):
+        head_b_has_a_gradient()
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), zero_grad_first_step(x, y, model=model_a, opt=opt_a)), i
+    served = traced.stats.host_free_calls if without_host else traced.stats.api_replays
+    assert served >= 2, traced.stats
+    x, y = batches[6]
+    bad = y.clone()
+    bad[0] = 7
+    head_b_has_a_gradient()
+    with pytest.raises(IndexError):
+        zero_grad_first_step(x, bad, model=model_a, opt=opt_a)
+    with pytest.raises(IndexError):
+        traced(x, bad, model=model_b, opt=opt_b)
+    assert model_a["h2"].weight.grad is None
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), name
+
+
+def test_tensor_betas_of_an_optimizer_found_through_a_namespace_run_without_the_host():
+    # review 41 F1: fused Adam reads its tensor betas on the host inside step(); they are bound where
+    # they are however the function reaches the optimizer (here a SimpleNamespace tracejit does not walk)
+    import types
+
+    def make_holder():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(torch.tensor(0.9), torch.tensor(0.99)),
+                               fused=True)
+        return types.SimpleNamespace(inner=types.SimpleNamespace(model=model, opt=opt))
+
+    def step(x, y, *, root):
+        model, opt = root.inner.model, root.inner.opt
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    holder_a, holder_b = make_holder(), make_holder()
+    traced = tracejit.trace(step, backend="aten", without_host=True)
+    for i, (x, y) in enumerate(data(8)):
+        if i == 5:
+            for holder in (holder_a, holder_b):
+                holder.inner.opt.param_groups[0]["betas"][0].fill_(0.8)
+        assert torch.equal(traced(x, y, root=holder_b), step(x, y, root=holder_a)), i
+    assert traced.stats.host_free_calls >= 4, traced.stats

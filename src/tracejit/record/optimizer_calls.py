@@ -124,5 +124,27 @@ def _method_call(kind: str, index: int) -> OptimizerCall | None:
     return OptimizerCall(kind, weakref.ref(optimizer), index, arguments, refused=refused, snapshot=snapshot)
 
 
+def setting_read_by_step(tensor: torch.Tensor, depth: int = 48) -> bool:
+    """Whether a host read of `tensor` is torch.optim's own step() reading a tensor setting of its
+    param groups (fused Adam takes tensor betas as numbers): the program binds such a setting where
+    it is, on every call (runtime/optimizer_settings.py). The step's frame is looked for above the
+    read, as `_method_call` looks for it above a profiler range."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is _STEP_WRAPPER:
+            break
+        frame = frame.f_back
+    else:
+        return False
+    args = frame.f_locals.get("args", ())
+    optimizer = args[0] if args else None
+    if not isinstance(optimizer, Optimizer) or not is_stock(optimizer):
+        return False  # a user's step() may read it for anything
+    return any(value is tensor or (type(value) is tuple and any(item is tensor for item in value))
+               for group in optimizer.param_groups for key, value in group.items() if key != "params")
+
+
 # () -> bool: a profiler that records ranges is on (a method's own ranges must appear in its trace)
 profiler_enabled = torch._C._autograd._profiler_enabled

@@ -259,9 +259,10 @@ class Record:
     # (ops before it, handle): a `.grad` set to None by Python (`opt.zero_grad()`), which no op shows;
     # a program that raises after that point clears it too (runtime/hostfree.py)
     grad_clears: tuple[tuple[int, int], ...] = ()
-    # weak references to the tensors no op of the call used whose `.grad` the call set to None and
-    # left None (`opt.zero_grad()` over the unused head of a multi-task model): a call without the
-    # function sets them too, after its program (runtime/hostfree.py)
+    # (ops before the clear, weak reference) of the tensors no op of the call used whose `.grad` the
+    # call set to None and left None (`opt.zero_grad()` over the unused head of a multi-task model):
+    # a call without the function sets them too, after its program or where it raises
+    # (runtime/hostfree.py)
     outside_grad_clears: tuple = ()
 
     def info(self, handle: int) -> TensorInfo:

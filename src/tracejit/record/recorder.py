@@ -21,6 +21,7 @@ from .calls import (
 )
 from .handles import HandleMap
 from .names import ExternalNames, is_lazy
+from .optimizer_calls import setting_read_by_step
 from .ranks import agree_on_collectives
 from .record import (
     ExcludedBlock,
@@ -321,8 +322,7 @@ class Recorder:
     def _on_host_read(self, tensor: torch.Tensor, what: str) -> None:
         handle = self.handles.get(tensor)
         if handle is None:  # a tensor from outside the trace: its data is real, but only with the function
-            locator = self.names.locator_of(tensor) if self.names is not None else None
-            if locator is None or locator.group is None:  # a param group's setting is bound where it is
+            if not setting_read_by_step(tensor):
                 self.outside_reads.append(HostRead(len(self.ops), -1, what, user_location()))
             return
         flag = Flag.DATA_READ if what in ("numpy()", "numpy.asarray()", "tolist()", "repr()") else Flag.VALUE_READ
@@ -506,13 +506,14 @@ def resolve_grad_clears(clears: list[tuple[int, int | weakref.ref]], handles: Ha
 
 
 def outside_grad_clears(clears: list[tuple[int, int | weakref.ref]], handles: HandleMap) -> tuple:
-    """The tensors without a handle (no op of the call used them) whose `.grad` the call cleared
-    and that end the call with none: a later `p.grad = t` of the call's own leaves it set."""
-    found: dict[int, weakref.ref] = {}
-    for _, tensor in clears:
+    """(ops before the first clear, weak reference) of the tensors without a handle (no op of the
+    call used them) whose `.grad` the call cleared and that end the call with none: a later
+    `p.grad = t` of the call's own leaves it set."""
+    found: dict[int, tuple[int, weakref.ref]] = {}
+    for position, tensor in clears:
         obj = tensor() if isinstance(tensor, weakref.ref) else None
         if obj is not None and handles.get(obj) is None and _GRAD_OF(obj) is None:
-            found.setdefault(id(obj), tensor)
+            found.setdefault(id(obj), (position, tensor))
     return tuple(found.values())
 
 

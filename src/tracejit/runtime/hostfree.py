@@ -1261,7 +1261,7 @@ class HostFreeRunner:
         body = self._grad_mode_views(objects)
         body += [line for _, lines in self.stores for line in lines]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
-        for ref in self.record.outside_grad_clears:  # parameters the call cleared but no op of it used
+        for _, ref in self.record.outside_grad_clears:  # parameters the call cleared but no op of it used
             body += [f"o = {src.constant(ref, 'r')}()", "if o is not None: o.grad = None"]
         body += self._bucket_gradients(kwargs, written, src)
         # DistributedDataParallel's forward leaves `require_forward_param_sync` as grad mode and
@@ -1380,6 +1380,8 @@ class FailureEffects:
             target = clear_target(handle, src)
             if target is not None:
                 effects.append(((position, 1), [f"if failed_op >= {position}: CLEAR_GRAD({target})"]))
+        for position, ref in record.outside_grad_clears:  # no op used them: found by reference
+            effects.append(((position, 1), [f"if failed_op >= {position}: CLEAR_GRAD({src.constant(ref, 'r')}())"]))
         for handle, lines in stores:
             if not lines:
                 continue
