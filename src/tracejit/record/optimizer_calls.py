@@ -96,16 +96,18 @@ class OptimizerCalls:
                 self.found.append(call)
 
 
-def _method_call(kind: str, index: int) -> OptimizerCall | None:
-    code = _STEP_WRAPPER if kind == STEP else _ZERO_GRAD
-    frame = sys._getframe(2)
-    for _ in range(_FRAMES):
-        if frame is None:
-            return None
-        if frame.f_code is code:
-            break
+def _frame_running(code: Any, frame: Any, depth: int) -> Any:
+    """The innermost of `depth` frames from `frame` outwards that runs `code`, or None."""
+    for _ in range(depth):
+        if frame is None or frame.f_code is code:
+            return frame
         frame = frame.f_back
-    else:
+    return None
+
+
+def _method_call(kind: str, index: int) -> OptimizerCall | None:
+    frame = _frame_running(_STEP_WRAPPER if kind == STEP else _ZERO_GRAD, sys._getframe(2), _FRAMES)
+    if frame is None:
         return None
     values = frame.f_locals
     if kind == STEP:
@@ -129,14 +131,8 @@ def setting_read_by_step(tensor: torch.Tensor, depth: int = 48) -> bool:
     param groups (fused Adam takes tensor betas as numbers): the program binds such a setting where
     it is, on every call (runtime/optimizer_settings.py). The step's frame is looked for above the
     read, as `_method_call` looks for it above a profiler range."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code is _STEP_WRAPPER:
-            break
-        frame = frame.f_back
-    else:
+    frame = _frame_running(_STEP_WRAPPER, sys._getframe(1), depth)
+    if frame is None:
         return False
     args = frame.f_locals.get("args", ())
     optimizer = args[0] if args else None
