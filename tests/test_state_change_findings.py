@@ -119,19 +119,14 @@ def test_module_settings_of_every_immutable_kind_are_compared(change, without_ho
     torch.manual_seed(0)
     model = Settings()
     traced = tracejit.trace(infer, without_host=without_host, backend="aten")
-    x = torch.randn(4, 5)
-    for i in range(5):
-        if i == 3:
-            if change == "unflatten":
-                model.unflatten.unflattened_size = new
-            else:
-                setattr(model, change, new)
-        try:
-            got = traced(x, model=model)
-        except tracejit.TraceMismatchError:
-            continue
-        want = infer(x, model=model)
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), i
+
+    def apply():
+        if change == "unflatten":
+            model.unflatten.unflattened_size = new
+        else:
+            setattr(model, change, new)
+
+    infer_around_a_change(traced, torch.randn(4, 5), model, apply, calls=5, same_layout=True)
     assert traced.stats.host_free_calls if without_host else traced.stats.api_replays
 
 
@@ -302,6 +297,22 @@ def test_settings_an_accumulating_call_reads_are_compared_without_the_host():
 def infer(x, *, model):
     with torch.no_grad():
         return model(x)
+
+
+def infer_around_a_change(traced, x, model, change, calls, at=3, same_layout=False):
+    """Call `traced` `calls` times, `change()` before call `at`, comparing with eager after each call
+    that does not diverge loudly (a TraceMismatchError is the check that caught the change)."""
+    for i in range(calls):
+        if i == at:
+            change()
+        try:
+            got = traced(x, model=model)
+        except tracejit.TraceMismatchError:
+            continue
+        want = infer(x, model=model)
+        if same_layout:
+            assert got.dtype == want.dtype and got.shape == want.shape, i
+        assert torch.equal(got, want), i
 
 
 def test_a_parameterless_module_swapped_for_a_hooked_one_of_its_type_is_seen_without_the_host():
@@ -479,20 +490,16 @@ def test_list_and_dict_settings_of_a_module_are_compared_by_value_without_the_ho
     torch.manual_seed(0)
     model = Pick()
     traced = tracejit.trace(infer, without_host=True, backend="aten")
-    x = torch.randn(2, 4)
-    for i in range(6):
-        if i == 3:
-            if change == "rebind list":
-                model.keep = [1, 3]
-            elif change == "list in place":
-                model.keep[0] = 3
-            else:
-                model.cfg["scale"] = 5.0
-        try:
-            got = traced(x, model=model)
-        except tracejit.TraceMismatchError:
-            continue
-        assert torch.equal(got, infer(x, model=model)), i
+
+    def apply():
+        if change == "rebind list":
+            model.keep = [1, 3]
+        elif change == "list in place":
+            model.keep[0] = 3
+        else:
+            model.cfg["scale"] = 5.0
+
+    infer_around_a_change(traced, torch.randn(2, 4), model, apply, calls=6)
     assert traced.stats.host_free_calls >= 2
 
 
