@@ -38,7 +38,7 @@ from ..record.module_calls import CLASS_METHODS, ModuleCall, ModuleState, global
 from ..record.optimizer_calls import STEP, OptimizerCall, OptimizerSnapshot, profiler_enabled, step_hooks
 from ..record.own_hooks import any_foreign
 from .api_match import FAIL, answer_expr, match_lines, source_of
-from .optimizer_numbers import MODELS, SETTINGS, numbers, same_numbers
+from .optimizer_numbers import MODELS, READS, SETTINGS, numbers, same_numbers, step_count
 from .optimizer_settings import SettingBinding, find_bindings
 
 _MISSING = object()
@@ -199,21 +199,24 @@ class _Unsupported(Exception):
 _EXACT_COUNTS = 2.0**24  # float32 step counts stop counting past this
 
 
-def _step_counts(optimizer: Any, with_grad: list[list[bool]], groups: list[dict], increment: float) -> list[list[float]]:
-    """Per param group, the step count of each parameter with a gradient, plus `increment` (the
-    step about to happen), as step() reads it (`step_t.item()` after `step_t += 1`)."""
-    counts = []
+def _host_values(optimizer: Any, kind: type, with_grad: list[list[bool]], groups: list[dict],
+                 increment: float) -> list[list]:
+    """Per param group, what step() reads on the host of each parameter with a gradient (its step
+    count, plus `increment` for the step about to happen, as `step_t.item()` after `step_t += 1`;
+    and what READS names for optimizers of `kind`)."""
+    read = READS.get(kind, step_count)
+    values = []
     with torch._C.DisableTorchFunction():  # not a call of the traced function
         for group, flags in zip(groups, with_grad, strict=True):
             found = []
             for param, flag in zip(group["params"], flags, strict=True):
                 if flag:
-                    count = torch._C.TensorBase.item(optimizer.state[param]["step"]) + increment
-                    if count >= _EXACT_COUNTS:
+                    value = read(optimizer.state[param], group, increment)
+                    if (value[0] if type(value) is tuple else value) >= _EXACT_COUNTS:
                         raise ValueError("step count beyond exact float32 counting")
-                    found.append(count)
-            counts.append(found)
-    return counts
+                    found.append(value)
+            values.append(found)
+    return values
 
 
 class _CheckSource:
@@ -390,7 +393,7 @@ class _CheckSource:
             raise _Unsupported(f"it reads a tensor on the host, and tracejit does not compute "
                                f"{snapshot.optimizer_class.__qualname__}'s numbers")
         try:  # the counts after the noted call's increments: the ones its numbers came from
-            counts = _step_counts(optimizer, snapshot.with_grad, snapshot.param_groups, 0.0)
+            counts = _host_values(optimizer, snapshot.optimizer_class, snapshot.with_grad, snapshot.param_groups, 0.0)
         except (KeyError, TypeError) as error:
             raise _Unsupported(f"its step counts cannot be read ({error})") from None
         model = next((m for m in models if same_numbers(
@@ -402,7 +405,7 @@ class _CheckSource:
 
         def fill(optimizer: Any, scalars: list) -> bool:
             try:
-                counts = _step_counts(optimizer, with_grad, optimizer.param_groups, 1.0)
+                counts = _host_values(optimizer, kind, with_grad, optimizer.param_groups, 1.0)
             except (KeyError, TypeError, ValueError):
                 return False
             values = numbers(model, optimizer.param_groups, counts, kind)
