@@ -96,7 +96,7 @@ def same_or_loud(traced, step, pairs, i, **keywords):
 
 
 def torchs_own():
-    return all(a.cell.cell_contents is a.function for a in ANSWERABLE)
+    return all(a.held() is a.function for a in ANSWERABLE)
 
 
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda f: f.__name__)
@@ -369,3 +369,113 @@ def test_a_host_read_after_the_clip_reads_the_gradient_the_call_found():
         assert logs[0] == logs[1], i
         assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
     assert traced.stats.function_stand_ins >= 3
+
+
+# -- nn.Module.zero_grad ---------------------------------------------------------------------
+
+
+def module_zero_grad_step(where="start", set_to_none=True):
+    """A training step clearing the gradients with `model.zero_grad()` before the forward or after
+    the optimizer step."""
+    def step(x, y, *, model, opt):
+        if where == "start":
+            model.zero_grad(set_to_none=set_to_none)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if where == "end":
+            model.zero_grad(set_to_none)
+        return loss, loss.detach() * 2
+    return step
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_model_zero_grad_is_answered_whole_and_matches_eager(where):
+    step = module_zero_grad_step(where)
+    traced, pairs = traced_after(step, 8)  # the first call finds no gradients: a record of its own
+    stats = traced.stats
+    assert stats.api_fallbacks == 0 and stats.api_replays >= 3, stats
+    assert stats.function_stand_ins == stats.api_replays  # one zero_grad() each
+    assert torchs_own() and nn.Module.__dict__["zero_grad"] is ANSWERABLE[-1].function
+    if where == "end":
+        assert all(p.grad is None for p in pairs[1][0].parameters())
+
+
+def test_model_zero_grad_on_the_compiled_backend_matches_eager():
+    step = module_zero_grad_step()
+    pairs = pair(lambda p: torch.optim.Adam(p, lr=1e-2, fused=True))
+    traced = tracejit.trace(step, backend="c")
+    (model_a, opt_a), (model_b, opt_b) = pairs
+    for i in range(8):
+        x, y = batch("mlp", i)
+        got, want = traced(x, y, model=model_b, opt=opt_b), step(x, y, model=model_a, opt=opt_a)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=False)
+    assert traced.stats.function_stand_ins == traced.stats.api_replays >= 3
+
+
+def test_model_zero_grad_without_set_to_none_runs_for_real():
+    step = module_zero_grad_step(set_to_none=False)
+    traced, _ = traced_after(step, 8)
+    assert traced.stats.api_replays >= 3 and traced.stats.function_stand_ins == 0
+    assert any("set_to_none" in why for why in traced._entries()[-1].api.stand_ins_refused.values())
+
+
+def test_zero_grad_of_another_model_or_a_frozen_layer_is_not_the_recorded_one():
+    step = module_zero_grad_step()
+    traced, pairs = traced_after(step, 6)
+    answered = traced.stats.function_stand_ins
+    assert answered >= 2
+    # a layer frozen since: zero_grad() lists the same parameters and leaves its gradient None,
+    # the backward no longer makes one (another trace), and every call compares with eager
+    for model, _ in pairs:
+        model.net[0].weight.requires_grad_(False)
+        model.net[0].weight.grad = None
+    run(traced, step, pairs, 4, start=6)
+    # another model with the same layout: other parameters, so torch's zero_grad() runs
+    other = [(m, o) for m, o in pair()]
+    run(traced, step, other, 4, start=10)
+    assert torchs_own()
+
+
+def test_a_subclass_with_its_own_zero_grad_runs_it():
+    calls = []
+
+    class Counting(nn.Sequential):
+        def zero_grad(self, set_to_none=True):
+            calls.append(1)
+            super().zero_grad(set_to_none)
+
+    def make():
+        torch.manual_seed(0)
+        return Counting(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    models = [make(), make()]
+    pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in models]
+
+    def step(x, y, *, model, opt):
+        model.zero_grad()
+        loss = F.cross_entropy(model(x[:, :4]), y % 2)
+        loss.backward()
+        opt.step()
+        return loss, loss.detach()
+
+    traced = tracejit.trace(step, backend="aten")
+    run(traced, step, pairs, 8)
+    assert len(calls) == 16  # its Python ran on every call, traced and eager
+    assert traced.stats.api_replays >= 3
+
+
+def test_the_class_attribute_is_restored_when_the_function_raises():
+    step = module_zero_grad_step()
+    traced, pairs = traced_after(step, 4)
+
+    def failing(x, y, *, model, opt):
+        model.zero_grad()
+        raise KeyError("the user's error")
+
+    traced._function = failing
+    with pytest.raises(KeyError):
+        traced(*batch("mlp", 5), model=pairs[1][0], opt=pairs[1][1])
+    assert torchs_own() and nn.Module.__dict__["zero_grad"] is ANSWERABLE[-1].function

@@ -3,6 +3,7 @@ optimizer's state is the one recorded (runtime/stand_ins.py). Every test compare
 each step, bit for bit (backend="aten"), and reads `stats.optimizer_stand_ins` to tell a stand-in
 that answered from one that ran the real method."""
 
+import sys
 import warnings
 
 import pytest
@@ -196,15 +197,61 @@ def test_a_subclass_or_a_replaced_step_runs_as_written():
     assert stood_in(traced) == traced.stats.api_replays > 0  # zero_grad() only
 
 
-def test_host_reads_without_a_formula_keep_the_real_step():
-    # RAdam reads its step count too, but tracejit does not compute its numbers: its step() runs
-    # (5 steps: its rectification switches on at the sixth, which raises, see the guide)
-    pairs = [(model, torch.optim.RAdam(model.parameters(), lr=0.1)) for model in pair_of_models()]
+@pytest.mark.parametrize("foreach", [False, True])
+def test_radam_keeps_its_real_step_and_records_again_when_its_rectification_switches_on(foreach):
+    # RAdam reads its step count too, but tracejit does not compute its numbers: its step() runs.
+    # At step 6 its rectification switches on, another branch of torch's own step(): the call
+    # records again from there (replay.branching_step) and training goes on, bitwise with eager
+    pairs = [(model, torch.optim.RAdam(model.parameters(), lr=0.1, foreach=foreach)) for model in pair_of_models()]
     traced = tracejit.trace(step, backend="aten")
-    run(traced, pairs, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracejit.ReplayLevelWarning)  # the API level diverges at the switch
+        run(traced, pairs, 12)
     entry = traced._entries()[0]
     assert any("does not compute RAdam" in why for why in entry.api.stand_ins_refused.values())
-    assert stood_in(traced) == traced.stats.api_replays > 0  # zero_grad() only
+    # the second call records again, having made the state; the for-loop step switches branches at
+    # step 6 (the foreach one multiplies by a rectification of 0 before: the same ops)
+    switched = 0 if foreach else 1
+    assert traced.stats.rerecords == 1 + switched and traced.stats.api_fallbacks == switched, traced.stats
+    assert traced.stats.api_replays >= 7
+    assert stood_in(traced) == traced.stats.api_replays  # zero_grad() only
+
+
+def test_an_optimizer_branching_again_and_again_raises_once_its_rerecords_are_spent(monkeypatch):
+    monkeypatch.setattr(sys.modules["tracejit.trace"], "OPTIMIZER_BRANCHES", 0)
+    pairs = [(model, torch.optim.RAdam(model.parameters(), lr=0.1)) for model in pair_of_models()]
+    traced = tracejit.trace(step, backend="aten")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracejit.ReplayLevelWarning)
+        run(traced, pairs, 5)
+        x, y = batch("mlp", 5)
+        with pytest.raises(tracejit.TraceMismatchError, match=r"inside RAdam.step\(\), which took another branch"):
+            traced(x, y, model=pairs[1][0], opt=pairs[1][1])
+
+
+def test_a_closure_that_changes_its_ops_inside_step_still_raises():
+    # the closure is the user's program running inside step(): not torch's branch
+    models = pair_of_models()
+    opt = torch.optim.SGD(models[1].parameters(), lr=0.1)
+    scale = {"on": False}
+
+    def closure_step(x, y):
+        def closure():
+            opt.zero_grad()
+            out = models[1](x)
+            loss = F.cross_entropy(out * 2 if scale["on"] else out, y)
+            loss.backward()
+            return loss
+        return opt.step(closure)
+
+    traced = tracejit.trace(closure_step, backend="aten")
+    for i in range(3):
+        traced(*batch("mlp", i))
+    scale["on"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracejit.ReplayLevelWarning)
+        with pytest.raises(tracejit.TraceMismatchError):
+            traced(*batch("mlp", 3))
 
 
 HOST_READING = {  # torch's CPU defaults read each step count with .item(): numbers computed by tracejit

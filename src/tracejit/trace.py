@@ -61,7 +61,7 @@ from .runtime.profile import CLOCK, ProfileAccess, Profiler
 from .runtime.program import CheckedProgram, HostFreeProgram
 from .runtime.python_state import python_state, refuse_python_state_changes
 from .runtime.realize import Realizer
-from .runtime.replay import Replayer
+from .runtime.replay import OPTIMIZER_BRANCHES, Replayer
 from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
 from .runtime.turns import register, take_turn
@@ -194,6 +194,7 @@ class trace(ProfileAccess):
         self._traces: dict[tuple, list[TraceEntry]] = {}
         self._shape_traces: list[ShapeTrace] = []  # symbolic_shape: traces of symbolic sizes, oldest first
         self._static_families: set = set()  # symbolic_shape=None: kinds of call whose symbolic recording failed
+        self._optimizer_branches = 0  # calls recorded again at another branch of an optimizer's step()
         # DistributedDataParallel modules the function reaches without a keyword (a closure, a
         # global, inside a keyword module): their state selects traces too (see _watch_ddp)
         self._watched_ddp: list[weakref.ref] = []
@@ -953,6 +954,7 @@ class trace(ProfileAccess):
             external_names=ExternalNames(self._function, kwargs, settings=self.options.without_host),
             capture_as_const=self.options.capture_as_const,
             variants=variants, room=self.options.max_traces - self._trace_count(), max_traces=self.options.max_traces,
+            optimizer_branches=OPTIMIZER_BRANCHES - self._optimizer_branches,
         )
         tracer = self._api_tracer(entry, replayer, args, kwargs)
         context = call_context_key()
@@ -984,6 +986,7 @@ class trace(ProfileAccess):
         if new_record is not None:
             new_record.rng_calls = tuple(call.rng_calls)
             seen.store(new_record)
+            self._optimizer_branches += replayer.optimizer_branched is not None
         if tracer is not None:
             dependency = rng_dependency(replace(entry.record, rng_calls=tuple(call.rng_calls)), after_first_draw=True)
             if dependency:

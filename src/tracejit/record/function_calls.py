@@ -1,4 +1,5 @@
-"""The torch-level calls torch.nn.utils' gradient clipping made, and its arguments.
+"""The torch-level calls torch.nn.utils' gradient clipping and `nn.Module.zero_grad` made, and
+their arguments.
 
 `clip_grad_norm_(model.parameters(), 1.0)` is a few ops, but its Python reads every parameter's
 `.grad`, groups the gradients and converts the scale, each a call the checker matches one by one:
@@ -12,6 +13,10 @@ torch wraps these functions in `_no_grad`, a closure over the function: every bi
 public one (`torch.nn.utils.clip_grad_norm_`, `from torch.nn.utils import clip_grad_norm_`) calls
 what the closure's cell holds. While the API tracer notes a call, the cell holds a function that
 notes where the call's torch-level calls begin and end; while a checked call runs, the stand-in.
+
+`model.zero_grad()` (torch.nn.Module's) reads every parameter's `.grad` and sets it to None: two
+calls per parameter, decided by the parameters and the gradients alike. Its class attribute is
+swapped the same way (a subclass's own `zero_grad` is not: it runs, matched call by call).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch import nn
 from torch.nn.utils import clip_grad
 
 
@@ -31,13 +37,24 @@ class Answerable:
     """A torch function a checked call may answer whole."""
 
     name: str
-    cell: Any  # the cell of torch's `_no_grad` wrapper holding the function
-    function: Callable  # torch's function, which the cell holds otherwise
+    holder: Any  # what holds the function: the cell of torch's `_no_grad` wrapper, nn.Module
+    attribute: str  # ...as this attribute (`cell_contents`, `zero_grad`)
+    function: Callable  # torch's function, which the holder holds otherwise
     arguments: Callable  # (*args, **kwargs) -> the arguments by position, defaults filled in
     helpers: tuple  # (namespace, name, function): the module functions it calls, as torch has them
+    # (first argument) -> (the parameters as a list, what to pass on in its place); TypeError when
+    # the function is not called on parameters it lists this way (it then runs for real)
+    listing: Callable
+    without_grad: bool  # torch's wrapper turns grad mode off around it
 
     def helpers_changed(self) -> bool:
         return any(namespace.get(name) is not function for namespace, name, function in self.helpers)
+
+    def held(self) -> Any:
+        return getattr(self.holder, self.attribute)
+
+    def hold(self, value: Any) -> None:
+        setattr(self.holder, self.attribute, value)
 
 
 def _arguments_function(function: Callable) -> Callable | None:
@@ -80,22 +97,13 @@ def _helpers(function: Callable, depth: int = 3) -> tuple | None:
     return None if foreign else tuple(found.values())
 
 
-def _answerable(wrapper: Any) -> Answerable | None:
-    code = getattr(wrapper, "__code__", None)
-    closure = getattr(wrapper, "__closure__", None)
-    if code is None or code.co_freevars != ("func",) or not closure:
-        return None  # torch wraps it otherwise: not answered
-    cell = closure[0]
-    function = cell.cell_contents
+def _answerable(holder: Any, attribute: str, listing: Callable, without_grad: bool) -> Answerable | None:
+    function = getattr(holder, attribute)
     arguments = _arguments_function(function) if isinstance(function, types.FunctionType) else None
     helpers = _helpers(function)
     if arguments is None or helpers is None:
         return None
-    return Answerable(function.__name__, cell, function, arguments, helpers)
-
-
-ANSWERABLE = tuple(a for a in map(_answerable, (clip_grad.clip_grad_norm_, clip_grad.clip_grad_value_))
-                   if a is not None)
+    return Answerable(function.__name__, holder, attribute, function, arguments, helpers, listing, without_grad)
 
 
 def listed_parameters(parameters: Any) -> tuple[list, Any]:
@@ -108,6 +116,27 @@ def listed_parameters(parameters: Any) -> tuple[list, Any]:
         return [parameters], parameters
     listed = list(parameters)
     return listed, ((p for p in listed) if isinstance(parameters, types.GeneratorType) else listed)
+
+
+def _clipping(wrapper: Any) -> Answerable | None:
+    code = getattr(wrapper, "__code__", None)
+    closure = getattr(wrapper, "__closure__", None)
+    if code is None or code.co_freevars != ("func",) or not closure:
+        return None  # torch wraps it otherwise: not answered
+    return _answerable(closure[0], "cell_contents", listed_parameters, without_grad=True)
+
+
+def module_parameters(module: Any) -> tuple[list, Any]:
+    """`nn.Module.zero_grad`'s parameters, as it lists them (`self.parameters()`); TypeError for a
+    module nn.DataParallel made (whose zero_grad warns and clears nothing of the original's)."""
+    if not isinstance(module, nn.Module) or getattr(module, "_is_replica", False):
+        raise TypeError("not a module zero_grad() clears")
+    return list(module.parameters()), module
+
+
+ANSWERABLE = tuple(a for a in (*map(_clipping, (clip_grad.clip_grad_norm_, clip_grad.clip_grad_value_)),
+                               _answerable(nn.Module, "zero_grad", module_parameters, without_grad=False))
+                   if a is not None)
 
 
 @dataclass
@@ -132,15 +161,15 @@ class FunctionCalls:
     def install(self) -> None:
         self.thread = get_ident()
         for answerable in ANSWERABLE:
-            if answerable.cell.cell_contents is answerable.function:  # not someone else's
+            if answerable.held() is answerable.function:  # not someone else's
                 noting = self._noting(answerable)
-                answerable.cell.cell_contents = noting
+                answerable.hold(noting)
                 self.installed.append((answerable, noting))
 
     def remove(self) -> None:
         for answerable, noting in self.installed:
-            if answerable.cell.cell_contents is noting:
-                answerable.cell.cell_contents = answerable.function
+            if answerable.held() is noting:
+                answerable.hold(answerable.function)
         self.installed = []
 
     def _noting(self, answerable: Answerable) -> Callable:
@@ -151,14 +180,17 @@ class FunctionCalls:
                 return function(*args, **kwargs)
             try:
                 arguments = answerable.arguments(*args, **kwargs)
-                listed, passed = listed_parameters(arguments[0])
-            except TypeError:  # torch's function raises it
+                listed, passed = answerable.listing(arguments[0])
+            except TypeError:  # torch's function raises it, or takes it otherwise
                 return function(*args, **kwargs)
             start = len(trace.calls)
             result = function(passed, *arguments[1:])
             call = FunctionCall(answerable, start, len(trace.calls))
             if not listed:
                 call.refused = "it has no parameters"
+            elif answerable.name == "zero_grad" and arguments[1] is not True:
+                # set_to_none=False zeroes the gradients in place and turns their requires_grad off
+                call.refused = "set_to_none is not True"
             else:
                 try:
                     call.args = self.tracer._template((listed, *arguments[1:]))

@@ -142,5 +142,20 @@ def setting_read_by_step(tensor: torch.Tensor, depth: int = 48) -> bool:
                for group in optimizer.param_groups for key, value in group.items() if key != "params")
 
 
+def branching_step(depth: int = 48) -> Optimizer | None:
+    """The optimizer whose step() runs above the caller, when nothing but torch.optim's code runs
+    in it (a stock optimizer, no closure, no step hooks): a different op there is torch's own
+    branch on the optimizer's state or settings (RAdam's rectification switching on at step 6,
+    read from its step count), not the user's program changing."""
+    frame = _frame_running(_STEP_WRAPPER, sys._getframe(1), depth)
+    if frame is None:
+        return None
+    args, kwargs = frame.f_locals.get("args", ()), frame.f_locals.get("kwargs", {})
+    optimizer = args[0] if len(args) == 1 and not kwargs else None
+    if not isinstance(optimizer, Optimizer) or not is_stock(optimizer) or step_hooks(optimizer):
+        return None
+    return optimizer
+
+
 # () -> bool: a profiler that records ranges is on (a method's own ranges must appear in its trace)
 profiler_enabled = torch._C._autograd._profiler_enabled

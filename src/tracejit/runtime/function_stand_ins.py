@@ -1,8 +1,9 @@
-"""Gradient clipping answered as a whole in checked calls at the API level.
+"""Gradient clipping and `model.zero_grad()` answered as a whole in checked calls at the API level.
 
-The record notes where each call of torch.nn.utils' `clip_grad_norm_` and `clip_grad_value_`
-begins and ends among the torch-level calls (record/function_calls.py). While a checked call runs,
-the cell torch's wrapper calls holds a stand-in: called where the record has such a span, with
+The record notes where each call of torch.nn.utils' `clip_grad_norm_` and `clip_grad_value_`, and
+of nn.Module's `zero_grad`, begins and ends among the torch-level calls
+(record/function_calls.py). While a checked call runs, the cell torch's wrapper calls (the class
+attribute) holds a stand-in: called where the record has such a span, with
 the recorded arguments (the parameters by identity and in order, numbers and flags by type and
 value) under the recorded autocast state and default dtype, with torch's functions and helpers
 still in place, it moves the checker past the span and returns the recorded result, which the
@@ -15,13 +16,14 @@ the gradients (`p.grad` answers the recorded value) and their grouping by device
 
 from __future__ import annotations
 
+import types
 from _thread import get_ident
 from typing import Any
 
 import torch
 
 from ..record.api import ApiCall, CallKind, RefKind, TensorRef
-from ..record.function_calls import Answerable, FunctionCall, listed_parameters
+from ..record.function_calls import Answerable, FunctionCall
 from .api_match import FAIL, answer_expr, match_lines
 from .stand_ins import _span_refusal, span_checks
 
@@ -31,7 +33,7 @@ _GRAD_ENABLED = torch._C.is_grad_enabled
 
 
 class _FunctionStandIn:
-    """What the cell of one ANSWERABLE function holds during one checked call."""
+    """What the holder of one ANSWERABLE function holds during one checked call."""
 
     __slots__ = ("answerable", "checker", "regions")
 
@@ -44,14 +46,15 @@ class _FunctionStandIn:
         checker, answerable = self.checker, self.answerable
         function = answerable.function
         # this thread's call under the checker itself (not another trace's call inside the function),
-        # in torch's wrapper (which turned grad mode off), not diverged
+        # in torch's wrapper where it has one (which turned grad mode off), not diverged
         if (checker is None or checker.diverged is not None or checker.thread != get_ident()
-                or _STACK_DEPTH() == 0 or _STACK_AT(_STACK_DEPTH() - 1) is not checker or _GRAD_ENABLED()):
+                or _STACK_DEPTH() == 0 or _STACK_AT(_STACK_DEPTH() - 1) is not checker
+                or answerable.without_grad and _GRAD_ENABLED()):
             return function(*args, **kwargs)
         try:
             arguments = answerable.arguments(*args, **kwargs)
-            listed, passed = listed_parameters(arguments[0])  # as when the trace was noted: before the span
-        except TypeError:  # torch's function raises it
+            listed, passed = answerable.listing(arguments[0])  # as when the trace was noted: before the span
+        except TypeError:  # torch's function raises it, or takes it otherwise
             return function(*args, **kwargs)
         region = self.regions.get(checker.position)
         result = FAIL
@@ -65,6 +68,10 @@ class _FunctionStandIn:
         checker.stood_in_functions += 1
         return result
 
+    def __get__(self, instance: Any, owner: type) -> Any:
+        """Held as a class attribute (nn.Module.zero_grad), bound as the method it stands for."""
+        return self if instance is None else types.MethodType(self, instance)
+
 
 class FunctionStandIns:
     """The stand-ins of one API program; `install` before the function runs and `remove` after."""
@@ -75,19 +82,19 @@ class FunctionStandIns:
     def install(self, checker: Any) -> list:
         installed = []
         for stand_in in self.stand_ins:
-            cell = stand_in.answerable.cell
-            if cell.cell_contents is stand_in.answerable.function:  # not another trace's stand-in, nor a patch
+            answerable = stand_in.answerable
+            if answerable.held() is answerable.function:  # not another trace's stand-in, nor a patch
                 stand_in.checker = checker
-                cell.cell_contents = stand_in
+                answerable.hold(stand_in)
                 installed.append(stand_in)
         return installed
 
     @staticmethod
     def remove(installed: list) -> None:
         for stand_in in installed:
-            cell = stand_in.answerable.cell
-            if cell.cell_contents is stand_in:
-                cell.cell_contents = stand_in.answerable.function
+            answerable = stand_in.answerable
+            if answerable.held() is stand_in:
+                answerable.hold(answerable.function)
             stand_in.checker = None
 
 

@@ -25,6 +25,7 @@ from ..record.calls import HOST_VALUE_OPS, data_dependent_size, is_ignored_op, r
 from ..record.ddp_calls import ddp_changes_note
 from ..record.handles import HandleMap
 from ..record.names import ExternalNames
+from ..record.optimizer_calls import branching_step
 from ..record.record import Kind, Record, TensorMeta
 from ..record.recorder import (
     Recorder,
@@ -43,13 +44,18 @@ from .fastpath import MISS
 from .program import CheckedProgram
 from .variants import ShapeVariants, cache_full
 
+# how many calls of a trace may record again because a stock optimizer's step() took another
+# branch (RAdam's rectification switches on once; an optimizer that branches on every call would
+# recompile on every call, and raises instead)
+OPTIMIZER_BRANCHES = 3
+
 
 class Replayer:
     """Handler of a checked replay; may turn itself into a recorder (see module docstring)."""
 
     def __init__(self, program: CheckedProgram, args: tuple, kwargs: dict, *, may_rerecord: bool,
                  external_names: ExternalNames, capture_as_const: bool, variants: ShapeVariants | None = None,
-                 room: int = 0, max_traces: int = 0):
+                 room: int = 0, max_traces: int = 0, optimizer_branches: int = 0):
         self.program = program
         # Data-dependent output sizes (see variants.py): the family of programs to move between, and
         # how many new variants max_traces leaves room for. new_variant: this call records one.
@@ -76,6 +82,10 @@ class Replayer:
         # a replay that may turn into a re-record notes the `.grad` clears of its matched part
         self.notes_grad_clears = may_rerecord
         self.grad_clears: list = []
+        # re-records left for a stock optimizer's step() taking another branch (branching_step);
+        # the optimizer's class when this call records again for that reason
+        self.optimizer_branches = optimizer_branches
+        self.optimizer_branched: str | None = None
         self.names = external_names
         self.capture_as_const = capture_as_const
         self.recorder: Recorder | None = None  # set when the replay turned into a re-record
@@ -411,6 +421,14 @@ class Replayer:
     def _diverge(self, func: Any, args: tuple, kwargs: dict, error_factory) -> Any:
         if self.inf_check_at == self.position and not self.may_rerecord and self.variants is not None:
             return self._other_branch(func, args, kwargs)
+        optimizer = branching_step() if not self.may_rerecord else None
+        if optimizer is not None and self.optimizer_branches > 0:
+            # torch's step() went another way on its own state: what eager does from here on, so
+            # the call records again from here, as a call that created state does
+            self.optimizer_branched = type(optimizer).__qualname__
+            self.notes_grad_clears = True
+            self._start_rerecord()
+            return self.recorder.on_op(func, args, kwargs)
         if not self.may_rerecord:
             error = error_factory()
             if isinstance(error, TraceMismatchError):
@@ -421,6 +439,11 @@ class Replayer:
                              "(`scaler.unscale_(opt)` before it): the trace follows the branch of an overflow "
                              "step only when it computes found_inf itself. Call `scaler.unscale_` inside the "
                              "traced function, or trace the whole step.")
+                if optimizer is not None:
+                    note += (f"\n  The divergence is inside {type(optimizer).__qualname__}.step(), which took "
+                             f"another branch on values it reads on the host: the trace recorded such calls again "
+                             f"{OPTIMIZER_BRANCHES} times already, and does not follow a step that keeps changing "
+                             f"its ops. Run that optimizer's step outside the traced function.")
                 if note:
                     error.args = (f"{error.args[0]}{note}", *error.args[1:])
             raise error
