@@ -244,8 +244,10 @@ def test_append_keeps_several_graphs_in_one_file(tmp_path):
     assert [g.name for g in read_graphs(path)] == ["infer", "classify"]
     x = batch("cnn", 1)[0]
     assert torch.allclose(tracejit.load(path, name="classify")(x)[0], infer(x, model=cnn), atol=1e-6)
-    with pytest.raises(ValueError, match=r"holds 2 graphs \(infer, classify\); pass name="):
+    with pytest.raises(tracejit.LoadError, match=r"holds 2 graphs \(infer, classify\); pass name="):
         tracejit.load(path)
+    with pytest.raises(tracejit.LoadError, match=r"holds no graph named 'other'; it holds infer, classify"):
+        tracejit.load(path, name="other")
     with pytest.raises(ValueError, match="already holds a graph named 'classify'"):
         traced.dump(path, append=True)
     with pytest.raises(ValueError, match="file must be a path"):

@@ -1051,3 +1051,16 @@ def test_a_training_step_returning_its_output_with_the_loss_is_generalized(layer
     assert stats.shape_specializations == len(set(sizes)) - stats.records, stats
     if without_host:
         assert stats.host_free_calls >= 2, stats
+
+
+def test_a_host_read_of_a_computed_value_names_symbolic_shape_and_its_remedies():
+    @tracejit.trace(symbolic_shape=True)
+    def scaled(x):
+        return x * x.sum().item()
+
+    with pytest.raises(tracejit.SymbolicTraceError) as raised:
+        scaled(torch.randn(3))
+    message = str(raised.value)
+    assert "recorded with symbolic_shape=True" in message and "symbolic=True" not in message
+    assert message.endswith("or trace with symbolic_shape=None (the default) or False.")
+    assert "exclude_from_trace" not in message  # which symbolic_shape=True refuses

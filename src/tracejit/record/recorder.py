@@ -679,7 +679,7 @@ def refuse_lazy(function_name: str, names: ExternalNames | None, func: Any, tens
             name = names.name_of(tensor) if names is not None else None
             raise RuntimeError(
                 f"tracejit: {function_name}(): op #{index} {func} at {source} uses "
-                f"{name or 'a ' + type(tensor).__name__} of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...) "
+                f"{name or 'an ' + type(tensor).__name__} of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...) "
                 f"that is not materialized yet. A call that finds such a module in the function's keyword "
                 f"arguments, the globals and closure cells it names or their attributes runs eagerly first, "
                 f"unrecorded; this one was reached elsewhere, or the call that found it did not run it. Run one "

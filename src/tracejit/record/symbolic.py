@@ -269,9 +269,12 @@ class SymbolicRecorder(Recorder):
         code = f": {source.code}" if source.code else ""
         handle = self.handles.get(tensor)
         label = f"t{handle} " if handle is not None else ""
+        # symbolic_shape=True records this way too: its remedies are that option's, not symbolic's
+        option, off = (("symbolic_shape=True", "symbolic_shape=None (the default) or False") if self._sizes is not None
+                       else ("symbolic=True", "symbolic=False"))
         message = (
             f"tracejit: {self.function_name}() reads the value of a tensor on the host ({what}) at "
-            f"{source}{code}, while its first call is recorded with symbolic=True. That tensor, "
+            f"{source}{code}, while its first call is recorded with {option}. That tensor, "
             f"{label}{_describe(tensor)}, is not computed yet: it is {reason}. Symbolic recording builds "
             f"the program without running it; values computed inside the call exist only once the call "
             f"returns.\n"
@@ -280,15 +283,17 @@ class SymbolicRecorder(Recorder):
         if optimizer is not None:
             owner, function = optimizer
             cls = type(owner).__name__
-            fix = ("construct the optimizer with fused=True, which reads nothing on the host, or trace with "
-                   "symbolic=False" if "fused" in inspect.signature(type(owner).__init__).parameters
-                   else "trace with symbolic=False")
+            fix = (f"construct the optimizer with fused=True, which reads nothing on the host, or trace with "
+                   f"{off}" if "fused" in inspect.signature(type(owner).__init__).parameters
+                   else f"trace with {off}")
             why = (" (the for-loop and foreach Adam and AdamW read the step count with .item() on every "
                    "step)" if isinstance(owner, torch.optim.Adam | torch.optim.AdamW) else "")
             return message + (
                 f"The read happens inside torch.optim.{cls}.step (in {function}): this implementation reads "
                 f"tensor values on the host{why}. To record it symbolically, {fix}."
             )
+        if self._sizes is not None:  # which refuses exclude_from_trace() blocks
+            return message + f"Read the value after the call (return the tensor), or trace with {off}."
         return message + (
             "Read the value after the call (return the tensor), read it inside a `with "
             "tracejit.exclude_from_trace():` block (the ops recorded before the block run first), or trace "

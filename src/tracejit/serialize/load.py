@@ -83,10 +83,10 @@ def select(graphs: list[PortableGraph], name: str | None, option: str = "name=")
     names = [g.name for g in graphs]
     if name is None:
         if len(graphs) > 1:
-            raise ValueError(f"tracejit.load: the file holds {len(graphs)} graphs ({', '.join(names)}); pass "
+            raise LoadError(f"tracejit.load: the file holds {len(graphs)} graphs ({', '.join(names)}); pass "
                              f"{option} to choose one")
         return graphs[0]
     for graph in graphs:
         if graph.name == name:
             return graph
-    raise ValueError(f"tracejit.load: the file holds no graph named {name!r}; it holds {', '.join(names)}")
+    raise LoadError(f"tracejit.load: the file holds no graph named {name!r}; it holds {', '.join(names)}")
