@@ -160,7 +160,7 @@ class trace(ProfileAccess):
         record_only: every call runs the function eagerly and records it (for `dump`); the
             compiled program never runs.
         graph_opt_config: fusions beyond elementwise ops (a tracejit.GraphOptimizationConfig);
-            its unset fields follow opt_level (on from 3).
+            its unset fields follow opt_level (jit_fuse_reduce on from 3, jit_fuse_dimshuffle from 2).
         symbolic_shape: False, one trace per input shape; True, every input size is a symbol from
             the first call; None (default), the first trace static and a later call that differs
             only in sizes records a trace with every input size symbolic (see docs/guide.md).
