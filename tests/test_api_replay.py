@@ -492,15 +492,21 @@ def test_host_reads_are_computed_when_read():
     served_by_api(f)
 
 
-def test_a_host_read_of_a_random_value_keeps_the_aten_level():
-    @tracejit.trace
+def test_a_host_read_of_a_random_value_draws_what_the_program_draws():
+    # the read draws the random ops before it from where the generator stands and puts it back:
+    # the program then draws the same mask (api_replay._Reader)
     def f(x):
         y = F.dropout(x, 0.5)
         return y * y.sum().item()
 
-    for _ in range(4):
-        f(torch.ones(8))
-    assert f.stats.api_replays == 0 and "random" in f._entries()[0].api_refused
+    traced = tracejit.trace(f)
+    for i in range(6):
+        torch.manual_seed(i)
+        want = f(torch.ones(8))
+        torch.manual_seed(i)
+        assert torch.equal(traced(torch.ones(8)), want), i
+        assert torch.equal(torch.rand(3), (torch.manual_seed(i), f(torch.ones(8)), torch.rand(3))[2]), i
+    assert traced.stats.api_replays >= 3 and traced.stats.api_fallbacks == 0, traced.stats
 
 
 def test_python_side_effects_happen_once_per_call():

@@ -19,6 +19,7 @@ What failed before:
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from models import train_step
@@ -179,3 +180,23 @@ def test_returned_view_of_parameter_carries_gradients_to_it():
         for module in (eager, twin):
             module.zero_grad()
     assert traced.stats.host_free_calls == CALLS - 2
+
+
+LONG_HISTORY: list = list(range(100))  # past the size tracejit follows list contents to
+
+
+def test_a_host_read_appended_to_a_long_global_list_is_refused_without_the_host():
+    """Hunt R F3: the call changes a list too long to follow, so the next call runs the function;
+    that path returned before the program's own refusals, so the `loss.item()` read was never
+    refused and every call ran silently at the aten level (7.5x eager)."""
+    def logging_step(x, y, *, model, opt):
+        loss = train_step(x, y, model=model, opt=opt)
+        LONG_HISTORY.append(loss.item())
+        return loss
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    traced = tracejit.trace(logging_step, without_host=True, backend="aten")
+    with pytest.raises(tracejit.HostDependencyError, match=r"reads tensor values on the host"):
+        for i in range(4):
+            traced(*batch(i), model=model, opt=opt)

@@ -107,6 +107,7 @@ class TraceEntry:
     api_last_fallback: str | None = None
     warned_ran_twice: bool = False  # a diverging call ran the function again: said once per trace
     api_unbound: int = 0  # aten-level calls in a row whose API-level program could not be bound
+    optimizer_branches: int = 0  # calls recorded again at a change of an optimizer step()'s ops (replay.py)
     # keyword optimizers that held state after the recorded call: one found empty later creates it again
     stateful_optimizers: frozenset = frozenset()
     # of those, the ones that had none when it began: the recorded call created their state, which
@@ -194,7 +195,6 @@ class trace(ProfileAccess):
         self._traces: dict[tuple, list[TraceEntry]] = {}
         self._shape_traces: list[ShapeTrace] = []  # symbolic_shape: traces of symbolic sizes, oldest first
         self._static_families: set = set()  # symbolic_shape=None: kinds of call whose symbolic recording failed
-        self._optimizer_branches = 0  # calls recorded again at another branch of an optimizer's step()
         # DistributedDataParallel modules the function reaches without a keyword (a closure, a
         # global, inside a keyword module): their state selects traces too (see _watch_ddp)
         self._watched_ddp: list[weakref.ref] = []
@@ -954,7 +954,7 @@ class trace(ProfileAccess):
             external_names=ExternalNames(self._function, kwargs, settings=self.options.without_host),
             capture_as_const=self.options.capture_as_const,
             variants=variants, room=self.options.max_traces - self._trace_count(), max_traces=self.options.max_traces,
-            optimizer_branches=OPTIMIZER_BRANCHES - self._optimizer_branches,
+            optimizer_branches=OPTIMIZER_BRANCHES - entry.optimizer_branches,
         )
         tracer = self._api_tracer(entry, replayer, args, kwargs)
         context = call_context_key()
@@ -986,7 +986,6 @@ class trace(ProfileAccess):
         if new_record is not None:
             new_record.rng_calls = tuple(call.rng_calls)
             seen.store(new_record)
-            self._optimizer_branches += replayer.optimizer_branched is not None
         if tracer is not None:
             dependency = rng_dependency(replace(entry.record, rng_calls=tuple(call.rng_calls)), after_first_draw=True)
             if dependency:
@@ -1034,7 +1033,8 @@ class trace(ProfileAccess):
             replaced = TraceEntry(entry.key, new_record, program, entry.grad_state, shape_trace=shape_trace,
                                   stateful_optimizers=stateful, fresh_optimizers=stateful & without_state,
                                   state_sizes=_state_sizes(kwargs, self._function),
-                                  reached=entry.reached, reached_bits=entry.reached_bits)
+                                  reached=entry.reached, reached_bits=entry.reached_bits,
+                                  optimizer_branches=entry.optimizer_branches + (replayer.optimizer_branched is not None))
             entries[entries.index(entry)] = replaced
             self._prepare_host_free(replaced, replayer.recorder.handles, replayer.names, args, kwargs, result=result,
                                     live_graph=seen.live_graph)
@@ -1179,8 +1179,13 @@ class trace(ProfileAccess):
         # do it again, so the next call runs the function, and while every call does, every call
         # runs the function, as eager does
         if self._settings_changed.get(entry.key) or names.rearranged():
-            if entry.host_free is not None:
-                entry.host_free.call = None
+            if entry.host_free is None:
+                try:  # what the program refuses (host reads) it refuses however the containers change
+                    entry.host_free = self._host_free_runner(entry)
+                except HostDependencyError as error:
+                    entry.host_free_error, self._fast_call = error, None
+                    return
+            entry.host_free.call = None
             self._fast_call = None
             return
         if entry.host_free is None and live_graph is not None and _returns_graph(result, live_graph):

@@ -308,8 +308,11 @@ class ApiTracer(TorchFunctionMode):
             result = self._watch_backward(func, args, kwargs)
         else:
             result = func(*args, **kwargs)
+        end = self._position()
+        if self.trace.refused is not None:  # the call records again (an optimizer's branch): nothing to note
+            return result
         try:
-            self._note(func, name, args, kwargs, result, start, self._position(), kept,
+            self._note(func, name, args, kwargs, result, start, end, kept,
                        read_inside=self.replayer.host_reads != reads)
         except _Unfollowable as reason:
             self.trace.refuse(f"{name} at {user_location()}: {reason}")

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import TraceMismatchError
 from ..record.amp import ScalerStages
 from ..record.api import (
+    HOST_READS,
     RUN_FOR_REAL,
     ApiCall,
     ApiTrace,
@@ -106,6 +107,8 @@ class ApiProgram:
         self.funcs = [call.func for call in trace.calls]
         self.placeholders = _placeholders(record, trace, output)
         self.placeholder_values = list(self.placeholders.values())  # kept_placeholders' one C-level pass
+        self.placeholder_handles = {id(t): h for h, t in self.placeholders.items()}
+        self.off_record_readers: dict[tuple, Any] = {}  # (aten position, handle, func) -> _Reader
         self.namespace: dict[str, Any] = {"FAIL": FAIL, "EMPTY": {}, "SAME_LITERAL": same_literal,
                                           "TENSOR": torch.Tensor, "LIT": self.literal}
         self.locals = 0
@@ -123,6 +126,7 @@ class ApiProgram:
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
         self.reads_host = any(call.kind is CallKind.HOST_READ for call in trace.calls)  # _Reader needs the call
+        self.read_kinds = [call.kind is CallKind.HOST_READ for call in trace.calls]
         self.scalers: ScalerStages | None = None  # the GradScalers the function reaches (set by the trace)
         self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
@@ -361,6 +365,21 @@ class ApiProgram:
                 return True
         return False
 
+    def read_off_record(self, func: Any, handle: int, position: int, args: tuple, kwargs: dict,
+                        scalars: list) -> Any:
+        """A host read at checker position `position` that the record does not have (ApiChecker._off_record)."""
+        at = self.calls[position].span[0] if position < len(self.calls) else len(self.record.ops)
+        key = (at, handle, func)
+        reader = self.off_record_readers.get(key)
+        if reader is None:
+            try:
+                reader = _Reader(self, ApiCall(-1, func, _name(func), CallKind.HOST_READ, (at, at), None, {}, None,
+                                               None, read=(at, handle)))
+            except _NotReplayable as why:
+                raise ApiDiverged(str(why)) from None
+            self.off_record_readers[key] = reader
+        return reader(args, kwargs, scalars)
+
     def externals(self) -> list | None:
         """The external objects of this call; None if one the call needs is gone (a gradient read
         where it is need not be the recorded object: its reading call binds it)."""
@@ -485,13 +504,27 @@ class _Reader:
     def __init__(self, program: ApiProgram, call: ApiCall):
         record = program.record
         position, handle = call.read
+        self.position = position
         self.func = call.func
         self.handle = handle
         self.ops, _ = read_slice(record, position, handle)
-        random = next((record.ops[i] for i in self.ops if torch.Tag.nondeterministic_seeded in record.ops[i].op.tags), None)
-        if random is not None:
-            raise _NotReplayable(f"the host reads t{handle} at {call.source}, which depends on the random op "
-                                 f"{random.name} at {random.source}")
+        self.draws = any(_random(record.ops[i]) for i in self.ops)
+        if self.draws:
+            # The program draws the call's random numbers in record order from where the generator
+            # stands after the function: the slice draws every random op before the read in that
+            # order, from there, and puts the generator back (a loss behind dropout, logged)
+            ops = set(self.ops)
+            for index in range(position):
+                op = record.ops[index]
+                if _random(op):
+                    if not _default_cpu_generator(record, op):
+                        raise _NotReplayable(f"the host reads t{handle}, which depends on the random op {op.name} "
+                                             f"at {op.source}, and {op.name} at {op.source} draws from a generator "
+                                             f"of its own or on a device")
+                    for output in op.outputs + op.mutated:
+                        if output is not None:
+                            ops.update(read_slice(record, index + 1, output)[0])
+            self.ops = sorted(ops)
         self.leaves = sorted({h for i in self.ops for h in record.ops[i].inputs if record.tensors[h].kind is not Kind.INTERNAL}
                              | ({handle} if record.tensors[handle].kind is not Kind.INTERNAL else set()))
         # the leaves in memory the slice writes, directly or through a view (`x[0].add_(1)`,
@@ -518,14 +551,37 @@ class _Reader:
                            self.program.checker.externals)
         if env is None:
             raise ApiDiverged("an object the trace uses is gone")
-        with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), outside_autocast():
-            _copy_memory(env, self.copied)
-            for index in self.ops:
-                op = record.ops[index]
-                values = scalars[self.offsets[index]:self.offsets[index] + len(op.scalars)]
-                call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
-                _store_outputs(op, op.op(*call_args, **call_kwargs), env)
+        generator = torch.default_generator.get_state() if self.draws else None
+        try:
+            with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), outside_autocast():
+                _copy_memory(env, self.copied)
+                for index in self.ops:
+                    op = record.ops[index]
+                    values = scalars[self.offsets[index]:self.offsets[index] + len(op.scalars)]
+                    call_args, call_kwargs = rebuild_call(op.statics, [env[h] for h in op.inputs], values)
+                    _store_outputs(op, op.op(*call_args, **call_kwargs), env)
+        finally:
+            if generator is not None:
+                torch.default_generator.set_state(generator)
         return env
+
+
+def _random(op: Any) -> bool:
+    return isinstance(op.op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.op.tags
+
+
+def _default_cpu_generator(record: Record, op: Any) -> bool:
+    """A random op on the CPU drawing from torch's default generator (no `generator=` of its own)."""
+    def generators(value: Any) -> bool:
+        if isinstance(value, torch.Generator):
+            return True
+        if isinstance(value, (list, tuple)):
+            return any(map(generators, value))
+        if isinstance(value, dict):
+            return any(map(generators, value.values()))
+        return False
+    written = [h for h in (*op.outputs, *op.mutated) if h is not None]
+    return not generators(op.statics) and all(record.tensors[h].meta.device.type == "cpu" for h in written)
 
 
 def _copy_memory(env: dict, handles: list[int]) -> None:
@@ -709,6 +765,10 @@ class ApiChecker(TorchFunctionMode):
                 if answer is not FAIL:
                     self.position = position + 1
                     return answer
+        if self.diverged is None:
+            answer = self._off_record(func, args, kwargs or {}, position)
+            if answer is not FAIL:
+                return answer
         if _short(_name(func)) in RUN_FOR_REAL:
             # An exception the function raises (a KeyError inside optimizer.step()) runs `finally`
             # blocks that restore grad mode: they must restore it, and the exception must go on,
@@ -721,6 +781,39 @@ class ApiChecker(TorchFunctionMode):
         if same_function:
             self.diverge(f"call #{position} {call.name} has other arguments than recorded at {call.source}")
         self.diverge(f"call #{position} is {_name(func)}, recorded {call.name} at {call.source}")
+
+    def _off_record(self, func: Any, args: tuple, kwargs: dict, position: int) -> Any:
+        """A host read the record does not have (`loss.item()` logged every 100th call) of a value
+        the call computed: answered with the value at this point, computed as a recorded read's is
+        (_Reader), without moving. Or the recorded call after host reads this call skips (the
+        traced call logged, this one does not): a read changes no tensor, so the call goes on
+        there. FAIL otherwise."""
+        if _short(_name(func)) in HOST_READS and args and isinstance(args[0], torch.Tensor):
+            handle = self.program.placeholder_handles.get(id(args[0]))
+            if handle is not None and self.placeholders[handle] is args[0]:
+                return self.program.read_off_record(func, handle, position, args, kwargs, self.scalars)
+            return FAIL
+        read_kinds = self.program.read_kinds
+        after = position
+        while after < self.count and read_kinds[after]:
+            after += 1
+        if after == position or after == self.count or not (func is self.funcs[after] or func == self.funcs[after]):
+            return FAIL
+        answer = self.steps[after](args, kwargs, self.inputs, self.externals, self.placeholders, self.scalars)
+        if answer is not FAIL:
+            self.position = after + 1
+        return answer
+
+    def region(self, regions: dict) -> Any:
+        """The stand-in region (keyed by the position its span starts at) here, or after the
+        recorded host reads here, which this call may skip (_off_record); None if neither."""
+        region = regions.get(self.position)
+        if region is not None or self.position >= self.count or not self.program.read_kinds[self.position]:
+            return region
+        read_kinds, after = self.program.read_kinds, self.position
+        while after < self.count and read_kinds[after]:
+            after += 1
+        return regions.get(after)
 
     def diverge(self, why: str) -> None:
         if self.diverged is None:
@@ -845,8 +938,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     deferred = program.deferred_writes
     if deferred.pending:
         deferred.clear()
-    if program.reads_host:
-        program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader)
+    program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader), recorded or not
     generator = torch.default_generator.get_state() if program.draws else None
     scaler_stages = program.scalers.save(kwargs) if program.scalers else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
@@ -883,8 +975,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             program.module_stand_ins.remove(module_stand_ins)
         if function_stand_ins:
             program.function_stand_ins.remove(function_stand_ins)
-        if program.reads_host:
-            program.checking_args = program.checking_kwargs = None
+        program.checking_args = program.checking_kwargs = None
         if program.read_slices:
             program.read_slices = {}
         if program.literals:

@@ -56,7 +56,7 @@ class _FunctionStandIn:
             listed, passed = answerable.listing(arguments[0])  # as when the trace was noted: before the span
         except TypeError:  # torch's function raises it, or takes it otherwise
             return function(*args, **kwargs)
-        region = self.regions.get(checker.position)
+        region = checker.region(self.regions)
         result = FAIL
         if region is not None and not answerable.helpers_changed():
             answer, end = region

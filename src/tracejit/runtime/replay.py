@@ -426,7 +426,6 @@ class Replayer:
             # torch's step() went another way on its own state: what eager does from here on, so
             # the call records again from here, as a call that created state does
             self.optimizer_branched = type(optimizer).__qualname__
-            self.notes_grad_clears = True
             self._start_rerecord()
             return self.recorder.on_op(func, args, kwargs)
         if not self.may_rerecord:
@@ -440,10 +439,12 @@ class Replayer:
                              "step only when it computes found_inf itself. Call `scaler.unscale_` inside the "
                              "traced function, or trace the whole step.")
                 if optimizer is not None:
-                    note += (f"\n  The divergence is inside {type(optimizer).__qualname__}.step(), which took "
-                             f"another branch on values it reads on the host: the trace recorded such calls again "
-                             f"{OPTIMIZER_BRANCHES} times already, and does not follow a step that keeps changing "
-                             f"its ops. Run that optimizer's step outside the traced function.")
+                    note += (f"\n  The divergence is inside {type(optimizer).__qualname__}.step(), whose ops "
+                             f"changed: a branch of torch's own on the optimizer's state (RAdam's rectification), "
+                             f"or settings or gradients that changed. This trace recorded the call again at such "
+                             f"a change {OPTIMIZER_BRANCHES} times already and does not follow one that keeps "
+                             f"changing: keep the settings and which parameters have gradients the same from "
+                             f"call to call, or run that optimizer's step outside the traced function.")
                 if note:
                     error.args = (f"{error.args[0]}{note}", *error.args[1:])
             raise error

@@ -80,7 +80,7 @@ class _StandIn:
             return getattr(self.owner(), self.kind)(*args, **kwargs)
         if checker.thread != get_ident():  # another thread's call of the optimizer: not the checked one
             return real(*args, **kwargs)
-        region = self.regions.get(checker.position)
+        region = checker.region(self.regions)
         if region is not None and checker.diverged is None and not profiler_enabled() and self._takes(args, kwargs, region):
             if region.check(optimizer, checker.externals, checker.inputs, checker.scalars):
                 if self._wrapped_by_lr_sched:
@@ -501,7 +501,7 @@ class _ForwardStandIn:
     def answer(self, checker: Any, args: tuple, kwargs: dict) -> Any:
         """The recorded result, the checker moved past the module's span; FAIL where the record has
         no span of this module here or its state differs."""
-        region = self.regions.get(checker.position)
+        region = checker.region(self.regions)
         if region is None or checker.diverged is not None or profiler_enabled():
             return FAIL
         same_objects, same_values, end = region
