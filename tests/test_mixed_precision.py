@@ -276,6 +276,45 @@ def test_a_mismatch_between_the_scalers_step_and_update_leaves_the_scaler_usable
     assert traced.stats.api_replays > served
 
 
+@pytest.mark.parametrize("held_by", ["trainer", "dict"])
+def test_a_mismatch_after_unscale_leaves_a_scaler_held_by_an_object_usable(held_by):
+    # hunt R F1: the stages were saved for scalers reached directly only; a trainer's
+    # `self.scaler` (or a dict of training objects) was left unscaled by the diverged API-level
+    # attempt, so the aten-level run raised torch's "unscale_() has already been called" on that
+    # call and on every later one
+    def clipped_step(x, y, *, state, norm_type):
+        trainer = state if held_by == "trainer" else None
+        model, opt, scaler = (trainer.model, trainer.opt, trainer.scaler) if trainer else (
+            state["model"], state["opt"], state["scaler"])
+        loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=norm_type)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    parts = {"model": model, "opt": OPTIMIZERS["adam_fused"](model.parameters()),
+             "scaler": torch.amp.GradScaler("cpu", init_scale=2.0**8)}
+    state = type("Trainer", (), {})() if held_by == "trainer" else parts
+    if held_by == "trainer":
+        state.__dict__.update(parts)
+    traced = tracejit.trace(clipped_step, backend="aten")
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    for _ in range(5):
+        traced(x, y, state=state, norm_type=2.0)
+    assert traced.stats.api_replays >= 1
+    with pytest.raises(tracejit.TraceMismatchError):  # another norm: other ops, loud
+        traced(x, y, state=state, norm_type=float("inf"))
+    assert all(s["stage"].name == "READY" for s in parts["scaler"]._per_optimizer_states.values())
+    parts["opt"].zero_grad()
+    for _ in range(3):
+        traced(x, y, state=state, norm_type=2.0)
+
+
 def test_a_scaler_reached_through_a_helper_object_is_guarded_without_the_host():
     # the guard covered scalers the function reaches directly; one reached through a trainer
     # object kept its recorded growth factor (scale 262144 against eager's 8388608 after ten steps)

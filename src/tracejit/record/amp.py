@@ -50,13 +50,20 @@ def is_inf_check(what: str) -> bool:
 
 
 class ScalerStages:
-    """The GradScalers a traced function reaches directly (keyword arguments, globals, closure
-    cells), whose per-optimizer stages a call can save and restore."""
+    """The GradScalers a traced function reaches (keyword arguments, globals, closure cells, and
+    one level into those: a trainer's `self.scaler`, a dict of training objects), whose
+    per-optimizer stages a call can save and restore."""
 
     def __init__(self, function: Any, kwargs: dict):
         self.keywords = tuple(name for name, value in kwargs.items() if isinstance(value, torch.amp.GradScaler))
-        self.others = tuple(weakref.ref(value) for _, _, value in roots_of(function, {})
-                            if isinstance(value, torch.amp.GradScaler))
+        roots = [value for _, _, value in roots_of(function, {})]
+        found = {id(s): s for s in roots if isinstance(s, torch.amp.GradScaler)}
+        for holder in (*roots, *kwargs.values()):
+            for value in _held(holder):
+                if isinstance(value, torch.amp.GradScaler):
+                    found.setdefault(id(value), value)
+        keyword_ids = {id(kwargs[name]) for name in self.keywords}
+        self.others = tuple(weakref.ref(s) for key, s in found.items() if key not in keyword_ids)
 
     def __bool__(self) -> bool:
         return bool(self.keywords or self.others)
@@ -73,3 +80,16 @@ class ScalerStages:
         for scaler, states in saved:
             scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state, {
                 key: {"stage": stage, "found_inf_per_device": dict(found)} for key, (stage, found) in states.items()})
+
+
+def _held(holder: Any) -> tuple:
+    """The values a keyword, global or closure value holds one level down: a dict's or a
+    list's items, an object's attributes (not a module's or a tensor's: no scaler lives there)."""
+    if isinstance(holder, dict):
+        return tuple(holder.values())
+    if isinstance(holder, (list, tuple)):
+        return tuple(holder)
+    if isinstance(holder, (torch.Tensor, torch.nn.Module, type)) or not hasattr(holder, "__dict__"):
+        return ()
+    attributes = getattr(holder, "__dict__", None)
+    return tuple(attributes.values()) if type(attributes) is dict else ()

@@ -378,7 +378,10 @@ class ApiProgram:
             except _NotReplayable as why:
                 raise ApiDiverged(str(why)) from None
             self.off_record_readers[key] = reader
-        return reader(args, kwargs, scalars)
+        try:
+            return reader(args, kwargs, scalars)
+        except KeyError:  # not made by this point of the record (a tensor kept from another call)
+            raise ApiDiverged(f"a host read of t{handle} before the record makes it") from None
 
     def externals(self) -> list | None:
         """The external objects of this call; None if one the call needs is gone (a gradient read
@@ -791,7 +794,10 @@ class ApiChecker(TorchFunctionMode):
         if _short(_name(func)) in HOST_READS and args and isinstance(args[0], torch.Tensor):
             handle = self.program.placeholder_handles.get(id(args[0]))
             if handle is not None and self.placeholders[handle] is args[0]:
-                return self.program.read_off_record(func, handle, position, args, kwargs, self.scalars)
+                try:
+                    return self.program.read_off_record(func, handle, position, args, kwargs, self.scalars)
+                except ApiDiverged as why:
+                    self.diverge(str(why))
             return FAIL
         read_kinds = self.program.read_kinds
         after = position
