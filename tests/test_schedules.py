@@ -370,3 +370,46 @@ def test_a_tensor_learning_rate_filled_by_a_schedule_matches_eager(opt_name):
     assert traced.stats.checked_replays >= 7
     if opt_name == "Adam_fused":
         assert traced.stats.api_replays >= 5
+
+
+@pytest.mark.parametrize("schedule", ["one_cycle", "sequential"])
+def test_a_scheduler_stepped_inside_a_call_that_runs_twice_steps_once(schedule):
+    """Hunt R F4: a checked call that diverges at the API level runs the function again at the aten
+    level; a scheduler stepped inside it was stepped twice, and the schedule ran ahead of eager for
+    good. Its state and the settings it writes are put back before the second run
+    (record/schedulers.py). Here a leaky_relu slope that changes on every call (a number before
+    backward the API level matches exactly) makes the first calls diverge after the scheduler's
+    step."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if schedule == "one_cycle":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50)
+        else:
+            sched = torch.optim.lr_scheduler.SequentialLR(opt, [
+                torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3),
+                torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[3])
+        return model, opt, sched
+
+    def annealed_step(x, y, *, slope, model, opt, sched):
+        sched.step()  # at the start of the iteration: before the call diverges
+        loss = F.cross_entropy(F.leaky_relu(model[0](x), slope) @ model[1].weight.T, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    eager, mine = make(), make()
+    traced = tracejit.trace(annealed_step, backend="aten")
+    for i in range(10):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        slope = 0.01 * (i + 1)
+        want = annealed_step(x, y, slope=slope, model=eager[0], opt=eager[1], sched=eager[2])
+        got = traced(x, y, slope=slope, model=mine[0], opt=mine[1], sched=mine[2])
+        assert torch.equal(got, want), i
+        assert mine[2].last_epoch == eager[2].last_epoch, i
+        assert mine[1].param_groups[0]["lr"] == eager[1].param_groups[0]["lr"], i
+        assert_same_state(eager[0], eager[1], mine[0], mine[1])
+    assert traced.stats.api_fallbacks >= 1, traced.stats

@@ -47,6 +47,7 @@ from .record.reads import reads_state_it_changes
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
+from .record.schedulers import SchedulerStates
 from .record.source import traceback_location, user_location
 from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
@@ -1144,6 +1145,7 @@ class trace(ProfileAccess):
         try:
             entry.api = ApiProgram(trace, entry.record, entry.host_free, trace.output, context, externals)
             entry.api.scalers = ScalerStages(self._function, kwargs) or None
+            entry.api.schedulers = SchedulerStates(self._function, kwargs) or None
         except NotReplayable as reason:
             self._refuse_api(entry, str(reason))
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from .names import roots_of
+from .names import held_values, roots_of
 
 _GRAD_SCALER = os.path.join("amp", "grad_scaler.py")
 INF_CHECK = " (GradScaler's inf check)"  # appended to the `what` of such a host read
@@ -59,7 +59,7 @@ class ScalerStages:
         roots = [value for _, _, value in roots_of(function, {})]
         found = {id(s): s for s in roots if isinstance(s, torch.amp.GradScaler)}
         for holder in (*roots, *kwargs.values()):
-            for value in _held(holder):
+            for value in held_values(holder):
                 if isinstance(value, torch.amp.GradScaler):
                     found.setdefault(id(value), value)
         keyword_ids = {id(kwargs[name]) for name in self.keywords}
@@ -81,15 +81,3 @@ class ScalerStages:
             scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state, {
                 key: {"stage": stage, "found_inf_per_device": dict(found)} for key, (stage, found) in states.items()})
 
-
-def _held(holder: Any) -> tuple:
-    """The values a keyword, global or closure value holds one level down: a dict's or a
-    list's items, an object's attributes (not a module's or a tensor's: no scaler lives there)."""
-    if isinstance(holder, dict):
-        return tuple(holder.values())
-    if isinstance(holder, (list, tuple)):
-        return tuple(holder)
-    if isinstance(holder, (torch.Tensor, torch.nn.Module, type)) or not hasattr(holder, "__dict__"):
-        return ()
-    attributes = getattr(holder, "__dict__", None)
-    return tuple(attributes.values()) if type(attributes) is dict else ()

@@ -315,6 +315,19 @@ def code_owner(function: Callable) -> Callable:
     return getattr(function, "__tracejit_method__", function)
 
 
+def held_values(holder: Any) -> tuple:
+    """The values a keyword, global or closure value holds one level down: a dict's or a list's
+    items, an object's attributes (not a module's or a tensor's: no training object lives there)."""
+    if isinstance(holder, dict):
+        return tuple(holder.values())
+    if isinstance(holder, (list, tuple)):
+        return tuple(holder)
+    if isinstance(holder, (torch.Tensor, torch.nn.Module, type)):
+        return ()
+    attributes = getattr(holder, "__dict__", None)
+    return tuple(attributes.values()) if type(attributes) is dict else ()
+
+
 def roots_of(function: Callable, kwargs: dict) -> list[tuple[str, tuple[str, Any], Any]]:
     """What the function reaches directly, as (name, root, value): its keyword arguments, the
     globals its code loads (`global_names`) and its closure cells."""

@@ -52,6 +52,7 @@ from ..record.modes import CallContext, enter_api_checked_call, leave_api_checke
 from ..record.reads import read_slice, storage_root
 from ..record.record import Kind, Record, math_bits
 from ..record.recorder import version_of
+from ..record.schedulers import SchedulerStates
 from ..signature import attention_backends, autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
@@ -128,6 +129,7 @@ class ApiProgram:
         self.reads_host = any(call.kind is CallKind.HOST_READ for call in trace.calls)  # _Reader needs the call
         self.read_kinds = [call.kind is CallKind.HOST_READ for call in trace.calls]
         self.scalers: ScalerStages | None = None  # the GradScalers the function reaches (set by the trace)
+        self.schedulers: SchedulerStates | None = None  # and the LR schedulers (record/schedulers.py)
         self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
         # plain tensors the function reaches anew on every call (the next batch of an iterator)
@@ -947,6 +949,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader), recorded or not
     generator = torch.default_generator.get_state() if program.draws else None
     scaler_stages = program.scalers.save(kwargs) if program.scalers else None
+    scheduler_states = program.schedulers.save() if program.schedulers else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
     module_stand_ins = program.module_stand_ins.install(checker) if program.module_stand_ins is not None else None
     function_stand_ins = (program.function_stand_ins.install(checker) if program.function_stand_ins is not None
@@ -1000,6 +1003,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if failure is not None:
         if scaler_stages:  # the aten level runs the function again, from the scalers' stages before this run
             ScalerStages.restore(scaler_stages)
+        if scheduler_states:  # ...and from the schedulers' (a schedule stepped twice runs ahead for good)
+            SchedulerStates.restore(scheduler_states)
         if interrupted is not None:
             raise ApiInterrupted(interrupted, failure) from None
         return None, failure
