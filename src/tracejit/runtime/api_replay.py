@@ -751,6 +751,7 @@ class ApiChecker(TorchFunctionMode):
         self.thread = get_ident()  # the stand-ins answer this thread's calls only
         self.diverged: str | None = None
         self.stood_in = 0  # optimizer methods answered as a whole (runtime/stand_ins.py)
+        self.steps_answered: dict[int, int] = {}  # id(optimizer) -> its step() calls answered so far
         self.stood_in_modules = 0  # torch.nn module calls answered as a whole
         self.stood_in_ddp = 0  # of which DistributedDataParallel calls (runtime/ddp_stand_in.py)
         self.stood_in_functions = 0  # gradient clipping calls (runtime/function_stand_ins.py)

@@ -82,11 +82,15 @@ class _StandIn:
             return real(*args, **kwargs)
         region = checker.region(self.regions)
         if region is not None and checker.diverged is None and not profiler_enabled() and self._takes(args, kwargs, region):
-            if region.check(optimizer, checker.externals, checker.inputs, checker.scalars):
+            steps = checker.steps_answered
+            answered = steps.get(id(optimizer), 0)
+            if region.check(optimizer, checker.externals, checker.inputs, checker.scalars, answered):
                 if self._wrapped_by_lr_sched:
                     optimizer._opt_called = True
                 checker.position = region.end
                 checker.stood_in += 1
+                if self.kind == STEP:
+                    steps[id(optimizer)] = answered + 1
                 return None
         return real(*args, **kwargs)
 
@@ -145,6 +149,10 @@ def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[Op
     external_slots = {id(ref()): slot for slot, ref in enumerate(program.external_refs) if ref() is not None}
     located_at = {index: slot for slot, index in program.located.items()}
     by_optimizer: dict[int, tuple[weakref.ref, dict, dict]] = {}
+    steps_of: dict[int, list[OptimizerCall]] = {}
+    for call in optimizer_calls:
+        if call.kind == STEP:
+            steps_of.setdefault(id(call.optimizer()), []).append(call)
     for call in optimizer_calls:
         where = f"{call.kind}() at {calls[call.start].source}"
         optimizer = call.optimizer()
@@ -158,7 +166,9 @@ def build_stand_ins(program: Any, calls: list[ApiCall], optimizer_calls: list[Op
             continue
         generator = _CheckSource(program, external_slots)
         try:
-            check, source = generator.build(call, calls, located_at, objects)
+            spans = steps_of.get(id(optimizer), [call])
+            order = (spans.index(call), len(spans)) if call.kind == STEP else (0, 1)
+            check, source = generator.build(call, calls, located_at, objects, order)
         except _Unsupported as why:
             refused[where] = str(why)
             continue
@@ -285,13 +295,14 @@ class _CheckSource:
                               *(f"    {line}" for line in by_value)]
 
     def build(self, call: OptimizerCall, calls: list[ApiCall], located_at: dict[int, int],
-              objects: dict[int, torch.Tensor]) -> tuple[Any, str]:
+              objects: dict[int, torch.Tensor], order: tuple[int, int] = (0, 1)) -> tuple[Any, str]:
+        """`order`: (which, of how many) step() spans of this optimizer the trace has."""
         snapshot: OptimizerSnapshot = call.snapshot
         computed = None  # the settings its numbers are computed from, when it reads step counts
         if call.kind == STEP:
             self.fail_if("HOOKS(O)")
             if any(inner.kind is CallKind.HOST_READ for inner in calls[call.start:call.end]):
-                fill = self._host_read_numbers(call, calls, snapshot)
+                fill = self._host_read_numbers(call, calls, snapshot, order)
                 self.namespace["FILL"] = fill
                 computed, bindings = SETTINGS[snapshot.optimizer_class], {}
             else:
@@ -347,11 +358,11 @@ class _CheckSource:
                 self.lines += [f"    v = {self._template_expr(template)}.grad",
                                "    if not isinstance(v, TENSOR): return False", f"    E[{slot}] = v"]
         if computed is not None:
-            written.append("if not FILL(O, S): return False")
+            written.append("if not FILL(O, S, K): return False")
         # settings and state are read by subscript: a key missing since is a KeyError, a False
         body = ["try:", *(f"    {line}" for line in self.lines + written + ["return True"]),
                 "except KeyError:", "    return False"]
-        source = "def check(O, E, A, S):\n" + "".join(f"    {line}\n" for line in body)
+        source = "def check(O, E, A, S, K):\n" + "".join(f"    {line}\n" for line in body)
         exec(compile(source, f"<tracejit stand-in {call.kind}>", "exec"), self.namespace)
         return self.namespace["check"], source
 
@@ -378,11 +389,17 @@ class _CheckSource:
         else:
             raise _Unsupported(f"{key} is a {type(value).__name__}")
 
-    def _host_read_numbers(self, call: OptimizerCall, calls: list[ApiCall], snapshot: OptimizerSnapshot) -> Any:
-        """`fill(O, S)` for a step() that reads its step counts on the host (Adam without fused or
+    def _host_read_numbers(self, call: OptimizerCall, calls: list[ApiCall], snapshot: OptimizerSnapshot,
+                           order: tuple[int, int]) -> Any:
+        """`fill(O, S, K)` for a step() that reads its step counts on the host (Adam without fused or
         capturable): the numbers of its ops computed from the settings and the step counts
         (runtime/optimizer_numbers.py) with the model that reproduces, bit for bit, every number
-        this span passed when the trace was noted."""
+        this span passed when the trace was noted. With several steps of the optimizer in one
+        call (`order`: the k-th of n), the span's counts are those after k + 1 increments from
+        the counts the call found: the state tensors hold those while the call runs (the program
+        computes after it), so the stand-in answers the k-th span only when the call's stand-ins
+        answered the k before it (K)."""
+        which, spans = order
         record, program = self.program.record, self.program
         start, end = calls[call.start].span[0], calls[call.end - 1].span[1]
         slots = [program.scalar_offsets[op.index] + k for op in record.ops[start:end] for k in range(len(op.scalars))]
@@ -392,8 +409,12 @@ class _CheckSource:
         if not models or optimizer is None:
             raise _Unsupported(f"it reads a tensor on the host, and tracejit does not compute "
                                f"{snapshot.optimizer_class.__qualname__}'s numbers")
-        try:  # the counts after the noted call's increments: the ones its numbers came from
-            counts = _host_values(optimizer, snapshot.optimizer_class, snapshot.with_grad, snapshot.param_groups, 0.0)
+        if spans > 1 and snapshot.optimizer_class in READS:
+            raise _Unsupported(f"it is one of {spans} step() calls of a {snapshot.optimizer_class.__qualname__} in the "
+                               f"call, whose state read on the host changes from one to the next")
+        try:  # the counts after the noted call's increments, less the later spans': the ones its numbers came from
+            counts = _host_values(optimizer, snapshot.optimizer_class, snapshot.with_grad, snapshot.param_groups,
+                                  float(which + 1 - spans))
         except (KeyError, TypeError) as error:
             raise _Unsupported(f"its step counts cannot be read ({error})") from None
         model = next((m for m in models if same_numbers(
@@ -403,9 +424,11 @@ class _CheckSource:
                                "gives the numbers it passed")
         with_grad, kind = snapshot.with_grad, snapshot.optimizer_class
 
-        def fill(optimizer: Any, scalars: list) -> bool:
+        def fill(optimizer: Any, scalars: list, answered: int) -> bool:
+            if answered != which:  # an earlier step() ran for real: its increments are not counted here
+                return False
             try:
-                counts = _host_values(optimizer, kind, with_grad, optimizer.param_groups, 1.0)
+                counts = _host_values(optimizer, kind, with_grad, optimizer.param_groups, float(which + 1))
             except (KeyError, TypeError, ValueError):
                 return False
             values = numbers(model, optimizer.param_groups, counts, kind)
