@@ -27,6 +27,15 @@ def run(traced, pairs, steps, between=None, start=0):
             between(i)
 
 
+def run_beside(traced, function, pairs, calls):
+    """`calls` calls of `function` traced and eager on the twins, exact after each one."""
+    (model_a, opt_a), (model_b, opt_b) = pairs
+    for i in range(calls):
+        x, y = batch("mlp", i)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), function(x, y, model=model_a, opt=opt_a)), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+
+
 def stood_in(traced) -> int:
     return traced.stats.optimizer_stand_ins
 
@@ -295,11 +304,7 @@ def test_numbers_of_parameters_in_two_dtypes_are_not_guessed():
         return loss
 
     traced = tracejit.trace(mixed, backend="aten")
-    (model_a, opt_a), (model_b, opt_b) = pairs
-    for i in range(6):
-        x, y = batch("mlp", i)
-        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), mixed(x, y, model=model_a, opt=opt_a))
-        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    run_beside(traced, mixed, pairs, 6)
     entry = traced._entries()[0]
     assert any("no formula" in why for why in entry.api.stand_ins_refused.values())
 
@@ -383,12 +388,9 @@ def test_nadam_numbers_round_mu_product_as_its_step_does(foreach):
         return loss
 
     traced = tracejit.trace(double_step, backend="aten")
-    (model_a, opt_a), (model_b, opt_b) = pairs
-    for i in range(30):
-        x, y = batch("mlp", i)
-        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), double_step(x, y, model=model_a, opt=opt_a)), i
-        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
-    assert opt_b.state[next(model_b.parameters())]["mu_product"].dtype == torch.float32
+    run_beside(traced, double_step, pairs, 30)
+    opt_b = pairs[1][1]
+    assert opt_b.state[next(iter(opt_b.state))]["mu_product"].dtype == torch.float32
     assert traced.stats.api_fallbacks == 0 and stood_in(traced) == 2 * traced.stats.api_replays > 40
 
 
@@ -413,11 +415,7 @@ def test_several_steps_of_one_optimizer_in_a_call_are_answered_with_their_own_co
         return torch.stack(losses)
 
     traced = tracejit.trace(inner_loop, backend="aten")
-    (model_a, opt_a), (model_b, opt_b) = pairs
-    for i in range(10):
-        x, y = batch("mlp", i)
-        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), inner_loop(x, y, model=model_a, opt=opt_a)), i
-        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    run_beside(traced, inner_loop, pairs, 10)
     stats = traced.stats
     if name != "nadam_loop":
         assert stats.api_fallbacks == 0 and stats.api_replays >= 5, stats
