@@ -129,3 +129,89 @@ def test_an_off_record_read_that_takes_another_branch_is_still_checked():
         assert torch.equal(got, want), it
         assert_same_state(model_a, opt_a, model_b, opt_b)
     raise AssertionError("the branch never changed the op sequence")
+
+
+def _logging_twins(step, calls, first=0):
+    """Twin SGD-trained MLPs, eager and traced (aten), `calls` calls logging into a list each; the
+    logs must be equal after every call. Returns the traced function."""
+    pairs = twins(lambda p: torch.optim.SGD(p, lr=0.1))
+    traced = tracejit.trace(step, backend="aten")
+    (model_a, opt_a), (model_b, opt_b) = pairs
+    for it in range(first, first + calls):
+        x, y = batch("mlp", it)
+        logs = [], []
+        want = step(x, y, model=model_a, opt=opt_a, it=it, log=logs[0])
+        got = traced(x, y, model=model_b, opt=opt_b, it=it, log=logs[1])
+        assert torch.equal(got, want), it
+        assert len(logs[0]) == len(logs[1]) and all(
+            (a == b).all() if hasattr(a, "shape") else a == b for a, b in zip(*logs)), (it, logs)
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    return traced
+
+
+def test_reads_of_parameters_and_inputs_on_some_calls_stay_at_the_api_level():
+    # review 43 F4: only values the call computed were answered; a parameter or input read
+    # every few calls sent those calls to the aten level, and two such periods left it for good
+    def step(x, y, *, model, opt, it, log):
+        if it % 3 == 1:
+            log.append(x.tolist())  # an input
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if it % 3 == 2:
+            log.append(model.net[0].bias.tolist())  # after the step: the updated values
+        if it % 5 == 4:
+            log.append(y.tolist())
+        opt.zero_grad()
+        return loss.detach()
+
+    traced = _logging_twins(step, 16)
+    assert traced.stats.api_replays >= 10, traced.stats
+
+
+def test_a_recorded_read_after_the_last_call_is_passed_over():
+    # review 43 F5: a program noted on a call that logged after zero_grad() ended, on quiet calls,
+    # "before call #N item": one fallback
+    def step(x, y, *, model, opt, it, log):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if it % 4 == 1:
+            log.append(loss.item())
+        return loss.detach()
+
+    traced = _logging_twins(step, 12)
+    assert traced.stats.api_fallbacks == 0 and traced.stats.api_replays >= 8, traced.stats
+
+
+def test_a_numpy_array_whose_tensor_is_written_later_is_read_where_it_is():
+    # review 43 F1: an array over the reader's copy missed the in-place write after it
+    def step(x, y, *, model, opt, it, log):
+        out = model(x)
+        kept = out.detach().clone()
+        if it % 3 == 1:
+            log.append(kept.numpy())
+        kept.mul_(2)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return kept
+
+    _logging_twins(step, 8)
+
+
+def test_printing_a_loss_that_requires_grad_prints_its_grad_fn():
+    # review 43 F2: computed without autograd, the read lost `grad_fn=<NllLossBackward0>`
+    def step(x, y, *, model, opt, it, log):
+        loss = F.cross_entropy(model(x), y)
+        if it % 3 == 1:
+            log.append(repr(loss))
+            log.append(f"{loss:.5f}")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    _logging_twins(step, 9)

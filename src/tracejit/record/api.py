@@ -109,6 +109,8 @@ class ApiCall:
     result: Any  # result with tensors as TensorRef (COMPUTE, VIRTUAL)
     source: SourceLocation
     read: tuple[int, int] | None = None  # HOST_READ: (ops before the read, handle read)
+    # HOST_READ: the tensor read required grad (its repr() then shows `grad_fn=<...>`)
+    read_requires_grad: bool = False
     requires_grad: bool | None = None  # a requires_grad_ that changed nothing: the flag it kept
     # the autocast state it was made under (signature.autocast_state): the function may enter or
     # leave autocast itself, which changes what a call dispatches without reaching the mode
@@ -165,7 +167,7 @@ def record_refusal(record: Record) -> str | None:
     if check is not None:  # an overflow moves the call to another variant mid-call (runtime/replay.py)
         return (f"GradScaler checks for inf on the host at {check.source}, so the optimizer step may be skipped "
                 f"mid-call (an optimizer taking the scaler on the device, such as Adam(fused=True), has no such check)")
-    array = next((r for r in record.host_reads if _array_in_use(record, r)), None)
+    array = next((r for r in record.host_reads if array_in_use(record, r)), None)
     if array is not None:
         return (f"the host takes {array.what} of t{array.handle} at {array.source}, an array over its memory, which "
                 f"the program reads, returns or keeps after the function ran: a write through the array would not "
@@ -176,7 +178,7 @@ def record_refusal(record: Record) -> str | None:
 ARRAY_READS = frozenset({"numpy()", "numpy.asarray()"})  # host reads that hand out the tensor's own memory
 
 
-def _array_in_use(record: Record, read: HostRead) -> bool:
+def array_in_use(record: Record, read: HostRead) -> bool:
     """Whether a write through the array a host read hands out (`y.numpy()[0] = 1`) would be lost at
     the API level: the array is over the value the read computed on its own, and over the real
     memory of an input or external only while the function runs, before the program. It matters
@@ -439,7 +441,7 @@ class ApiTracer(TorchFunctionMode):
                 raise _Unfollowable("reads a tensor the trace does not know")
             self.trace.calls.append(ApiCall(index, func, name, CallKind.HOST_READ, (start, end),
                                             self._template(args), self._template(kwargs), None, source,
-                                            read=(start, handle)))
+                                            read=(start, handle), read_requires_grad=args[0].requires_grad))
             return
         if short in RUN_FOR_REAL:
             kind = CallKind.REAL

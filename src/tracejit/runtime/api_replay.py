@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import TraceMismatchError
 from ..record.amp import ScalerStages
 from ..record.api import (
-    HOST_READS,
+    ARRAY_READS,
     RUN_FOR_REAL,
     ApiCall,
     ApiTrace,
@@ -44,13 +44,14 @@ from ..record.api import (
     RecordedNode,
     RefKind,
     TensorRef,
+    array_in_use,
     function_name,
 )
 from ..record.autocast_keys import outside_autocast
 from ..record.calls import rebuild_call, scalar_slot_names
-from ..record.modes import CallContext, enter_api_checked_call, leave_api_checked_call
+from ..record.modes import HOST_READ_METHODS, CallContext, enter_api_checked_call, leave_api_checked_call
 from ..record.reads import read_slice, storage_root
-from ..record.record import Kind, Record, math_bits
+from ..record.record import HostRead, Kind, Record, math_bits
 from ..record.recorder import version_of
 from ..record.schedulers import SchedulerStates
 from ..signature import attention_backends, autocast_state, call_context_key
@@ -227,6 +228,12 @@ class ApiProgram:
                      f"return FAIL", "return args[0]"]
             return self._function(name, params, body)
         if call.kind is CallKind.HOST_READ:
+            # the read may come from a call other than the recorded one (a call that logged with
+            # numpy() while the record did not): the record's refusal of arrays in use, for it too
+            what = HOST_READ_METHODS.get(_short(call.name))
+            if what in ARRAY_READS and array_in_use(self.record, HostRead(*call.read, what, call.source)):
+                raise _NotReplayable(f"the host takes {what} of t{call.read[1]} at {call.source}, an array over its "
+                                     f"memory, which the program reads, returns or keeps after the function ran")
             reader = self.constant(_Reader(self, call), "read")
             body = [f"if len(args) != {len(call.args)}: return FAIL"]
             for i, template in enumerate(call.args):
@@ -366,6 +373,20 @@ class ApiProgram:
             if tensor is None or version_of(tensor) != version or (storage and tensor.untyped_storage().data_ptr() != storage):
                 return True
         return False
+
+    def leaf_handle(self, tensor: torch.Tensor, inputs: list, externals: list) -> int | None:
+        """The handle of an input or external the call holds (ApiChecker._off_record), or None."""
+        record = self.record
+        for handle, arg in zip(record.arg_handles, self.checking_args or ()):
+            if arg is tensor:
+                return handle
+        for name, handle in record.kwarg_handles.items():
+            if (self.checking_kwargs or {}).get(name) is tensor:
+                return handle
+        for handle, slot in self.external_slot_of.items():
+            if slot < len(externals) and externals[slot] is tensor:
+                return handle
+        return next((h for h, ref in self.external_objects.items() if ref() is tensor), None)
 
     def read_off_record(self, func: Any, handle: int, position: int, args: tuple, kwargs: dict,
                         scalars: list) -> Any:
@@ -511,6 +532,9 @@ class _Reader:
         position, handle = call.read
         self.position = position
         self.func = call.func
+        # a repr() of a tensor requiring grad: eager prints `grad_fn=<NllLossBackward0>` (or
+        # `requires_grad=True`), which a value computed without autograd has not
+        self.textual = _short(_name(call.func)) in ("__repr__", "__format__", "__str__") and call.read_requires_grad
         self.handle = handle
         self.ops, _ = read_slice(record, position, handle)
         self.draws = any(_random(record.ops[i]) for i in self.ops)
@@ -542,6 +566,8 @@ class _Reader:
 
     def __call__(self, args: tuple, kwargs: dict, scalars: list) -> Any:
         program = self.program
+        if self.textual and not (len(args) > 1 and args[1]):  # format(t, ".4f") prints the number alone
+            raise ApiDiverged(f"repr() of t{self.handle}, which requires grad: the aten level prints eager's text")
         # Reads that need the same slice in one call share its run (foreach Adam reads every
         # step count after one _foreach_add_): the numbers it used cannot have changed since.
         env = program.read_slices.get(self.key)
@@ -569,6 +595,12 @@ class _Reader:
             if generator is not None:
                 torch.default_generator.set_state(generator)
         return env
+
+
+# reads whose answer is a Python value: not numpy() or __array__ (an array over the reader's copy
+# would not see the program's writes, nor the program its own), nor repr() and format() (computed
+# without grad, they would lose the `grad_fn=` eager prints), which diverge as before
+_OFF_RECORD_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__"})
 
 
 def _random(op: Any) -> bool:
@@ -790,13 +822,15 @@ class ApiChecker(TorchFunctionMode):
 
     def _off_record(self, func: Any, args: tuple, kwargs: dict, position: int) -> Any:
         """A host read the record does not have (`loss.item()` logged every 100th call) of a value
-        the call computed: answered with the value at this point, computed as a recorded read's is
-        (_Reader), without moving. Or the recorded call after host reads this call skips (the
-        traced call logged, this one does not): a read changes no tensor, so the call goes on
-        there. FAIL otherwise."""
-        if _short(_name(func)) in HOST_READS and args and isinstance(args[0], torch.Tensor):
+        the call computed, an input or an external: answered with the value at this point,
+        computed as a recorded read's is (_Reader), without moving. Or the recorded call after host
+        reads this call skips (the traced call logged, this one does not): a read changes no
+        tensor, so the call goes on there. FAIL otherwise."""
+        if _short(_name(func)) in _OFF_RECORD_READS and args and isinstance(args[0], torch.Tensor):
             handle = self.program.placeholder_handles.get(id(args[0]))
-            if handle is not None and self.placeholders[handle] is args[0]:
+            if handle is None or self.placeholders[handle] is not args[0]:
+                handle = self.program.leaf_handle(args[0], self.inputs, self.externals)
+            if handle is not None:
                 try:
                     return self.program.read_off_record(func, handle, position, args, kwargs, self.scalars)
                 except ApiDiverged as why:
@@ -996,7 +1030,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         failure = "the function changed the random number generator's state (torch.manual_seed, set_rng_state)"
     elif checker.diverged is not None:
         failure = checker.diverged  # the function swallowed ApiDiverged
-    elif checker.position != checker.count:
+    elif checker.position != checker.count and not all(program.read_kinds[checker.position:]):
+        # (recorded host reads at the end, after the last call this one made, are passed over)
         call = program.calls[checker.position]
         failure = f"the call ended before call #{checker.position} {call.name} at {call.source}"
     elif program.check_output(result, inputs, externals, program.placeholders) is not True:
