@@ -836,10 +836,7 @@ class ApiChecker(TorchFunctionMode):
                 except ApiDiverged as why:
                     self.diverge(str(why))
             return FAIL
-        read_kinds = self.program.read_kinds
-        after = position
-        while after < self.count and read_kinds[after]:
-            after += 1
+        after = self._past_reads(position)
         if after == position or after == self.count or not (func is self.funcs[after] or func == self.funcs[after]):
             return FAIL
         answer = self.steps[after](args, kwargs, self.inputs, self.externals, self.placeholders, self.scalars)
@@ -853,10 +850,14 @@ class ApiChecker(TorchFunctionMode):
         region = regions.get(self.position)
         if region is not None or self.position >= self.count or not self.program.read_kinds[self.position]:
             return region
-        read_kinds, after = self.program.read_kinds, self.position
-        while after < self.count and read_kinds[after]:
-            after += 1
-        return regions.get(after)
+        return regions.get(self._past_reads(self.position))
+
+    def _past_reads(self, position: int) -> int:
+        """The first position from `position` on that is not a recorded host read."""
+        read_kinds = self.program.read_kinds
+        while position < self.count and read_kinds[position]:
+            position += 1
+        return position
 
     def diverge(self, why: str) -> None:
         if self.diverged is None:
