@@ -609,31 +609,33 @@ def test_scheduled_momentum_and_betas_stay_host_free(make_optimizer):
     assert stats.host_free_misses == 0 and stats.host_free_calls >= 6
 
 
-@pytest.mark.parametrize("make_optimizer, change, message", [
-    (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, foreach=True), "nesterov", "internal tensor where an external"),
-    (functools.partial(torch.optim.SGD, lr=0.01), "maximize", "a different op ran"),
-    (ADAM_FUSED, "maximize", r"maximize: True instead of False"),
-    (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9), "params_reordered", "changed shape"),
+@pytest.mark.parametrize("make_optimizer, change", [
+    (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, foreach=True), "nesterov"),
+    (functools.partial(torch.optim.SGD, lr=0.01), "maximize"),
+    (ADAM_FUSED, "maximize"),
+    (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9), "params_reordered"),
 ], ids=["sgd_nesterov", "sgd_maximize", "adam_maximize", "params_reordered"])
-def test_a_setting_that_changes_the_ops_raises_and_updates_nothing(make_optimizer, change, message):
+def test_a_setting_that_changes_the_ops_is_followed(make_optimizer, change):
     # a guarded setting that changed makes the call a checked one; one that changes which ops the
-    # optimizer runs (or which tensors it updates) is a divergence there, loudly, before the update
+    # optimizer runs (or which tensors it updates) diverges inside torch's own step(): the call
+    # records again from there (replay.branching_step; it raised TraceMismatchError before), as
+    # eager runs it, and later calls run without the host again
     (model_a, opt_a), (model_b, opt_b) = _mlp_twins(make_optimizer)
     traced = tracejit.trace(train_step, without_host=True, backend="aten")
-    for i in range(4):
+    for i in range(8):
+        if i == 4:
+            for opt in (opt_a, opt_b):
+                group = opt.param_groups[0]
+                if change == "params_reordered":
+                    group["params"].reverse()
+                else:
+                    group[change] = True
+            rerecords, host_free = traced.stats.rerecords, traced.stats.host_free_calls
         x, y = batch("mlp", i)
-        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a))
-    group = opt_b.param_groups[0]
-    if change == "params_reordered":
-        group["params"].reverse()
-    else:
-        group[change] = True
-    before = [p.detach().clone() for p in model_b.parameters()]
-    with pytest.raises(tracejit.TraceMismatchError, match=message) as raised:
-        traced(*batch("mlp", 4), model=model_b, opt=opt_b)
-    assert "opt.step()" in str(raised.value)
-    assert all(torch.equal(p, q) for p, q in zip(before, model_b.parameters()))
-    assert traced.stats.host_free_misses == 1 and traced.stats.host_free_calls >= 2
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b), train_step(x, y, model=model_a, opt=opt_a)), i
+        assert all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_b.parameters())), i
+    assert traced.stats.rerecords == rerecords + 1, traced.stats
+    assert traced.stats.host_free_calls > host_free, traced.stats
 
 
 def test_a_parameter_taken_out_of_the_optimizer_records_again_and_follows_eager():
