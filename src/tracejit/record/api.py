@@ -222,6 +222,9 @@ _TORCH_HOOK_FILES = ("utils/hooks.py", "utils/checkpoint.py", "autograd/function
                      "distributed/")
 
 
+_OWN_WAITS = frozenset(os.path.join(_TRACEJIT_DIR, "record", name) for name in ("ranks.py", "collectives.py"))
+
+
 def _foreign_frame(filename: str) -> bool:
     """True for Python code that the checker would skip: the user's, or torch's hook machinery."""
     if filename.startswith(_TRACEJIT_DIR) or filename.startswith(_STDLIB_DIR):
@@ -336,13 +339,15 @@ class ApiTracer(TorchFunctionMode):
         seen: list[str] = []
         # A collection that happens to start inside backward runs gc callbacks (a profiler's, a
         # test framework's): they are not part of the step, so they and what they call are skipped.
+        # So is what tracejit's own wait for a collective DDP issues in backward calls (the store
+        # it posts a blocked wait to, when a peer is slow: torch.distributed's Python)
         collecting = {_code_of(callback) for callback in gc.callbacks} - {None}
-        depth = 0  # > 0 while inside a gc callback
+        depth = 0  # > 0 while inside a gc callback or tracejit's collective wait
 
         def profile(frame, event, arg):
             nonlocal depth
             if event == "call":
-                if depth or frame.f_code in collecting:
+                if depth or frame.f_code in collecting or frame.f_code.co_filename in _OWN_WAITS:
                     depth += 1
                 elif not seen and _foreign_frame(frame.f_code.co_filename):
                     seen.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
