@@ -420,3 +420,63 @@ def test_several_steps_of_one_optimizer_in_a_call_are_answered_with_their_own_co
     if name != "nadam_loop":
         assert stats.api_fallbacks == 0 and stats.api_replays >= 5, stats
         assert stood_in(traced) == 4 * stats.api_replays  # two steps and two zero_grads each
+
+
+def test_a_call_that_raises_after_the_branch_re_record_leaves_the_gradients_cleared():
+    # review 42 F04: the re-record at RAdam's switch dropped the `.grad = None` clears the call
+    # made before it (opt.zero_grad() at the top), so a later call raising inside the program kept
+    # the old gradients where eager had cleared them
+    def top_cleared_step(x, y, *, model, opt):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    pairs = [(model, torch.optim.RAdam(model.parameters(), lr=0.01)) for model in pair_of_models()]
+    traced = tracejit.trace(top_cleared_step, backend="aten")
+    (model_a, opt_a), (model_b, opt_b) = pairs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracejit.ReplayLevelWarning)
+        run_beside(traced, top_cleared_step, pairs, 9)
+        x, y = batch("mlp", 9)
+        y = y.clone()
+        y[0] = 99  # a bad label: cross_entropy raises after zero_grad() cleared the gradients
+        for function, model, opt in ((top_cleared_step, model_a, opt_a), (traced, model_b, opt_b)):
+            with pytest.raises((IndexError, RuntimeError)):
+                function(x, y, model=model, opt=opt)
+    assert traced.stats.rerecords >= 1  # the switch at step 6 recorded the call again
+    assert all(p.grad is None for p in model_a.parameters())
+    assert all(p.grad is None for p in model_b.parameters())
+
+
+def test_a_gradient_cleared_on_some_calls_inside_the_step_is_followed():
+    # review 42 F01: a user's `p.grad = None` before step() on some calls changes the step's ops;
+    # the re-record started while the API tracer noted the call, which crashed with IndexError
+    drop = [False]
+
+    def dropping_step(x, y, *, model, opt):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if drop[0]:
+            model.net[-1].bias.grad = None
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    pairs = [(model, torch.optim.Adam(model.parameters(), lr=0.05)) for model in pair_of_models()]
+    traced = tracejit.trace(dropping_step, backend="aten")
+    (model_a, opt_a), (model_b, opt_b) = pairs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tracejit.ReplayLevelWarning)
+        for i in range(8):
+            drop[0] = i % 3 == 1
+            x, y = batch("mlp", i)
+            want = dropping_step(x, y, model=model_a, opt=opt_a)
+            try:
+                got = traced(x, y, model=model_b, opt=opt_b)
+            except tracejit.TraceMismatchError:  # the re-records spent: loud, never a crash
+                assert i >= 4
+                return
+            assert torch.equal(got, want), i
+            assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
