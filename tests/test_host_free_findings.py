@@ -200,3 +200,30 @@ def test_a_host_read_appended_to_a_long_global_list_is_refused_without_the_host(
     with pytest.raises(tracejit.HostDependencyError, match=r"reads tensor values on the host"):
         for i in range(4):
             traced(*batch(i), model=model, opt=opt)
+
+
+def test_a_history_appended_to_on_every_call_says_every_call_runs_the_function():
+    """Hunt R F3's other half: `history.append(loss.detach())` changes a list on every call, so
+    every call runs the function, as eager does (correct), and was silently 8x slower than eager.
+    A HostFreeMissWarning now says so after three calls in a row, once."""
+    history = []
+
+    def step(x, y, *, model, opt):
+        loss = train_step(x, y, model=model, opt=opt)
+        history.append(loss.detach())
+        return loss
+
+    model = make_model()
+    eager_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    traced = tracejit.trace(step, without_host=True, backend="aten")
+    with pytest.warns(tracejit.HostFreeMissWarning, match=r"3 calls in a row .*history has other items") as caught:
+        for i in range(CALLS):
+            want = train_step(*batch(i), model=eager_model, opt=eager_opt)
+            assert torch.equal(traced(*batch(i), model=model, opt=opt), want)
+            assert torch.equal(history[-1], want) and len(history) == i + 1
+    assert sum(issubclass(w.category, tracejit.HostFreeMissWarning) for w in caught) == 1
+    assert traced.stats.host_free_calls == 0 and traced.stats.checked_replays == CALLS - 1
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)

@@ -43,7 +43,7 @@ from .record.names import ExternalNames, has_lazy_tensors, lazy_modules, roots_o
 from .record.placeholders import SYMBOLIC_LIMITS
 from .record.ranks import post_failure
 from .record.reached import Seen
-from .record.reads import reads_state_it_changes
+from .record.reads import reads_state_it_changes, storage_root
 from .record.record import Kind, Record
 from .record.recorder import Recorder
 from .record.rng import rng_dependency
@@ -81,9 +81,10 @@ from .signature import (
     user_modes,
 )
 
-# aten-level calls in a row whose API-level program could not be bound before a ReplayLevelWarning
-# says so: one is a call's own business (a tensor reached for the first time), three are a pattern
-_UNBOUND_WARNING = 3
+# calls in a row that missed the fast path for one cause (an API-level program that could not be
+# bound, containers a without_host call rearranged) before a warning says so: one is a call's own
+# business (a tensor reached for the first time, a cache filled once), three are a pattern
+_CALLS_IN_A_ROW = 3
 
 
 @dataclass
@@ -100,6 +101,7 @@ class TraceEntry:
     host_free_calls: int = 0
     host_free_misses: int = 0  # of those, the calls whose guards failed (they ran the function)
     warned_misses: bool = False
+    rearranging_calls: int = 0  # without_host: calls in a row that rearranged containers (ran the function)
     history: list = field(default_factory=list)  # (pass, graph, seconds) of the host-free pipeline
     handles: HandleMap | None = None  # the handle map of the last call that ran the function (weak)
     api: ApiProgram | None = None  # checked replay at the torch API level (runtime/api_replay.py)
@@ -1087,6 +1089,18 @@ class trace(ProfileAccess):
             f"keep the objects and settings the program was bound to.", HostFreeMissWarning,
             where.filename or "<unknown>", where.line or 0)
 
+    def _warn_rearranging(self, rearranged: list[str]) -> None:
+        """Calls in a row rearranged containers, so every call ran the function: say so, once per
+        trace (the count restarts only after a call that rearranged none)."""
+        where = user_location()
+        warnings.warn_explicit(
+            f"tracejit: {_CALLS_IN_A_ROW} calls in a row of {self.__name__}() with without_host=True ran the "
+            f"function (slower than eager): each changed the items of a container it reaches "
+            f"({'; '.join(rearranged[:3])}), which a call without the function would not do again. Keep "
+            f"such histories outside the traced function (append what it returns), or trace without "
+            f"without_host (checked calls keep them fast).", HostFreeMissWarning,
+            where.filename or "<unknown>", where.line or 0)
+
     def _warn_replay_level(self, message: str) -> None:
         where = user_location()
         warnings.warn_explicit(f"tracejit: {message}", ReplayLevelWarning, where.filename or "<unknown>",
@@ -1180,7 +1194,14 @@ class trace(ProfileAccess):
         # rearranged (`history.append(y)`, a window shifted): a call without the function would not
         # do it again, so the next call runs the function, and while every call does, every call
         # runs the function, as eager does
-        if self._settings_changed.get(entry.key) or names.rearranged():
+        rearranged = names.rearranged()
+        if rearranged:
+            entry.rearranging_calls += 1
+            if entry.rearranging_calls == _CALLS_IN_A_ROW:
+                self._warn_rearranging(rearranged)
+        else:
+            entry.rearranging_calls = 0
+        if self._settings_changed.get(entry.key) or rearranged:
             if entry.host_free is None:
                 try:  # what the program refuses (host reads) it refuses however the containers change
                     entry.host_free = self._host_free_runner(entry)
@@ -1259,10 +1280,10 @@ class trace(ProfileAccess):
         call's own business (a tensor reached for the first time); call after call it means every
         checked call stays at the aten level, which the user hears of, once per trace."""
         entry.api_unbound += 1
-        if entry.api_unbound == _UNBOUND_WARNING:
+        if entry.api_unbound == _CALLS_IN_A_ROW:
             self._warn_replay_level(
                 f"checked calls of {self.__name__}() stay at the aten level (slower): the torch API level "
-                f"could not be bound after {_UNBOUND_WARNING} calls in a row ({reason}); it is tried again on "
+                f"could not be bound after {_CALLS_IN_A_ROW} calls in a row ({reason}); it is tried again on "
                 f"every call. Said once per trace.")
 
     @collector_paused()  # tracejit's own work, not the function's: see runtime/gc_pause.py
@@ -1433,10 +1454,15 @@ def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) ->
     kept_by_ddp_itself = kept_by_ddp(record, trace)  # DistributedDataParallel's, see runtime/ddp_stand_in.py
     for handle, tensor in live.items():
         info = record.tensors[handle]
+        # A tensor in memory the call made, kept without an autograd graph (`history.append(loss.detach())`),
+        # gets the program's tensor where the function put it (hostfree.KeptSlot); a placeholder
+        # carries no autograd graph
         if (info.kind is Kind.INTERNAL and id(tensor) not in outputs and id(tensor) not in grads
-                and handle not in kept_by_ddp_itself):
-            return (f"the function keeps t{handle} (made at {_producer_source(record, handle)}) beyond the call; "
-                    f"the API level hands out placeholders for such values")
+                and handle not in kept_by_ddp_itself
+                and (tensor.requires_grad or record.tensors[storage_root(record, handle)].kind is not Kind.INTERNAL)):
+            what = "a tensor that requires grad" if tensor.requires_grad else "a view of a tensor it did not make"
+            return (f"the function keeps t{handle}, {what} (made at {_producer_source(record, handle)}), beyond "
+                    f"the call; the API level hands out placeholders for such values")
     return None
 
 

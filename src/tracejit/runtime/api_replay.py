@@ -427,9 +427,12 @@ class ApiProgram:
         for handle in placeholders:
             if sys.getrefcount(placeholders[handle]) > 3:
                 kept[handle] = placeholders[handle]
+        handles = self.placeholder_handles
         for handle, tensor in kept.items():
             meta = self.record.tensors[handle].meta
-            placeholders[handle] = tensor.detach()  # same layout over the scratch buffer
+            placeholders[handle] = fresh = tensor.detach()  # same layout over the scratch buffer
+            del handles[id(tensor)]
+            handles[id(fresh)] = handle
             tensor.set_(torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device))
         self.placeholder_values = list(placeholders.values())
         return kept
@@ -1047,9 +1050,24 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         return None, failure
     del result
     kept = program.kept_placeholders()
+    slots = program.runner.kept_slots
+    if kept and kept.keys() <= slots.keys():  # kept as the traced call kept them: the program fills them
+        for handle, tensor in kept.items():
+            slots[handle].tensor = tensor
+        try:
+            output = program.runner.call(args, kwargs, checker.scalars, externals)
+        finally:
+            for handle in kept:
+                slots[handle].tensor = None
+        if output is not MISS:
+            kept = {}
+    else:
+        output = MISS if kept else program.runner.call(args, kwargs, checker.scalars, externals)
     if kept:
-        # The function kept values the traced call did not (a list it appends to on some calls):
-        # the host-free program may not even compute them. This call runs the record op by op.
+        # The function kept values the traced call did not (a list it appends to on some calls;
+        # the host-free program may not even compute them), or the program's guards failed after
+        # the function had kept them (a rerun of the function would leave them unfilled). This
+        # call runs the record op by op.
         output = run_op_by_op(program, args, kwargs, checker.scalars, kept, externals)
         if output is MISS:
             raise TraceMismatchError(
@@ -1057,7 +1075,6 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
                 f"traced call did not, and an object the trace uses is gone: the call cannot be completed")
         deferred.apply()
         return output, None
-    output = program.runner.call(args, kwargs, checker.scalars, externals)
     if output is MISS:
         return None, "a guard of the compiled program failed"
     if deferred.pending:

@@ -48,6 +48,7 @@ from ..record.names import (
     root_expression,
     same_value,
 )
+from ..record.reads import storage_root
 from ..record.record import Flag, Kind, OutputSpec, Record, math_bits
 from ..record.recorder import storage_address
 from ..record.rng import rng_dependency
@@ -446,6 +447,20 @@ def _fail(condition: str, message: str) -> str:
     return f"if {condition}: return MISS  # {text if len(text) <= 200 else text[:197] + '...'}"
 
 
+class KeptSlot:
+    """Where a checked call at the API level puts the tensor its function kept beyond the call
+    where tracejit cannot find it (`history.append(loss.detach())`): called like the weak
+    reference the host-free program holds otherwise, it answers that tensor or None."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor | None:
+        return self.tensor
+
+
 class HostFreeRunner:
     """Runs one trace without its function, through one generated function per binding:
     `call(args, kw)` checks the signature and the guards, binds, runs the program and returns
@@ -467,6 +482,7 @@ class HostFreeRunner:
         self.sources: dict[str, str] = {}
         self.env_template: list = []
         self.unplaced: list[str] = []  # kept tensors the epilogue cannot leave where the function would
+        self.kept_slots: dict[int, KeptSlot] = {}
         self.gradient_state = gradient_state  # the trace's, which also watches DDPs reached without a keyword
         # externals tracejit cannot find by a path (no locator), as the last binding call reached
         # them: a call may skip the function only after two calls reached the same objects
@@ -711,6 +727,7 @@ class HostFreeRunner:
         self._bound = objects
         self._escape_guards: list[str] = []  # filled by the epilogue: checks before the program runs
         self.unplaced: list[str] = []  # and the tensors it kept where tracejit cannot find them
+        self.kept_slots: dict[int, KeptSlot] = {}  # of those, the ones a checked call's function holds
         program = self._program_lines(objects, kwargs, src)
         self._names = self._bound = self._handle_of = None  # binding's own: they hold the call's tensors
         guards += self._escape_guards
@@ -1235,6 +1252,16 @@ class HostFreeRunner:
             self.escaped_objects[handle] = src.namespace[ref]
             if holder is not None:
                 body += holder.store(f"h{handle}", ref, src)
+            elif self.checked and tensors[storage_root(self.record, handle)].kind is Kind.INTERNAL:
+                # A checked call at the API level: the function ran and holds what it kept (a list it
+                # appends to) as a placeholder, which api_replay puts in this slot; the placeholder
+                # takes the program's tensor's memory (fresh on every call: it outlives the call),
+                # so a kept `loss.detach()` shares the returned loss's as in eager. A call that did
+                # not keep it leaves the slot empty
+                slot = self.kept_slots[handle] = KeptSlot()
+                ref = src.constant(slot, "k")
+                self.escaped_objects[handle] = slot
+                body += [f"o = {ref}()", "if o is not None:", f"    o.set_(h{handle})"]
             else:
                 # Held where tracejit cannot find it. A view of memory the call made is written into
                 # the view held now (DistributedDataParallel's gradient buckets: its reducer holds
