@@ -4,6 +4,7 @@ the calls (or, where it must not, that it did not)."""
 
 import copy
 import gc
+import sys
 import warnings
 
 import pytest
@@ -514,7 +515,8 @@ def test_replay_env_switch_keeps_the_aten_level(monkeypatch):
     traced = tracejit.trace(lambda x: x * 2)
     for _ in range(4):
         traced(torch.randn(3))
-    assert traced.stats.checked_replays == 3 and traced.stats.api_replays == 0
+    stats = traced.stats  # the record, a re-record of Adam's lazy state, then aten-level replays
+    assert stats.records + stats.rerecords == 2 and stats.checked_replays == 2 and stats.api_replays == 0
 
 
 def test_inference_with_no_grad_and_eval_mode():
@@ -1131,3 +1133,52 @@ def test_a_call_that_leaves_the_api_level_before_the_function_runs_does_not_say_
     assert not [w for w in caught if "happened twice" in str(w.message)], [str(w.message) for w in caught]
     assert torch.equal(got, step(torch.ones(1, 3), model=model_a, opt=opt_a))
     assert_same_state(model_a, opt_a, model_b, opt_b)
+
+
+def test_a_step_profiled_with_cprofile_notes_its_calls_and_keeps_the_profiler():
+    """The call that notes the torch-level calls watches backward() with sys.setprofile and put
+    back what sys.getprofile() had answered: under cProfile, its Profile object, which
+    sys.setprofile cannot take, so the user's step raised TypeError ("'Profile' object is not
+    callable") on the next Python event. cProfile is enabled again instead, and sees the calls."""
+    import cProfile
+    import pstats
+
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "adam_fused")
+    traced = tracejit.trace(train_step)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for i in range(5):
+            x, y = batch("mlp", i)
+            want = train_step(x, y, model=model_a, opt=opt_a)
+            assert torch.equal(traced(x, y, model=model_b, opt=opt_b), want)
+            assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+        _after_the_steps()
+    finally:
+        profiler.disable()
+    served_by_api(traced)
+    profiled = {code[2] for code in pstats.Stats(profiler).stats}
+    assert "_after_the_steps" in profiled  # the profiler ran after the noting call's backward too
+
+
+def _after_the_steps():
+    pass
+
+
+def test_a_step_noted_under_torch_profiler_with_stacks_keeps_the_profiler():
+    """torch.profiler's with_stack=True installs a C profiler that cannot be put back once
+    replaced: the noting call leaves it alone and the trace stays at the aten level, saying why."""
+    from torch.profiler import profile
+
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "adam_fused")
+    traced = tracejit.trace(train_step)
+    with profile(with_stack=True), pytest.warns(tracejit.ReplayLevelWarning, match="with_stack=True"):
+        tracer = sys.getprofile()
+        for i in range(4):
+            x, y = batch("mlp", i)
+            want = train_step(x, y, model=model_a, opt=opt_a)
+            assert torch.equal(traced(x, y, model=model_b, opt=opt_b), want)
+            assert sys.getprofile() is tracer
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    stats = traced.stats  # the record, a re-record of Adam's lazy state, then aten-level replays
+    assert stats.records + stats.rerecords == 2 and stats.checked_replays == 2 and stats.api_replays == 0

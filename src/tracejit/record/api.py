@@ -210,6 +210,20 @@ def function_name(func: Any) -> str:
     return qualname.replace("_VariableFunctionsClass.", "").replace("_TensorBase.", "Tensor.")
 
 
+def _restore_profiler(previous: Any) -> None:
+    """Put back the profiler that ran before a watched backward pass: a Python function with
+    sys.setprofile; cProfile's, a C profiler that sys.getprofile answers with its Profile object
+    (which sys.setprofile cannot take: the next event raises TypeError in the user's code), by
+    enabling it again."""
+    if previous is None or callable(previous):
+        sys.setprofile(previous)
+        return
+    sys.setprofile(None)
+    enable = getattr(previous, "enable", None)
+    if enable is not None:
+        enable()
+
+
 def _short(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
@@ -336,6 +350,11 @@ class ApiTracer(TorchFunctionMode):
     def _watch_backward(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run a backward pass watching for Python code the checker would not run (hooks)."""
         previous = sys.getprofile()
+        if previous is not None and not callable(previous) and not hasattr(previous, "enable"):
+            # a C profiler that cannot be put back afterwards (torch.profiler's with_stack=True)
+            self.trace.refuse("backward() ran under a profiler of Python calls (torch.profiler with "
+                              "with_stack=True) when the call was noted, which tracejit cannot watch it beside")
+            return func(*args, **kwargs)
         seen: list[str] = []
         # A collection that happens to start inside backward runs gc callbacks (a profiler's, a
         # test framework's): they are not part of the step, so they and what they call are skipped.
@@ -358,7 +377,7 @@ class ApiTracer(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         finally:
-            sys.setprofile(previous)
+            _restore_profiler(previous)
             if seen:
                 self.trace.refuse(f"Python code runs inside backward(): {seen[0]}")
 
