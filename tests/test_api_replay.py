@@ -515,8 +515,7 @@ def test_replay_env_switch_keeps_the_aten_level(monkeypatch):
     traced = tracejit.trace(lambda x: x * 2)
     for _ in range(4):
         traced(torch.randn(3))
-    stats = traced.stats  # the record, a re-record of Adam's lazy state, then aten-level replays
-    assert stats.records + stats.rerecords == 2 and stats.checked_replays == 2 and stats.api_replays == 0
+    assert traced.stats.checked_replays == 3 and traced.stats.api_replays == 0
 
 
 def test_inference_with_no_grad_and_eval_mode():
@@ -1182,3 +1181,38 @@ def test_a_step_noted_under_torch_profiler_with_stacks_keeps_the_profiler():
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
     stats = traced.stats  # the record, a re-record of Adam's lazy state, then aten-level replays
     assert stats.records + stats.rerecords == 2 and stats.checked_replays == 2 and stats.api_replays == 0
+
+
+def test_a_value_kept_before_a_divergence_gets_the_value_the_aten_level_computes():
+    """A call that diverges at the API level runs the function again at the aten level, so what
+    the function appended before the divergence is appended twice (said by a ReplayLevelWarning).
+    The first copy was the placeholder of the run that computes nothing, over a scratch buffer
+    nobody writes: the history held a 0.0 among the losses. It now holds the call's value."""
+    torch.manual_seed(0)
+    (model_a, opt_a), (model_b, opt_b) = twin(nn.Linear(4, 2), "sgd")
+    opt_a, opt_b = (torch.optim.RAdam(m.parameters(), lr=0.01) for m in (model_a, model_b))
+
+    def step(x, y, *, model, opt, history):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        history.append(loss.detach())
+        opt.step()  # RAdam's rectification switches on at step 6: the API level diverges there
+        opt.zero_grad()
+        return loss
+
+    traced = tracejit.trace(step)
+    eager_history, traced_history, fallbacks = [], [], []
+    with pytest.warns(tracejit.ReplayLevelWarning, match="happened twice"):
+        for i in range(9):
+            x, y = torch.randn(8, 4), torch.randn(8, 2)
+            before = traced.stats.api_fallbacks
+            assert torch.equal(traced(x, y, model=model_b, opt=opt_b, history=traced_history),
+                               step(x, y, model=model_a, opt=opt_a, history=eager_history))
+            if traced.stats.api_fallbacks > before:
+                fallbacks.append(i)
+    assert fallbacks == [5] and traced.stats.api_replays >= 4
+    assert len(traced_history) == len(eager_history) + 1
+    assert torch.equal(traced_history[5], traced_history[6])  # the call's one value, twice
+    del traced_history[5]
+    assert all(torch.equal(a, b) for a, b in zip(traced_history, eager_history))
+    assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)

@@ -22,6 +22,7 @@ from benchmarks.workloads import train_step
 from tracejit import SymbolicTraceError, TraceCacheFullError, TraceMismatchError
 from tracejit.record.symbolic_shapes import readable
 
+_DEEP: dict = {"a": {"b": {"c": {"d": {"e": []}}}}}  # deeper than a dropped attempt's snapshot reaches
 LENGTHS = (5, 7, 9, 12, 16, 17, 20, 23, 24, 29, 31, 32, 40, 47, 48, 64)  # 16 sequence lengths
 BATCHES = (2, 3, 8, 13)  # 4 batch sizes
 
@@ -438,7 +439,7 @@ def test_a_mixed_precision_step_the_meta_kernels_mispredict_stays_static_in_the_
     assert traced._shape_traces == [] and traced.stats.checked_replays >= 3
 
 
-def test_the_automatic_mode_still_refuses_a_stand_in_kept_in_python_state():
+def test_the_automatic_mode_puts_back_a_stand_in_kept_in_a_closure_list():
     kept = []
 
     def keep(x):
@@ -448,9 +449,10 @@ def test_the_automatic_mode_still_refuses_a_stand_in_kept_in_python_state():
 
     traced = tracejit.trace(keep)
     traced(torch.randn(4))
-    with pytest.raises(SymbolicTraceError, match="beyond the call") as raised:
-        traced(torch.randn(6))
-    assert "symbolic_shape=None" not in str(raised.value)  # the mode it runs in
+    x = torch.randn(6)
+    traced(x)  # the attempt's stand-in in the closure's list is put back, and the size records static
+    assert len(kept) == 2 and type(kept[-1]) is torch.Tensor and torch.equal(kept[-1], x * 2)
+    assert traced.stats.records == 2 and traced._shape_traces == []
 
 
 def _summed_forward(x, *, model):
@@ -705,7 +707,7 @@ def test_a_dropped_symbolic_attempt_leaves_the_state_as_it_found_it(step, unwrit
 
 
 def _bad_batch_step(x, y, *, model, opt, runs):
-    runs.append(x.shape[0])
+    runs.append(None)  # a run (a size would be a symbol in the attempt: Python state the attempt drops for)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     if x.shape[0] == 3:  # a bad batch, found after backward: the function's own exception
@@ -739,7 +741,8 @@ def test_the_functions_own_exception_during_a_symbolic_recording(symbolic_shape,
         assert same_tree(results[1], results[0]), (i, n, results)
         _same_state(twins, objects, (i, n))
         if symbolic_shape is None:  # a bad batch at a new size: its symbolic attempt, then the static run
-            assert [r for r in traced_runs if r != 3] == [r for r in eager_runs if r != 3], (i, n)
+            bad_so_far = sum(m == 3 for m in (5, 5, 5, 3, 6, 6, 3, 5, 5, 6)[:i + 1])
+            assert 0 <= len(traced_runs) - len(eager_runs) <= bad_so_far, (i, n)
         else:
             assert traced_runs == eager_runs, (i, n)  # the function ran once per call
     if symbolic_shape is None:  # one bad batch does not keep the kind static
@@ -854,13 +857,15 @@ def test_a_dropped_attempt_restores_the_gradients_of_a_closures_parameters(unwri
 
 
 def test_a_dropped_attempt_that_left_a_tensor_in_a_users_list_says_so():
-    # a list of the user's own is not put back: falling back to a static trace would leave an
-    # uncomputed tensor in it, so the call raises, with the state of an eager call that raised there
-    history = []
+    # a list of the user's own that the snapshot does not reach (a helper's global, three dicts
+    # deep) is not put back: falling back to a static trace would leave an uncomputed tensor in
+    # it, so the call raises, with the state of an eager call that raised there
+    history = _DEEP["a"]["b"]["c"]["d"]["e"]
+    history.clear()
 
     def step(x, *, model):
         loss = model(x).pow(2).mean()
-        history.append(loss.detach())  # of fixed size: a placeholder until the record runs
+        _DEEP["a"]["b"]["c"]["d"]["e"].append(loss.detach())  # of fixed size: a placeholder until the record runs
         scale = F.interpolate(torch.ones(1, 1, 4), size=x.shape[0]).mean()
         return loss.detach() * scale
 
@@ -1064,3 +1069,99 @@ def test_a_host_read_of_a_computed_value_names_symbolic_shape_and_its_remedies()
     assert "recorded with symbolic_shape=True" in message and "symbolic=True" not in message
     assert message.endswith("or trace with symbolic_shape=None (the default) or False.")
     assert "exclude_from_trace" not in message  # which symbolic_shape=True refuses
+
+
+class _Meter:
+    def __init__(self):
+        self.last = None
+        self.inner = None
+
+
+_PREDICTIONS: list = []
+
+
+def _keeping_step(where):
+    """mlp_step that keeps its detached predictions, as epoch metrics do, `where` says where."""
+    def step(x, y, *, model, opt, store):
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if where == "a global list":
+            _PREDICTIONS.append(out.detach().argmax(1))
+        elif where == "a keyword list":
+            store["list"].append(out.detach().argmax(1))
+        else:
+            store["meter"].last = out.detach()
+        return loss.detach()
+    return step
+
+
+KEEPING = ["a global list", "a keyword list", "an attribute of a keyword object"]
+
+
+@pytest.mark.parametrize("where", KEEPING)
+def test_the_automatic_mode_records_a_smaller_last_batch_that_keeps_predictions(where):
+    """Hunt U F1: a smaller last batch was first recorded on stand-ins of symbolic size; the step
+    kept one (in a global or keyword list, an attribute of the user's object) that the snapshot of
+    the attempt did not put back, so the call raised SymbolicTraceError and left a FakeTensor in
+    the user's list (`torch.cat(preds)` then failed). Those containers are put back now, and the
+    call records the static trace of its size, as the automatic mode promises."""
+    sizes = [12, 12, 12, 7, 12, 7]
+    results = {}
+    for traced in (False, True):
+        objects = _mlp_objects()
+        _PREDICTIONS.clear()
+        store = {"list": [], "meter": _Meter()}
+        step = _keeping_step(where)
+        if traced:
+            step = tracejit.trace(step, backend="aten")
+        kept = []
+        for i, n in enumerate(sizes):
+            x, y = _batch(n, seed=i)
+            step(x, y, **objects, store=store)
+            kept.append(store["meter"].last)
+        lists = [*_PREDICTIONS, *store["list"]]
+        assert not any(type(t) is not torch.Tensor for t in [*lists, *(k for k in kept if k is not None)])
+        results[traced] = (lists, kept, [state_of(v) for v in objects.values()]), step
+    (want, _), (got, traced) = results[False], results[True]
+    assert same_tree(got, want)
+    assert traced.stats.records == 2  # the first size, and the static trace of the smaller one
+    assert traced.stats.replays == len(sizes) - 2 - traced.stats.rerecords
+
+
+def test_a_stand_in_kept_where_nothing_puts_it_back_is_replaced_by_its_value_when_the_call_raises():
+    """The attempt's stand-in kept deeper than the snapshot reaches: the call raises, as
+    documented, and the container holds what an eager call that raised there leaves (the computed
+    predictions), not a FakeTensor."""
+    objects, twins = _mlp_objects(), _mlp_objects()
+    deep = _DEEP["a"]["b"]["c"]["d"]["e"]
+    deep.clear()
+
+    def step(x, y, *, model, opt):
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _DEEP["a"]["b"]["c"]["d"]["e"].append(out.detach())
+        return loss.detach()
+
+    traced = tracejit.trace(step, backend="aten")
+    wanted = []
+    for i, n in enumerate([12, 12, 12, 7]):
+        x, y = _batch(n, seed=i)
+        if n == 7:
+            with pytest.raises(SymbolicTraceError, match="keeps t"):
+                traced(x, y, **objects)
+        else:
+            traced(x, y, **objects)
+        out = twins["model"](x)
+        wanted.append(out.detach())
+        F.cross_entropy(out, y).backward()
+        twins["opt"].step()
+        twins["opt"].zero_grad()
+    assert [type(t) for t in deep] == [torch.Tensor] * 4
+    assert all(torch.equal(a, b) for a, b in zip(deep, wanted))
+    assert same_tree([state_of(v) for v in objects.values()], [state_of(v) for v in twins.values()])

@@ -66,7 +66,7 @@ from .runtime.replay import OPTIMIZER_BRANCHES, Replayer
 from .runtime.shape_traces import ShapeTrace, all_dims, family, input_shapes, why_static, why_static_inputs
 from .runtime.stats import TraceStats
 from .runtime.turns import register, take_turn
-from .runtime.undo import StateSnapshot
+from .runtime.undo import StateSnapshot, is_fake
 from .runtime.variants import ShapeVariants
 from .signature import (
     call_context_key,
@@ -443,10 +443,18 @@ class trace(ProfileAccess):
             return result
         entry.api_last_fallback = fallback
         self.stats.api_fallbacks += 1
+        # placeholders the function kept before it diverged (`history.append(loss.detach())`): the
+        # run that computes nothing left them there, so they get the values the aten level computes
+        stranded = entry.api.kept_placeholders()
         entry.api = None  # the aten-level call rebuilds it from what it sees
         # An exception the aten level raises too is the function's own (bad data, a retried call):
         # it says nothing against the API level. One that only the API level raised counts.
-        result = self._replay(entry, args, kwargs)
+        handles: list[HandleMap] = []
+        try:
+            result = self._replay(entry, args, kwargs, handles)
+        finally:
+            if stranded:
+                _fill_stranded(stranded, handles[0].live() if handles else {})
         if interrupted is not None:
             raise interrupted
         entry.api_fallbacks += 1
@@ -861,6 +869,7 @@ class trace(ProfileAccess):
                     return _STATIC
                 if not restored:
                     _abandon(recorder, error)  # the state of an eager call that raised there, as below
+                    _replace_stand_ins(recorder)
                 if isinstance(error, SymbolicTraceError):
                     raise
                 ran = ("Nothing of this call ran, and that tensor holds unwritten memory" if restored else
@@ -926,7 +935,8 @@ class trace(ProfileAccess):
                                     external_names=names, compile=_record_itself, runner=Realizer())
         return Recorder(self.__name__, capture_as_const=self.options.capture_as_const, external_names=names)
 
-    def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict) -> Any:
+    def _replay(self, entry: TraceEntry, args: tuple, kwargs: dict, handles: list | None = None) -> Any:
+        """An aten-level checked call; `handles` (if given) gets its handle map (weak references)."""
         lazy = self._lazy_modules(entry.key, kwargs)  # another model, still lazy: its materializing call runs eagerly
         if lazy:
             return self._run_materializing(entry.key, lazy, args, kwargs)
@@ -959,6 +969,8 @@ class trace(ProfileAccess):
             variants=variants, room=self.options.max_traces - self._trace_count(), max_traces=self.options.max_traces,
             optimizer_branches=OPTIMIZER_BRANCHES - entry.optimizer_branches,
         )
+        if handles is not None:
+            handles.append(replayer.handles)
         tracer = self._api_tracer(entry, replayer, args, kwargs)
         context = call_context_key()
         call = CallContext(self, replayer, self.options.capture_as_const)
@@ -1421,6 +1433,21 @@ class trace(ProfileAccess):
         return f"arg{index}"
 
 
+def _fill_stranded(stranded: dict[int, torch.Tensor], live: dict[int, torch.Tensor]) -> None:
+    """Give the placeholders a diverged API-level run left in the function's hands the values the
+    aten-level run of the same call computed for their handles (the function kept those too: the
+    side effect happened twice, with the same values); one it did not compute again is NaN (0 for
+    integers), never memory nobody wrote."""
+    with torch.no_grad():
+        for handle, tensor in stranded.items():
+            value = live.get(handle)
+            if (value is not None and value.shape == tensor.shape and value.dtype == tensor.dtype
+                    and value.device == tensor.device):
+                tensor.set_(value.detach())
+            else:
+                tensor.fill_(float("nan") if tensor.is_floating_point() or tensor.is_complex() else 0)
+
+
 def _kept_values(record: Record, live: dict, trace, kwargs: dict, ours: list) -> str | None:
     """Why the API level cannot stand in for the call if it keeps computed values beyond the call
     other than its outputs and gradients (which the host-free program writes back), else None."""
@@ -1532,6 +1559,27 @@ def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,
         return kept, False
     before.restore()
     return recorder.left_behind(), True  # the same tensor held twice, once where nothing puts it back
+
+
+def _replace_stand_ins(recorder: SymbolicRecorder) -> None:
+    """After a dropped attempt whose record then ran for real: a stand-in of symbolic size the
+    function left in a list or dict that nothing puts back (`box.inner.items.append(out.detach())`)
+    is replaced there by the value the run computed, as an eager call that raised there leaves it."""
+    for handle, tensor in recorder.handles.live().items():
+        if not is_fake(tensor):
+            continue
+        try:
+            real = recorder.computed(handle)
+        except (RuntimeError, IndexError):
+            continue
+        if is_fake(real):
+            continue
+        for holder in gc.get_referrers(tensor):
+            if isinstance(holder, list):
+                holder[:] = [real if item is tensor else item for item in holder]
+            elif isinstance(holder, dict):
+                for key in [key for key, value in holder.items() if value is tensor]:
+                    holder[key] = real
 
 
 def _put_back_unwritten(recorder: Any, before: StateSnapshot | None) -> None:

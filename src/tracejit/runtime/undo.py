@@ -10,15 +10,18 @@ placeholder `.grad`, use the placeholder momentum buffer): unwritten memory.
 
 `StateSnapshot`, taken before the attempt, holds what the state the traced function reaches
 held: the contents of the dicts and lists of every module (with its submodules), optimizer,
-learning-rate scheduler and gradient scaler reached from the function's keyword arguments,
-globals and closure cells (directly or in a list, tuple or dict there), and the `.grad` and
-`requires_grad` of their parameters. `restore()` puts it back in place (the same dict and list
+learning-rate scheduler, gradient scaler and object of a user's class reached from the function's keyword arguments,
+globals and closure cells (directly or in a list, tuple or dict there), of the lists and dicts
+those globals, cells and keyword arguments are or hold, and the `.grad` and `requires_grad` of
+their parameters. `restore()` puts it back in place (the same dict and list
 objects). What it does not reach (a tensor kept in a user's list) it cannot restore:
 `SymbolicRecorder.left_behind` finds such a tensor, and the attempt is then not dropped.
 """
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +63,17 @@ def _cell(function: Callable, index: int) -> Any:
     except (ValueError, IndexError, TypeError):  # an empty cell
         return None
 
+def _plain_object(value: Any) -> bool:
+    """An instance of a user's class with attributes of its own: not a module, class, function,
+    tensor or torch object (their state is torch's, or not the call's to change)."""
+    kind = type(value)
+    return (isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, _NOT_PLAIN)
+            and not kind.__module__.startswith(("torch", "tracejit", "numpy", "builtins")))
+
+
+_NOT_PLAIN = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+              functools.partial, torch.Tensor)
+
 _STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
              torch.optim.lr_scheduler.ReduceLROnPlateau, torch.amp.GradScaler)
 _DEPTH = 4  # an optimizer's __dict__ -> state -> a parameter's state -> its tensors
@@ -74,9 +88,6 @@ class StateSnapshot:
         self._grads = {id(t): (t, t.grad, t.requires_grad) for t in self._leaves()}
         # the function's globals and closure cells themselves (`seen += x.shape[0]` rebinds one)
         self._roots = [(root, value) for _, root, value in roots_of(function, {}) if root[0] in ("global", "cell")]
-        for _, value in self._roots:  # a global list the call appends to (a log of sizes)
-            if isinstance(value, (dict, list)) and all(value is not c for c, _ in self._containers):
-                self._containers.append((value, dict(value) if isinstance(value, dict) else list(value)))
 
     def restore_symbolic(self) -> None:
         """Put back what holds a symbolic size or a stand-in now, and only that (after a failed
@@ -189,6 +200,8 @@ class StateSnapshot:
                 optimizer = getattr(value, "optimizer", None)  # a scheduler's
                 if isinstance(optimizer, torch.optim.Optimizer):
                     found.setdefault(id(optimizer), optimizer)
+            elif _plain_object(value):  # an object of the user's (`meter.last = out.detach()`)
+                found.setdefault(id(value), value)
             elif depth == 0 and isinstance(value, (list, tuple)):
                 for item in value:
                     add(item, 1)
@@ -212,6 +225,10 @@ class StateSnapshot:
             state = getattr(obj, "__dict__", None)
             if state is not None:
                 yield from containers(state, 0)
+        # the lists and dicts the function reaches by name: a global list the call appends to (a
+        # log of sizes), a keyword dict of lists (`store["preds"].append(out.detach().argmax(1))`)
+        for _, _, value in roots_of(self._function, self._kwargs):
+            yield from containers(value, 1)
 
     def _leaves(self) -> Iterator[torch.Tensor]:
         for obj in self._objects():
