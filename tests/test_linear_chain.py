@@ -341,3 +341,54 @@ def test_a_write_between_a_linear_and_its_relu_is_not_seen_by_the_product(backen
         assert_close(traced(xt), f(xe))
         assert torch.equal(xt, xe)
     assert traced.stats.host_free_calls if without_host else traced.stats.checked_replays
+
+
+_MISCOMPILED_CHAIN = """
+import torch, tracejit
+g = torch.Generator().manual_seed(0)
+w1, b1 = torch.randn(5, 24, generator=g), torch.randn(24, generator=g)    # [in, out]
+w2, b2 = torch.randn(24, 26, generator=g), torch.randn(26, generator=g)
+w3 = torch.randn(6, 26, generator=g).t()                                   # [out, in], read transposed
+def f(x):
+    x = torch.relu(torch.addmm(b1, x, w1))
+    x = torch.relu(torch.addmm(b2, x, w2))
+    return torch.mm(x, w3)
+traced = tracejit.trace(f, backend="c")
+for _ in range(3):
+    x = torch.randn(2, 5, generator=g)
+    torch.testing.assert_close(traced(x), f(x), rtol=1e-4, atol=1e-4)
+assert any(n.target.kind == "linear" for e in traced._entries() for n in e.serving_program.graph.nodes
+           if n.op.name == "FUSED"), "no linear kernel ran"
+print("ok")
+"""
+
+
+def test_a_chain_gcc_miscompiled_with_avx512_runs(tmp_path):
+    """The fuzz's one crash (found with a core dump): GCC 12.2 -O3 -march=native with AVX-512 put
+    this chain's stack intermediate `float t0[48]` 16 bytes off the 32-byte alignment of the
+    `vmovaps` that accesses it, and the kernel's first call died of SIGSEGV. The assembler now
+    writes unaligned moves (backends/c/toolchain.py UNALIGNED_MOVES). In a child process with a
+    cache of its own, so a crash fails this test instead of the run; on a CPU without AVX-512 it
+    passes either way."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRACEJIT_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _MISCOMPILED_CHAIN], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_the_kernel_cache_key_holds_the_cpus_feature_flags():
+    """A VM may name its CPU generically ("AMD EPYC": Zen 2 to 4, with and without AVX-512): with
+    the model name alone in the key, a cache shared with another such host loaded libraries built
+    for instructions that host lacks."""
+    from tracejit.backends.c import toolchain
+
+    identity = toolchain._cpu_identity()
+    with open("/proc/cpuinfo") as info:
+        flags = next((line.strip() for line in info if line.startswith(("flags", "Features"))), None)
+    if flags is None:
+        pytest.skip("no feature flags in /proc/cpuinfo here")
+    assert flags in identity

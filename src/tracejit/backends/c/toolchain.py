@@ -12,6 +12,14 @@ about FP exception flags and errno, and one result that render.py's `_cast` undo
 `(float)(int)x -> truncf(x)`, -0.0 instead of +0.0); `-ffp-contract=off` keeps `a*b+c` two roundings,
 as PyTorch computes it; `-fwrapv` gives integer overflow PyTorch's wrap-around meaning. No
 `-ffast-math`: NaN, infinities and signed zeros behave as in eager PyTorch.
+
+`-Wa,-muse-unaligned-vector-move` (GNU as 2.38 on, taken when the toolchain accepts it): the
+assembler writes every aligned vector move (`vmovaps`, `vmovdqa*`) as its unaligned twin, which is as
+fast on aligned data. GCC 12.2 with -O3 and AVX-512 (-march=native on this machine) placed a linear
+chain's stack intermediate (`float t0[48]`, rows=2, widths 5-24-26-6) 16 bytes off the 32-byte
+alignment its `vmovaps %ymm` accesses assume: a general-protection fault, SIGSEGV on the kernel's first
+call (the test_linear_chain.py fuzz crash). Unaligned moves cannot fault on alignment, whatever the
+compiler assumed about a stack slot.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from ...record.source import warn_at_user_line
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off", "-fwrapv",
          "-fPIC", "-shared", "-std=gnu11", "-w")
 OPENMP = "-fopenmp"
+# no alignment faults from a compiler's wrong alignment assumption (see above); optional: clang's
+# integrated assembler and older GNU as reject it
+UNALIGNED_MOVES = "-Wa,-muse-unaligned-vector-move"
 
 
 class CompilerUnavailable(RuntimeError):
@@ -55,6 +66,7 @@ def compiler() -> tuple[str, str, tuple[str, ...]]:
         except (OSError, subprocess.SubprocessError):
             continue
         flags = FLAGS + ((OPENMP,) if _accepts(path, (*FLAGS, OPENMP)) else ())
+        flags += (UNALIGNED_MOVES,) if _accepts(path, (*flags, UNALIGNED_MOVES)) else ()
         if _accepts(path, flags):
             return path, version.splitlines()[0] if version else path, flags
     raise CompilerUnavailable(f"no working C compiler found (tried {', '.join(candidates)}); set CC to one")
@@ -72,16 +84,28 @@ def _accepts(path: str, flags: tuple[str, ...]) -> bool:
         return result.returncode == 0
 
 
+# /proc/cpuinfo fields naming the CPU and its ISA extensions (x86: "model name", "flags"; Arm:
+# "CPU implementer", "CPU part", "Features")
+_CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
+
+
 @functools.cache
 def _cpu_identity() -> str:
-    """-march=native makes a library CPU-specific: the CPU model is part of the cache key."""
+    """-march=native makes a library CPU-specific: the CPU model *and its feature flags* are part of
+    the cache key. The model name alone is not enough: a virtual machine may report a generic one
+    ("AMD EPYC" for Zen 2, 3 and 4, with and without AVX-512), and a cache directory shared with or
+    copied to another such host would then load libraries built for instructions it lacks (SIGILL)."""
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
-                if line.startswith(("model name", "flags")):
-                    return line
+                name = line.split(":", 1)[0].strip()
+                if name in _CPU_FIELDS:
+                    found.setdefault(name, line.strip())  # the first processor's
     except OSError:
         pass
+    if found:
+        return "\n".join(found[name] for name in _CPU_FIELDS if name in found)
     return platform.processor() or platform.machine()
 
 
