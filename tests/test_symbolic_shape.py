@@ -1165,3 +1165,33 @@ def test_a_stand_in_kept_where_nothing_puts_it_back_is_replaced_by_its_value_whe
     assert [type(t) for t in deep] == [torch.Tensor] * 4
     assert all(torch.equal(a, b) for a, b in zip(deep, wanted))
     assert same_tree([state_of(v) for v in objects.values()], [state_of(v) for v in twins.values()])
+
+
+@pytest.mark.filterwarnings("ignore:.*keeps an output tensor beyond the call:tracejit.ReplayLevelWarning")
+@pytest.mark.parametrize("where", ["a keyword list", "an attribute of a keyword object"])
+def test_a_returned_tensor_also_kept_is_the_returned_tensor_at_every_size(where):
+    """Review 44 F3: `d = out.detach() * 1; meter.last = d; return d` at a new size. The kept
+    stand-in was left in the user's object (a FakeTensor, silently), and once such containers were
+    checked, it counted as a symbol left in Python state, so every size recorded its own trace
+    until TraceCacheFullError. It is the returned tensor there too now, and one symbolic trace
+    serves every size."""
+    def step(x, *, model, store):
+        d = model(x).detach() * 1
+        if where == "a keyword list":
+            store["list"].append(d)
+        else:
+            store["meter"].last = d
+        return d
+
+    model = MLP((32, 64, 10))
+    store = {"list": [], "meter": _Meter()}
+    traced = tracejit.trace(step, backend="aten")
+    for i, n in enumerate([4, 4, 6, 9, 5, 12, 7, 3, 8, 10, 11, 13]):
+        x, _ = _batch(n, seed=i)
+        got = traced(x, model=model, store=store)
+        kept = store["list"][-1] if where == "a keyword list" else store["meter"].last
+        assert type(kept) is torch.Tensor and kept is got, (i, n)
+        assert torch.equal(got, model(x).detach()), (i, n)
+    assert len(traced._shape_traces) == 1 and traced.stats.shape_specializations == 9, traced.stats
+    if where == "a keyword list":
+        assert len(store["list"]) == 12 and all(type(t) is torch.Tensor for t in store["list"])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .backends import resolve_backend
 from .errors import (
@@ -225,6 +226,7 @@ class trace(ProfileAccess):
         self._fast_apis: tuple = (None, None)
         self._state_before: dict = {}  # without_host: python_state() when the current call began
         self._seen_in_call: Seen | None = None  # without_host: what the call's function changed (record/reached.py)
+        self._warned_rearranging = False  # without_host: said that rearranged containers run every call
         # without_host: the plain values the last call that ran the function changed, by name: the
         # values it found and left (see _refuse_setting_changes)
         self._settings_changed: dict[tuple, dict[str, list]] = {}  # per input signature
@@ -829,7 +831,7 @@ class trace(ProfileAccess):
             with seen.watching(), traced_call(context):
                 result = self._function(*fake_args, **fake_kwargs)
             record = recorder.finish(result)
-            left = before.symbolic_left()
+            left = before.symbolic_left(returned=frozenset(id(t) for t in _tensors_of(result) if is_fake(t)))
             if left is not None:
                 raise SymbolicTraceError(
                     f"tracejit: {self.__name__}() leaves a symbolic size in Python state ({left}) when recorded "
@@ -904,7 +906,9 @@ class trace(ProfileAccess):
         except BaseException:
             _put_back_unwritten(recorder, before)
             raise
+        stand_ins = result
         result = recorder.real_result(result)
+        _replace_returned_stand_ins(stand_ins, result)
         depends = gradient_snapshot(kwargs) != grads_before or any(op.backward_of for op in record.ops)
         if self._watch_ddp(seen.modules, kwargs):
             if replaced is not None:
@@ -1103,7 +1107,7 @@ class trace(ProfileAccess):
 
     def _warn_rearranging(self, rearranged: list[str]) -> None:
         """Calls in a row rearranged containers, so every call ran the function: say so, once per
-        trace (the count restarts only after a call that rearranged none)."""
+        traced function (the count restarts only after a call that rearranged none)."""
         where = user_location()
         warnings.warn_explicit(
             f"tracejit: {_CALLS_IN_A_ROW} calls in a row of {self.__name__}() with without_host=True ran the "
@@ -1209,7 +1213,8 @@ class trace(ProfileAccess):
         rearranged = names.rearranged()
         if rearranged:
             entry.rearranging_calls += 1
-            if entry.rearranging_calls == _CALLS_IN_A_ROW:
+            if entry.rearranging_calls == _CALLS_IN_A_ROW and not self._warned_rearranging:
+                self._warned_rearranging = True  # once per traced function (each size's trace is an entry)
                 self._warn_rearranging(rearranged)
         else:
             entry.rearranging_calls = 0
@@ -1561,6 +1566,24 @@ def _drop_attempt(recorder: SymbolicRecorder, error: BaseException,
     return recorder.left_behind(), True  # the same tensor held twice, once where nothing puts it back
 
 
+def _replace_returned_stand_ins(stand_ins: Any, result: Any) -> None:
+    """A returned stand-in the function also kept (`meter.last = d; return d`) is, there too, the
+    returned tensor, as in eager."""
+    for fake, real in zip(tree_leaves(stand_ins), tree_leaves(result)):
+        if is_fake(fake) and real is not fake:
+            _swap_referents(fake, real)
+
+
+def _swap_referents(old: Any, new: Any) -> None:
+    """Put `new` wherever a list or dict (an object's attributes too) holds `old`."""
+    for holder in gc.get_referrers(old):
+        if isinstance(holder, list):
+            holder[:] = [new if item is old else item for item in holder]
+        elif isinstance(holder, dict):
+            for key in [key for key, value in holder.items() if value is old]:
+                holder[key] = new
+
+
 def _replace_stand_ins(recorder: SymbolicRecorder) -> None:
     """After a dropped attempt whose record then ran for real: a stand-in of symbolic size the
     function left in a list or dict that nothing puts back (`box.inner.items.append(out.detach())`)
@@ -1572,14 +1595,8 @@ def _replace_stand_ins(recorder: SymbolicRecorder) -> None:
             real = recorder.computed(handle)
         except (RuntimeError, IndexError):
             continue
-        if is_fake(real):
-            continue
-        for holder in gc.get_referrers(tensor):
-            if isinstance(holder, list):
-                holder[:] = [real if item is tensor else item for item in holder]
-            elif isinstance(holder, dict):
-                for key in [key for key, value in holder.items() if value is tensor]:
-                    holder[key] = real
+        if not is_fake(real):
+            _swap_referents(tensor, real)
 
 
 def _put_back_unwritten(recorder: Any, before: StateSnapshot | None) -> None:

@@ -10,17 +10,20 @@ placeholder `.grad`, use the placeholder momentum buffer): unwritten memory.
 
 `StateSnapshot`, taken before the attempt, holds what the state the traced function reaches
 held: the contents of the dicts and lists of every module (with its submodules), optimizer,
-learning-rate scheduler, gradient scaler and object of a user's class reached from the function's keyword arguments,
-globals and closure cells (directly or in a list, tuple or dict there), of the lists and dicts
-those globals, cells and keyword arguments are or hold, and the `.grad` and `requires_grad` of
-their parameters. `restore()` puts it back in place (the same dict and list
-objects). What it does not reach (a tensor kept in a user's list) it cannot restore:
+learning-rate scheduler and gradient scaler reached from the function's keyword arguments,
+globals and closure cells (directly or in a list, tuple or dict there), and the `.grad` and
+`requires_grad` of their parameters. `restore()` puts it back in place (the same dict and list
+objects). Besides, one level of what the function reaches by name (`_named_containers`: a
+keyword or global list of predictions, `store["preds"]`, a user object's attributes) is copied
+shallowly and put back only where the attempt changed it (an object's attributes only where they
+now hold a tensor or a symbol the attempt made). What it does not reach (a tensor kept in a user's list) it cannot restore:
 `SymbolicRecorder.left_behind` finds such a tensor, and the attempt is then not dropped.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -63,19 +66,69 @@ def _cell(function: Callable, index: int) -> Any:
     except (ValueError, IndexError, TypeError):  # an empty cell
         return None
 
+_STATEFUL_TYPES = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+                   torch.optim.lr_scheduler.ReduceLROnPlateau, torch.amp.GradScaler)
+
+
+def _copy(container: Any) -> Any:
+    return dict(container) if isinstance(container, dict) else list(container)
+
+
+def _changed(container: Any, contents: Any) -> bool:
+    if len(container) != len(contents):
+        return True
+    if isinstance(container, dict):
+        return any(value is not contents.get(key, _MISSING) for key, value in container.items())
+    return not all(map(operator.is_, container, contents))
+
+
+def _put_back(container: Any, contents: Any) -> None:
+    if isinstance(container, dict):
+        container.clear()
+        container.update(contents)
+    else:
+        container[:] = contents
+
+
+def _made_by_attempt(value: Any) -> bool:
+    """What only the attempt's Python can have put there: a tensor (it computed none) or a symbol."""
+    return isinstance(value, torch.Tensor) or _holds_symbolic(value)
+
+
+_MISSING = object()
+_NAMED_ITEMS = 256  # a keyword dict larger than this is not looked into (a dataset, a cache)
+
+
+def _named_containers(roots: list) -> Iterator[tuple[Any, bool]]:
+    """The lists and dicts the function reaches by name besides what _walk covers, with whether
+    each is an object's `__dict__`: a keyword, global or closure list or dict itself (`preds`),
+    the lists and dicts a dict of those holds (`store["preds"]`), and the attributes of objects of
+    a user's class there (`meter.last = out.detach()`, `store["meter"]`). One level deep, so a
+    global dataset costs one shallow copy, never a walk of its items."""
+    for _, _, value in roots:
+        if isinstance(value, (list, dict)):
+            yield value, False
+            if isinstance(value, dict) and len(value) <= _NAMED_ITEMS:
+                for item in value.values():
+                    if isinstance(item, (list, dict)):
+                        yield item, False
+                    elif _plain_object(item):
+                        yield item.__dict__, True
+        elif _plain_object(value):
+            yield value.__dict__, True
+
+
 def _plain_object(value: Any) -> bool:
     """An instance of a user's class with attributes of its own: not a module, class, function,
     tensor or torch object (their state is torch's, or not the call's to change)."""
-    kind = type(value)
     return (isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, _NOT_PLAIN)
-            and not kind.__module__.startswith(("torch", "tracejit", "numpy", "builtins")))
+            and not type(value).__module__.startswith(("torch", "tracejit", "numpy", "builtins")))
 
 
 _NOT_PLAIN = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-              functools.partial, torch.Tensor)
+              functools.partial, torch.Tensor, torch.nn.Module, *_STATEFUL_TYPES)
 
-_STATEFUL = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
-             torch.optim.lr_scheduler.ReduceLROnPlateau, torch.amp.GradScaler)
+_STATEFUL = _STATEFUL_TYPES
 _DEPTH = 4  # an optimizer's __dict__ -> state -> a parameter's state -> its tensors
 
 
@@ -88,6 +141,17 @@ class StateSnapshot:
         self._grads = {id(t): (t, t.grad, t.requires_grad) for t in self._leaves()}
         # the function's globals and closure cells themselves (`seen += x.shape[0]` rebinds one)
         self._roots = [(root, value) for _, root, value in roots_of(function, {}) if root[0] in ("global", "cell")]
+        for _, value in self._roots:  # a global list the call appends to (a log of sizes)
+            if isinstance(value, (dict, list)) and all(value is not c for c, _ in self._containers):
+                self._containers.append((value, dict(value) if isinstance(value, dict) else list(value)))
+        # what else the function reaches by name, one level deep (see _named_containers): put
+        # back only where the attempt changed it
+        known = {id(c) for c, _ in self._containers}
+        self._named: list[tuple[Any, Any, bool]] = []  # (list or dict, its contents then, an object's __dict__)
+        for container, attributes in _named_containers(roots_of(function, kwargs)):
+            if id(container) not in known:
+                known.add(id(container))
+                self._named.append((container, _copy(container), attributes))
 
     def restore_symbolic(self) -> None:
         """Put back what holds a symbolic size or a stand-in now, and only that (after a failed
@@ -130,17 +194,21 @@ class StateSnapshot:
             elif any(map(holds, container)):
                 container[:] = contents
 
-    def symbolic_left(self) -> str | None:
+    def symbolic_left(self, returned: frozenset[int] = frozenset()) -> str | None:
         """A symbolic size or a stand-in tensor the attempt left in the state this snapshot covers
         (`self.n = x.shape[0]`, `seen += x.shape[0]`, `group["lr"] = 0.01 * x.shape[0]`): the
-        Python state of an eager call holds numbers there. Described, or None."""
-        found = _holds_symbolic
+        Python state of an eager call holds numbers there. Described, or None. A stand-in the
+        call also returns (ids in `returned`) is no such thing: the caller replaces it with the
+        returned value (`replace_returned`)."""
+        def found(value: Any) -> bool:
+            return _holds_symbolic(value) and id(value) not in returned
         owner = code_owner(self._function)
         for kind, key in (root for root, _ in self._roots):
             value = owner.__globals__.get(key) if kind == "global" else _cell(owner, key)
             if found(value):
                 return f"global {key} = {value}" if kind == "global" else f"a closure variable = {value}"
-        for container in self._walk(set()):
+        changed = [container for container, _, _ in self._changed_named()]
+        for container in [*self._walk(set()), *changed]:
             items = container.items() if isinstance(container, dict) else enumerate(container)
             for key, value in items:
                 if found(value):
@@ -166,6 +234,13 @@ class StateSnapshot:
         for container in self._walk(set()):
             for value in container.values() if isinstance(container, dict) else container:
                 hold(value)
+        for container, _ in self._containers:  # the root lists and dicts too (a global list of predictions)
+            for value in container.values() if isinstance(container, dict) else container:
+                hold(value)
+        for container, contents, attributes in self._changed_named():
+            for key, value in container.items() if isinstance(container, dict) else enumerate(container):
+                if not attributes or value is not contents.get(key):
+                    hold(value)
         for tensor, _, _ in self._grads.values():
             hold(tensor.grad)
         return storages, ids
@@ -180,11 +255,28 @@ class StateSnapshot:
                 container.update(contents)
             else:
                 container[:] = contents
+        for container, contents, attributes in self._changed_named():
+            if not attributes:  # a list or dict of the user's: as it was (a keyword list of predictions)
+                _put_back(container, contents)
+                continue
+            # an object's attributes: only those now holding what the attempt made (another
+            # thread's writes to the same object, a counter it advances, stay)
+            for key in [k for k, v in container.items() if v is not contents.get(k) and _made_by_attempt(v)]:
+                if key in contents:
+                    container[key] = contents[key]
+                else:
+                    del container[key]
         for tensor, grad, requires_grad in self._grads.values():
             if tensor.grad is not grad:
                 tensor.grad = grad
             if tensor.requires_grad != requires_grad:
                 tensor.requires_grad_(requires_grad)
+
+    def _changed_named(self) -> Iterator[tuple[Any, Any, bool]]:
+        """The named containers whose items are no longer the ones they held (by identity)."""
+        for container, contents, attributes in self._named:
+            if _changed(container, contents):
+                yield container, contents, attributes
 
     # -- what the function reaches -----------------------------------------------------------------
 
@@ -200,8 +292,6 @@ class StateSnapshot:
                 optimizer = getattr(value, "optimizer", None)  # a scheduler's
                 if isinstance(optimizer, torch.optim.Optimizer):
                     found.setdefault(id(optimizer), optimizer)
-            elif _plain_object(value):  # an object of the user's (`meter.last = out.detach()`)
-                found.setdefault(id(value), value)
             elif depth == 0 and isinstance(value, (list, tuple)):
                 for item in value:
                     add(item, 1)
@@ -225,10 +315,6 @@ class StateSnapshot:
             state = getattr(obj, "__dict__", None)
             if state is not None:
                 yield from containers(state, 0)
-        # the lists and dicts the function reaches by name: a global list the call appends to (a
-        # log of sizes), a keyword dict of lists (`store["preds"].append(out.detach().argmax(1))`)
-        for _, _, value in roots_of(self._function, self._kwargs):
-            yield from containers(value, 1)
 
     def _leaves(self) -> Iterator[torch.Tensor]:
         for obj in self._objects():
