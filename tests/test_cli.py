@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import models
@@ -213,3 +214,26 @@ def test_input_data_of_another_kind_is_refused():
         with pytest.raises(ValueError, match=f"input 'x': got {dtype} data for a float32 input"):
             tensor_from_spec(data, "x", meta)
     assert torch.equal(tensor_from_spec(np.array([1.0, 2.0]), "x", meta), torch.tensor([1.0, 2.0]))
+
+
+def test_a_graph_that_writes_its_input_keeps_its_test_case(tmp_path, monkeypatch, capsys):
+    """Hunt V F2: dump(input_data=...) ran the reference on the parsed input itself, so a graph
+    that doubles its input in place stored the doubled input (outside `#rand(0,5)`) beside the
+    reference of the original, and `run --check` failed a right graph (and ran later calls on
+    inputs the earlier ones had changed)."""
+    @tracejit.trace(capture_as_const=True)
+    def doubling(x):
+        x.mul_(2)
+        return x + 1
+
+    with torch.no_grad():
+        doubling(torch.randn(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "fails its own check" warning
+        doubling.dump(str(tmp_path / "inplace.tjit"), input_data="#rand(0,5)")
+    case = tracejit.load(str(tmp_path / "inplace.tjit")).testcases[0]
+    x = case.inputs["x"]
+    assert ((0 <= x) & (x < 5)).all() and torch.equal(case.outputs[0], x * 2 + 1)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "inplace.tjit", "--check", "--iters", "5"]) == 0
+    assert "check: 1 of 1 test cases passed" in capsys.readouterr().out

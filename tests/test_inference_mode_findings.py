@@ -198,3 +198,67 @@ def test_symbolic_undeclared_views_after_another_recording_of_them(function):
     was off by 1.22. The symbolic recorder's fake runs under inference mode skip that cache."""
     _run(function, _squares, "symbolic", alternate=False)
     _run(function, _squares, "symbolic", alternate=True)
+
+
+def _linear_then(tail):
+    torch.manual_seed(0)
+    linear = nn.Linear(6, 5).eval()
+
+    def forward(x):
+        return tail(linear(x))
+
+    return forward
+
+
+# ops whose schema says "a view of the input" but that copy here (record/calls.py MAY_COPY)
+COPYING_TAILS = {
+    "t().contiguous()": lambda h: h.t().contiguous() * 1,
+    "t().reshape(-1)": lambda h: h.t().reshape(-1) * 1,
+    "t().flatten()": lambda h: h.t().flatten() * 1,
+    "to(float64)": lambda h: h.to(torch.float64) * 1,
+    "long()": lambda h: (h * 10).long() // 3,
+    "to(bfloat16), returned": lambda h: h.to(torch.bfloat16),
+    "t().contiguous(), returned": lambda h: h.t().contiguous(),
+}
+
+
+@pytest.mark.parametrize("backend", ["aten", "c"])
+@pytest.mark.parametrize("tail", list(COPYING_TAILS))
+@pytest.mark.parametrize("mode", ["checked", "without_host"])
+def test_a_copy_by_a_view_op_is_computed_on_every_call(mode, tail, backend):
+    """Hunt V F1 (silent): under inference mode `contiguous`, `reshape`, `flatten` and `to` reach
+    the recorder whole; their schemas say the output aliases the input, so the record called the
+    copies they made views, and the program made them "static views" of a buffer it reuses:
+    computed once, when the program was bound, and returned stale on every later call (off by ~1,
+    integers wrong in nearly every element; nn.MultiheadAttention calls `contiguous`)."""
+    compare = torch.equal if backend == "aten" else (lambda a, b: torch.allclose(a.double(), b.double(), atol=1e-5))
+    _run(_linear_then(COPYING_TAILS[tail]), _matrix, mode, alternate=False, compare=compare, backend=backend)
+
+
+@pytest.mark.parametrize("mode", ["checked", "without_host"])
+def test_multihead_attention_under_inference_mode(mode):
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    traced = tracejit.trace(lambda x: attention(x, x, x, need_weights=False)[0], backend="aten", **MODES[mode])
+    for call in range(CALLS):
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(call))
+        with torch.inference_mode():
+            got = traced(x)
+        with torch.no_grad():  # inference mode's fast path in eager is another kernel: compare the composite
+            want = attention(x, x, x, need_weights=False)[0]
+        assert torch.allclose(got, want, atol=1e-6), (call, (got - want).abs().max())
+    assert getattr(traced.stats, FAST_PATH[mode]) > 0, traced.stats
+
+
+def test_a_dumped_graph_with_a_copying_view_op_is_right_when_loaded(tmp_path):
+    function = _linear_then(COPYING_TAILS["t().contiguous()"])
+    traced = tracejit.trace(function, backend="aten", capture_as_const=True)
+    with torch.inference_mode():
+        traced(_matrix(0))
+        traced.dump(tmp_path / "g.tj")
+    loaded = tracejit.load(tmp_path / "g.tj")
+    for call in range(1, 4):
+        x = _matrix(call)
+        with torch.inference_mode():
+            (got,) = loaded(x)
+            assert torch.allclose(got, function(x), atol=1e-6), call

@@ -14,7 +14,7 @@ import torch
 from ..runtime.profile import format_table
 from ..serialize import LoadedGraph, read_graphs
 from ..serialize.load import compile_graph, select
-from ..serialize.testcases import CaseResult, max_error, parse_case
+from ..serialize.testcases import CaseResult, fresh_inputs, max_error, parse_case
 from .progress import Progress
 
 
@@ -56,7 +56,7 @@ def _inputs(loaded: LoadedGraph, specs: list[str]) -> tuple[dict[str, torch.Tens
         else:
             given[name] = data
     if loaded.testcases:
-        defaults, default_origin = dict(loaded.testcases[0].inputs), "embedded test case 0"
+        defaults, default_origin = fresh_inputs(loaded.testcases[0].inputs), "embedded test case 0"
     else:
         defaults, default_origin = {name: "#rand(0,1)" for name in loaded.input_names}, "#rand(0,1)"
     inputs = parse_case(given, loaded.inputs, defaults=defaults)
@@ -119,7 +119,7 @@ def _check(loaded: LoadedGraph) -> int:
     results = []
     for index, case in enumerate(loaded.testcases):
         start = time.perf_counter()
-        outputs = loaded(**case.inputs)
+        outputs = loaded(**fresh_inputs(case.inputs))
         seconds = time.perf_counter() - start
         outputs = list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
         error = None if case.outputs is None else max_error(outputs, case.outputs)

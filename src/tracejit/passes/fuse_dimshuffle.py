@@ -43,12 +43,18 @@ def make_views_static(graph: Graph) -> Graph:
             static.update(v for v, b in zip(node.outputs, node.buffers) if b is not None)
         elif (node.op is Op.CALL and not node.hoisted and not node.writes and not node.scalars and node.inputs
               and aliases_its_input(node.target) and all(v in static for v in node.inputs)
-              and node.out_kind in ("tensor", "tuple", "list")):
+              and node.out_kind in ("tensor", "tuple", "list") and _views_only(graph, node)):
             node = replace(node, static_view=True)
             static.update(v for v in node.outputs if v is not None)
             changed = True
         nodes.append(node)
     return graph.with_nodes(nodes, "make_views_static") if changed else graph
+
+
+def _views_only(graph: Graph, node: Node) -> bool:
+    """Its outputs lie in another value's memory, as recorded: an op that may copy (record/calls.py
+    MAY_COPY) and did is computed on every call."""
+    return all(graph.values[v].root != graph.values[v].handle for v in node.outputs if v is not None)
 
 
 def worth_alone(dimshuffle: bool) -> CanFuse:

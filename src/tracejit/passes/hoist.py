@@ -32,6 +32,8 @@ def hoist_external_views(graph: Graph) -> Graph:
             node.op is Op.CALL and is_view_op(node.target) and not node.scalars and not node.writes
             and node.inputs and all(v in invariant for v in node.inputs)
             and all(graph.values[v].handle not in held for v in node.outputs if v is not None)
+            # a view as recorded: an op that may copy (record/calls.py MAY_COPY) and did runs every call
+            and all(graph.values[v].root != graph.values[v].handle for v in node.outputs if v is not None)
         )
         if hoistable:
             node = replace(node, hoisted=True)

@@ -227,6 +227,23 @@ def returns_input_itself(op: Any) -> bool:
     return isinstance(op, torch._ops.OpOverload) and op._schema.name.split("::")[-1] in RETURNS_INPUT_FOR_SOME_NUMBERS
 
 
+# Composite ops whose schema says the output aliases the input (`Tensor(a) -> Tensor(a)`) but that
+# return a copy when a view cannot express the result (`contiguous` of a transposed tensor,
+# `reshape` of one, `to` another dtype, `resolve_conj` of a conjugate view). Eager code reaches
+# them as aten ops only under torch.inference_mode(), where torch hands composites over whole:
+# whether an output is a view is then what the recorded call did (the output's memory), never the
+# schema alone, or a copy of a buffer the program reuses is made once and kept (a "static view")
+MAY_COPY = frozenset({
+    "aten::contiguous", "aten::reshape", "aten::reshape_as", "aten::flatten", "aten::ravel", "aten::to",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::coalesce", "aten::pin_memory",
+    "aten::_autocast_to_full_precision", "aten::_autocast_to_reduced_precision",
+})
+
+
+def may_copy(op: Any) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and op._schema.name in MAY_COPY
+
+
 @functools.cache
 def aliases_its_input(op: Any) -> bool:
     """A view op, or one that aliases without saying so (UNDECLARED_ALIASES)."""

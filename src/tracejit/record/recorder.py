@@ -16,6 +16,7 @@ from .calls import (
     aliases_its_input,
     depends_on_grad_mode,
     is_ignored_op,
+    may_copy,
     mutated_tensors,
     split_call,
 )
@@ -373,6 +374,7 @@ class Recorder:
             kind, values = "value", []
         base = None
         declared = aliases_its_input(func)
+        copying = may_copy(func)
         if declared and inputs:
             first = self.tensors[inputs[0]]
             base = first.base if first.base is not None else first.handle
@@ -384,7 +386,10 @@ class Recorder:
                 continue
             handle = self.handles.get(value)
             if handle is None:
-                view_of = base if declared else self._undeclared_base(value, inputs, tensors)
+                if declared and copying and not _shares_memory(value, tensors):
+                    view_of = None  # a copy (`contiguous` of a transposed tensor under inference_mode)
+                else:
+                    view_of = base if declared else self._undeclared_base(value, inputs, tensors)
                 handle = self._new_handle(value, Kind.INTERNAL, f"op #{index}", producer=index, base=view_of)
                 if view_of is None and not isinstance(value, FakeTensor):  # views: watched through their base
                     self.storages[handle] = StorageWeakRef(value.untyped_storage())
@@ -724,3 +729,13 @@ def _refuse_storage_arguments(func: Any, args: tuple, kwargs: dict, index: int, 
             f"`t.clone()` (`{{k: v.clone() for k, v in sd.items()}}`) instead. For `t.set_(x.untyped_storage(), ...)`, "
             f"make the tensor a view of the one it shares memory with (`x.as_strided(size, stride, offset)`). "
             f"Or run this code inside tracejit.exclude_from_trace().")
+
+
+def _shares_memory(value: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    """Whether `value` lies in the memory of one of the op's input tensors (True when that cannot
+    be told: tensors without storage)."""
+    try:
+        memory = value.untyped_storage()._cdata
+        return any(t.untyped_storage()._cdata == memory for t in tensors if isinstance(t, torch.Tensor))
+    except (RuntimeError, NotImplementedError):
+        return True

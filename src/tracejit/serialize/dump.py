@@ -30,7 +30,7 @@ from .portable import PortableGraph, TestCase, default_dtype, from_graph
 from .precision import to_half_compute, to_half_storage
 from .schema import byte_span
 from .tagged import WEIGHT_DTYPES, TaggedValueError, encode_statics
-from .testcases import max_error, parse_case
+from .testcases import fresh_inputs, max_error, parse_case
 from .validate import check_graph, resolve_op
 
 
@@ -279,7 +279,7 @@ def _testcases(reference: PortableGraph, portable: PortableGraph, opts: DumpOpti
             raise type(error)(f"dump(): input_data{f' case {index}' if len(cases) > 1 else ''}: {error}") from None
         outputs = None
         if not opts.no_assert:
-            traced_inputs = [inputs[name].to(i.meta.dtype) for name, i in zip(metas, reference.inputs)]
+            traced_inputs = [inputs[name].to(i.meta.dtype, copy=True) for name, i in zip(metas, reference.inputs)]
             outputs = [out.to(o_meta.dtype) for out, o_meta in
                        zip(references(*traced_inputs), (portable.values[o.value].meta for o in portable.outputs))]
         maxerr = opts.maxerr if opts.maxerr is not None else opts.default_maxerr(outputs)
@@ -307,7 +307,7 @@ def _round_trip_errors(data: bytes, name: str) -> list[float]:
     loaded = LoadedGraph(graph)
     errors = []
     for case in graph.testcases:
-        outputs = loaded(**case.inputs)
+        outputs = loaded(**fresh_inputs(case.inputs))
         outputs = list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
         errors.append(max_error(outputs, case.outputs))
     return errors

@@ -95,7 +95,8 @@ def to_half_storage(graph: PortableGraph) -> PortableGraph:
             raise ValueError(f"dump(): {where} writes in place into a float32 tensor, which would be stored as "
                              f"float16; use the out-of-place form (e.g. nn.ReLU() without inplace=True) or "
                              f"enable_ioc16")
-        if is_view_op(op.target) and all(v in stored for v in op.inputs[:1]):
+        if (is_view_op(op.target) and all(v in stored for v in op.inputs[:1])
+                and all(graph.values[o].root != graph.values[o].handle for o in op.outputs if o is not None)):
             if any(graph.values[o].meta.dtype != graph.values[op.inputs[0]].meta.dtype for o in op.outputs if o is not None):
                 raise ValueError(f"dump(): {where} reinterprets float32 data as another dtype")
             ops.append(op)

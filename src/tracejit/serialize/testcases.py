@@ -26,6 +26,12 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
 _SEED = 0  # test inputs are the same on every dump of the same graph
 
 
+def fresh_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of a test case's inputs for one run: a graph that writes into its inputs (`x.mul_(2)`)
+    must not change the stored case (its reference was computed from the inputs as they are)."""
+    return {name: tensor.clone() for name, tensor in inputs.items()}
+
+
 def _kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import (
 from ..errors import LoadError
 from ..ir.meta_check import mispredicted_dtype
 from ..record.autocast_keys import outside_autocast
-from ..record.calls import is_view_op, rebuild_call
+from ..record.calls import is_view_op, may_copy, rebuild_call
 from ..record.record import TENSOR, KwargStatic, ScalarSlot
 from .portable import PortableGraph, PortableOp, default_dtype
 from .schema import extent
@@ -176,7 +176,7 @@ def check_handles(graph: PortableGraph) -> None:
                 if (value.version, value.root, value.meta) != (same.version, same.root, same.meta):
                     raise LoadError(f"{where}: returns {describe(vid)} as its input value {same.id}, which differs")
                 continue
-            if value.root == value.handle and is_view_op(op.target):
+            if value.root == value.handle and is_view_op(op.target) and not may_copy(op.target):
                 raise LoadError(f"{where}: {describe(vid)} is declared a tensor of its own, but the op returns a "
                                 f"view of its input")
             make(vid, where, False)
