@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import SymbolicTraceError
-from .calls import HOST_VALUE_OPS, is_view_op, mutated_tensors
+from .calls import HOST_VALUE_OPS, is_view_op, may_copy, mutated_tensors
 from .names import ExternalNames
 from .placeholders import DataDependentResult, Placeholder, PlaceholderExecutor, storage_key
 from .record import Kind, OpRecord, OutputSpec, Record
@@ -145,8 +145,10 @@ class SymbolicRecorder(Recorder):
         return result
 
     def execute(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if is_view_op(func):
-            # Metadata only, and a real view keeps aliasing exactly as in eager code.
+        if is_view_op(func) and not may_copy(func):
+            # Metadata only, and a real view keeps aliasing exactly as in eager code. (One that may
+            # copy, `contiguous` under inference_mode, is computed with the rest: its copy would
+            # read a placeholder not computed yet.)
             return self._executor.run_view(func, args, kwargs)
         if torch.Tag.inplace_view in func.tags:
             self._check_metadata_change(func, args, kwargs)
