@@ -1216,3 +1216,54 @@ def test_a_value_kept_before_a_divergence_gets_the_value_the_aten_level_computes
     del traced_history[5]
     assert all(torch.equal(a, b) for a, b in zip(traced_history, eager_history))
     assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+
+
+def _mixup_step(x, y, *, model, opt, lam, perm):
+    mixed = lam * x + (1 - lam) * x[perm]  # `lam` scales an input that needs no gradient, and the loss
+    out = model(mixed)
+    loss = lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_mixup_with_a_new_weight_on_every_call_stays_at_the_api_level():
+    """One number scaling the input and the loss: the loss's MulBackward0 takes a number two
+    forward muls had, so no number before backward was passed on and every call ran at the aten
+    level (0.23x eager; the second run drew mixup's numbers twice). A backward slot linked to
+    several forward numbers is now passed on while they agree."""
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "adam_fused")
+    traced = tracejit.trace(_mixup_step)
+    lams = [0.3, 0.8, 0.55, 0.1, 0.95, 0.4, 0.65, 0.2]
+    for i, lam in enumerate(lams):
+        x, y = batch("mlp", i)
+        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(i))
+        want = _mixup_step(x, y, model=model_a, opt=opt_a, lam=lam, perm=perm)
+        assert torch.equal(traced(x, y, model=model_b, opt=opt_b, lam=lam, perm=perm), want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    served_by_api(traced)
+
+
+def test_numbers_that_agreed_when_traced_and_then_differ_run_at_the_aten_level():
+    def step(x, y, *, model, opt, a, b):
+        loss = b * F.cross_entropy(model(x), y)  # backward takes `b`...
+        scaled = a * y.float()  # ...and `a`, which needs no backward op, agreed with it twice
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), scaled
+
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "adam_fused")
+    traced = tracejit.trace(step)
+    numbers = [(0.5, 0.5), (0.7, 0.7), (0.9, 0.9), (0.6, 2.0), (0.3, 0.3), (0.8, 0.1)]
+    with pytest.warns(tracejit.ReplayLevelWarning, match="reach one backward op differ"):
+        for i, (a, b) in enumerate(numbers):
+            x, y = batch("mlp", i)
+            want = step(x, y, model=model_a, opt=opt_a, a=a, b=b)
+            got = traced(x, y, model=model_b, opt=opt_b, a=a, b=b)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), i
+            assert_same_state(model_a, opt_a, model_b, opt_b, exact=True)
+    # the call that disagreed ran at the aten level and noted the calls again: from its numbers
+    # the loss's backward takes `b` alone, so the calls after it stay at the API level
+    assert traced.stats.api_fallbacks == 1 and traced.stats.api_replays == 2, traced.stats

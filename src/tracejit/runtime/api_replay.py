@@ -117,8 +117,11 @@ class ApiProgram:
         self.scalars = list(runner.bound_scalars)
         self.scalar_offsets, recorded_scalars = scalar_layout(record)
         self.last_backward = max((i for i, op in enumerate(record.ops) if op.backward_of), default=-1)
+        # groups of forward slots one backward slot is linked to (`lam * x` and `lam * loss`): they
+        # must hold one value when the program runs (checked in run_checked)
+        self.agreeing: list[tuple[int, ...]] = []
         self.backward_links = _backward_links(record, self.scalar_offsets, recorded_scalars, self.scalars,
-                                              self.last_backward)
+                                              self.last_backward, self.agreeing)
         self.located = _located_externals(trace.calls)
         # the program draws the call's random numbers after the function ran: the function must not
         # have moved the generator meanwhile (checked around it, see run_checked)
@@ -702,15 +705,18 @@ _RDIV = ("__rdiv__", "__rtruediv__")
 _SAME_NUMBER_BACKWARD = {"mul": "MulBackward0", "div": "DivBackward0"}
 
 
-def _backward_links(record: Record, offsets: list[int], recorded: list, now: list, last_backward: int) -> dict | None:
+def _backward_links(record: Record, offsets: list[int], recorded: list, now: list, last_backward: int,
+                    agreeing: list) -> dict | None:
     """Which backward ops take the numbers forward ops took, seen from two calls: the recorded one
     and the one the API level is built from. A number of a forward `mul` or `div` that changed
     between them (`loss * w` with a new `w`) is linked to the slots of its kind of backward node
     (MulBackward0, DivBackward0) that changed from the same value to the same value. Returns forward
-    slot -> its backward slots, for those numbers; None when any other backward slot changed, or
-    one matches two numbers: two equal pairs of values are no proof of one number (PowBackward's
-    `k - 1` can move as a loss weight does), so then no number before the last backward is passed
-    on, and a new one runs its call at the aten level."""
+    slot -> its backward slots, for those numbers; None when any other backward slot changed: two
+    equal pairs of values are no proof of one number (PowBackward's `k - 1` can move as a loss
+    weight does), so then no number before the last backward is passed on, and a new one runs its
+    call at the aten level. A backward slot that matches several forward numbers (mixup's `lam`
+    scales the input, which needs no gradient, and the loss) is linked to each, and the group is
+    appended to `agreeing`: a call passes them on only while they hold one value."""
     if last_backward < 0:
         return {}
     owner = [i for i, op in enumerate(record.ops) for _ in op.scalars]
@@ -730,10 +736,22 @@ def _backward_links(record: Record, offsets: list[int], recorded: list, now: lis
             continue
         same = [f for f in forward if kind(f) == node and type(recorded[f]) is type(recorded[slot])
                 and recorded[f] == recorded[slot] and now[f] == now[slot]]
-        if len(same) != 1:
+        if not same:
             return None
-        links[same[0]].append(slot)
+        for forward_slot in same:
+            links[forward_slot].append(slot)
+        if len(same) > 1 and tuple(same) not in agreeing:
+            agreeing.append(tuple(same))
     return {slot: tuple(found) for slot, found in links.items()}
+
+
+def _disagreeing(groups: list[tuple[int, ...]], scalars: list) -> bool:
+    """Whether the forward numbers of one backward slot hold other values in this call."""
+    for group in groups:
+        first = scalars[group[0]]
+        if any(type(scalars[slot]) is not type(first) or scalars[slot] != first for slot in group[1:]):
+            return True
+    return False
 
 
 def _direct_name(name: str) -> str:
@@ -1040,6 +1058,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         failure = f"the call ended before call #{checker.position} {call.name} at {call.source}"
     elif program.check_output(result, inputs, externals, program.placeholders) is not True:
         failure = "the function returned other values than recorded"
+    elif program.agreeing and _disagreeing(program.agreeing, checker.scalars):
+        failure = "numbers that were equal when traced and reach one backward op differ in this call"
     if failure is not None:
         if scaler_stages:  # the aten level runs the function again, from the scalers' stages before this run
             ScalerStages.restore(scaler_stages)
