@@ -641,3 +641,42 @@ def test_an_int_beyond_int64_for_an_int64_tensor_raises_as_eager_does(function):
         traced(x.clone(), k=2 ** 63)
     assert same(traced(x.clone(), k=3), function(x.clone(), k=3))
     assert fused_nodes(traced)
+
+
+def _filled_with_tensor(x, v):
+    return ((x + 1).masked_fill(x > 10, v) * 1,)
+
+
+def _filled_in_place_with_tensor(x, v):
+    return (x.masked_fill_(x > 10, v),)
+
+
+FILL_VALUES = {  # (dtype of x, a 0-dim value that fits, one that does not)
+    "uint8 <- int64": (torch.uint8, torch.tensor(5), torch.tensor(300)),
+    "int8 <- int64": (torch.int8, torch.tensor(5), torch.tensor(1000)),
+    "float32 <- float64": (torch.float32, torch.tensor(5.0, dtype=torch.float64), torch.tensor(1e39, dtype=torch.float64)),
+    "int32 <- float32 nan": (torch.int32, torch.tensor(5.0), torch.tensor(float("nan"))),
+}
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+@pytest.mark.parametrize("function", [_filled_with_tensor, _filled_in_place_with_tensor], ids=["masked_fill", "masked_fill_"])
+@pytest.mark.parametrize("case", list(FILL_VALUES))
+def test_a_tensor_fill_value_that_does_not_fit_raises_as_eager_does(case, function, backend):
+    """Hunt W F1: eager converts masked_fill's 0-dim tensor value with an overflow check (300 into
+    uint8 raises); the fused kernel cast it (300 -> 44), also into the caller's tensor in place.
+    A tensor value whose dtype may not fit the filled tensor's is no longer fused."""
+    dtype, fits, overflows = FILL_VALUES[case]
+    x = torch.arange(16).to(dtype)
+    context = ts.interpreter() if backend == "triton" else contextlib.nullcontext()
+    with context:
+        traced = tracejit.trace(function, backend=backend)
+        for _ in range(3):
+            assert same(traced(x.clone(), fits)[0], function(x.clone(), fits)[0])
+        with pytest.raises(RuntimeError, match="without overflow|cannot be converted"):
+            function(x.clone(), overflows)
+        given = x.clone()
+        with pytest.raises(RuntimeError, match="without overflow|cannot be converted"):
+            traced(given, overflows)
+        assert torch.equal(given, x)  # the in-place fill did not happen, as in eager
+        assert same(traced(x.clone(), fits)[0], function(x.clone(), fits)[0])

@@ -171,7 +171,28 @@ def _where(c: Compute, condition, x, other):
 @_op("masked_fill", Promotion.NO_OPMATH, "number", example=lambda x, y, z: x.masked_fill(y > 0, 2.5),
      promote_args=(0,))
 def _masked_fill(c: Compute, x, mask, value):
+    # A 0-dim tensor value is converted as eager converts `value.item()`: with an overflow check
+    # that raises (300 into uint8, 1e39 into float32, a NaN into an integer). A kernel's cast
+    # would wrap silently, so only a value whose dtype always fits is fused
+    if isinstance(value, Ref) and not always_fits(c.b.dtype(value), c.b.dtype(x)):
+        raise Unsupported("masked_fill with a tensor value whose dtype may not fit the filled tensor's")
     return c.where(mask, value, x)
+
+
+def always_fits(source: torch.dtype, target: torch.dtype) -> bool:
+    """Every value of `source` converts to `target` without the overflow check raising."""
+    if source == target or source == torch.bool:
+        return True
+    if source.is_complex or target.is_complex or target == torch.bool:
+        return False
+    if target.is_floating_point:
+        largest = torch.finfo(target).max
+        return (torch.finfo(source).max <= largest if source.is_floating_point
+                else torch.iinfo(source).max <= largest)
+    if source.is_floating_point:
+        return False  # NaN, infinities and fractions' range
+    low, high = torch.iinfo(source), torch.iinfo(target)
+    return high.min <= low.min and low.max <= high.max
 
 
 def _bools_only(c: Compute, *operands):
