@@ -573,3 +573,55 @@ def test_unchanged_programs_keep_their_fast_paths():
         with torch.no_grad():
             tagged(torch.randn(3, 4))
     assert traced.stats.host_free_calls >= 4
+
+
+def promoted(x):
+    if HIGH_PRECISION[0]:
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return x * 0.1 + 1
+        finally:
+            torch.set_default_dtype(before)
+    return x * 0.1 + 1
+
+
+@pytest.mark.parametrize("backend", ["aten", "c"])
+@pytest.mark.parametrize("without_host", [False, True])
+def test_an_integer_promoted_under_a_default_dtype_switched_inside_is_a_mismatch(without_host, backend):
+    """Hunt W F2: `int_tensor * 0.1` makes the default dtype; the function switched it to float64
+    on later calls and got float32 values (16777216.2 as 1677721.625) without a word."""
+    x = torch.arange(16777210, 16777214)
+    traced = tracejit.trace(promoted, without_host=without_host, backend=backend)
+    raised = 0
+    try:
+        for i in range(6):
+            HIGH_PRECISION[0] = i >= 3
+            try:
+                got = traced(x)
+            except tracejit.TraceMismatchError as error:
+                assert "default dtype" in str(error) and "x.double()" in str(error)
+                raised += 1
+                continue
+            assert torch.equal(got, promoted(x)), i
+    finally:
+        HIGH_PRECISION[0] = False
+    assert raised >= 1
+
+
+def promoted_in_float64(x):
+    torch.set_default_dtype(torch.float64)
+    try:
+        return x * 0.1 + 1, x / 3
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_an_integer_promoted_under_a_default_dtype_the_function_sets_is_refused_by_name():
+    """The function sets float64 on every call: the program, run after it, computed the promotion
+    in the caller's float32 (every backend, aten's too). Refused when recorded, naming the op."""
+    traced = tracejit.trace(promoted_in_float64)
+    with pytest.raises(NotImplementedError, match=r"op #0 aten.mul.Tensor .* promotes an integer tensor to the default "
+                                                  r"dtype, torch.float64, which the traced function set itself"):
+        traced(torch.arange(4))
+    assert torch.get_default_dtype() is torch.float32

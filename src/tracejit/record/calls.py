@@ -301,6 +301,23 @@ def is_ignored_op(op: Any) -> bool:
     return getattr(op, "namespace", "") == "profiler"
 
 
+def default_dtype_checks(record) -> dict[int, torch.dtype]:
+    """position -> dtype of each op whose result dtype the default dtype decides: the factories of
+    default_dtype_results, and the ops that make a floating tensor from integer or bool tensors
+    alone (`int_tensor * 0.1`, `int_tensor / 3`). A call that reaches one under another default
+    dtype (the function sets it on some calls) diverges there."""
+    found = default_dtype_results(record)
+    for position, op in enumerate(record.ops):
+        if position in found or not op.inputs or len(op.outputs) != 1 or op.outputs[0] is None:
+            continue
+        dtype = record.tensors[op.outputs[0]].meta.dtype
+        if dtype.is_floating_point and not any(
+                record.tensors[h].meta.dtype.is_floating_point or record.tensors[h].meta.dtype.is_complex
+                for h in op.inputs):
+            found[position] = dtype
+    return found
+
+
 def default_dtype_results(record) -> dict[int, torch.dtype]:
     """position -> dtype of each op that makes a floating tensor of the default dtype (a factory,
     `torch.full((4,), 0.5)`, with no `dtype=`): `torch.set_default_dtype` inside the function makes

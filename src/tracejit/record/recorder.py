@@ -116,6 +116,7 @@ class Recorder:
         self._outer_spans: dict[int, tuple[int, int]] = {}
         # torch.inference_mode() when the call began; each op notes its own (the function may enter it)
         self.inference_mode = torch.is_inference_mode_enabled()
+        self.default_dtype = torch.get_default_dtype()  # the caller's: programs run under it
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -301,6 +302,8 @@ class Recorder:
         result = self.execute(func, args, kwargs)
         _refuse_non_strided(func, _tensors_in(result), "returns", index, source)
         outputs, out_kind, out_metas = self._register_outputs(func, result, index, inputs, tensors)
+        if torch.get_default_dtype() is not self.default_dtype:
+            _refuse_promotion_to_switched_default(func, tensors, out_metas, self.default_dtype, index, source)
         mutated = tuple(self.handles.get(t) for t in written)
         for handle in mutated:
             self.tensors[handle].flags |= Flag.MUTATED
@@ -690,6 +693,24 @@ def refuse_lazy(function_name: str, names: ExternalNames | None, func: Any, tens
                 f"unrecorded; this one was reached elsewhere, or the call that found it did not run it. Run one "
                 f"forward of the model before the traced call (`model(x)`, as torch advises before making the "
                 f"optimizer).")
+
+
+def _refuse_promotion_to_switched_default(func: Any, tensors: list[torch.Tensor], metas: tuple, caller: torch.dtype,
+                                          index: int, source: Any) -> None:
+    """An op that made a floating tensor of the default dtype from integer or bool tensors alone
+    (`int_tensor * 0.1`, `int_tensor / 3`) under a default dtype the function set itself: the
+    program runs its ops after the function, under the caller's default dtype, and would compute
+    it in that one (float32 precision where eager had float64): refused by name."""
+    default = torch.get_default_dtype()
+    if not tensors or any(t.is_floating_point() or t.is_complex() for t in tensors):
+        return
+    if any(meta is not None and meta.dtype is default for meta in metas):
+        raise NotImplementedError(
+            f"tracejit: op #{index} {func} at {source} promotes an integer tensor to the default dtype, "
+            f"{default}, which the traced function set itself ({caller} when the call began): its program "
+            f"runs after the function, under the caller's default dtype, and would compute it in {caller}. "
+            f"Set the default dtype before calling the traced function, or convert explicitly "
+            f"(`x.to({default}) * 0.1`).")
 
 
 def _refuse_non_strided(func: Any, tensors: list[torch.Tensor], verb: str, index: int, source: Any) -> None:

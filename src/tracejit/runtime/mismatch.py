@@ -51,7 +51,8 @@ def other_default_dtype(record: Record, position: int, now: torch.dtype, source:
         _header(record, position, f"{op.name} makes a tensor of the default dtype, {now} now and {made} when "
                                   f"recorded (torch.set_default_dtype inside the call)")
         + _recorded(record, op)
-        + f"\n  reached at {source}; pass dtype= to the factory, or set the default dtype outside the traced call"
+        + f"\n  reached at {source}; pass dtype= to the factory (convert an integer tensor explicitly: "
+          f"`x.double() * 0.1`), or set the default dtype outside the traced call"
     )
 
 

@@ -24,7 +24,7 @@ from ..backends.reference import ReferenceKernel
 from ..errors import TraceMismatchError
 from ..ir.graph import Graph, Node, Op
 from ..record.autocast_keys import outside_autocast
-from ..record.calls import data_dependent_size, default_dtype_results
+from ..record.calls import data_dependent_size, default_dtype_checks
 from ..record.record import Record
 from .codegen import callable_for, generate_straight_line
 from .fastpath import generate_steps
@@ -268,7 +268,7 @@ class CheckedProgram:
                  kernels: dict[int, Any] | None = None):
         self.record = record
         self.graph = graph
-        self.default_dtype_results = default_dtype_results(record)  # checked before those ops run
+        self.default_dtype_results = default_dtype_checks(record)  # checked before those ops run
         self.profiler = profiler
         self.scalar_offsets, self.initial_scalars = scalar_layout(record)
         self.written_literals = frozenset(record.written_literals())  # see Replayer.literal_values
