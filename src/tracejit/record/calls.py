@@ -311,11 +311,20 @@ def default_dtype_checks(record) -> dict[int, torch.dtype]:
         if position in found or not op.inputs or len(op.outputs) != 1 or op.outputs[0] is None:
             continue
         dtype = record.tensors[op.outputs[0]].meta.dtype
-        if dtype.is_floating_point and not any(
-                record.tensors[h].meta.dtype.is_floating_point or record.tensors[h].meta.dtype.is_complex
-                for h in op.inputs):
+        if dtype.is_floating_point and promotes_to_default_dtype(
+                op.op, [record.tensors[h].meta.dtype for h in op.inputs]):
             found[position] = dtype
     return found
+
+
+def promotes_to_default_dtype(op: Any, input_dtypes: list[torch.dtype]) -> bool:
+    """An op making a floating tensor from integer or bool tensors alone decides its dtype by the
+    default dtype, unless it is told one (`_to_copy(x, dtype=torch.float16)`, `view(dtype)`,
+    autocast's `cpu_dtype`)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or any("dtype" in a.name for a in schema.arguments):
+        return False
+    return bool(input_dtypes) and not any(d.is_floating_point or d.is_complex for d in input_dtypes)
 
 
 def default_dtype_results(record) -> dict[int, torch.dtype]:

@@ -18,6 +18,7 @@ from .calls import (
     is_ignored_op,
     may_copy,
     mutated_tensors,
+    promotes_to_default_dtype,
     split_call,
 )
 from .handles import HandleMap
@@ -702,7 +703,7 @@ def _refuse_promotion_to_switched_default(func: Any, tensors: list[torch.Tensor]
     program runs its ops after the function, under the caller's default dtype, and would compute
     it in that one (float32 precision where eager had float64): refused by name."""
     default = torch.get_default_dtype()
-    if not tensors or any(t.is_floating_point() or t.is_complex() for t in tensors):
+    if not promotes_to_default_dtype(func, [t.dtype for t in tensors]):
         return
     if any(meta is not None and meta.dtype is default for meta in metas):
         raise NotImplementedError(
