@@ -194,12 +194,33 @@ def factory(x):
     return x + torch.full((4,), 16777217.0)
 
 
+def promoted(x):
+    if HIGH_PRECISION[0]:
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return x * 0.1 + 1
+        finally:
+            torch.set_default_dtype(before)
+    return x * 0.1 + 1
+
+
+SWITCHED_DEFAULT_DTYPE = {
+    # `torch.full` kept the recorded float32 result (16777216 for 16777217)
+    "a factory": (factory, torch.zeros(4, dtype=torch.float64)),
+    # hunt W F2: `int_tensor * 0.1` got float32 values (16777216.2 as 1677721.625) without a word
+    "an integer promoted": (promoted, torch.arange(16777210, 16777214)),
+}
+
+
+@pytest.mark.parametrize("backend", ["aten", "c"])
+@pytest.mark.parametrize("case", list(SWITCHED_DEFAULT_DTYPE))
 @pytest.mark.parametrize("without_host", [False, True])
-def test_the_default_dtype_switched_inside_the_function_is_a_mismatch(without_host):
-    """`torch.set_default_dtype(torch.float64)` inside the call on later calls: `torch.full`
-    kept the recorded float32 result (16777216 for 16777217)."""
-    x = torch.zeros(4, dtype=torch.float64)
-    traced = tracejit.trace(factory, without_host=without_host, backend="aten")
+def test_the_default_dtype_switched_inside_the_function_is_a_mismatch(without_host, case, backend):
+    """`torch.set_default_dtype(torch.float64)` inside the call on later calls, before an op whose
+    dtype the default dtype decides."""
+    function, x = SWITCHED_DEFAULT_DTYPE[case]
+    traced = tracejit.trace(function, without_host=without_host, backend=backend)
     raised = 0
     try:
         for i in range(6):
@@ -207,10 +228,10 @@ def test_the_default_dtype_switched_inside_the_function_is_a_mismatch(without_ho
             try:
                 got = traced(x)
             except tracejit.TraceMismatchError as error:
-                assert "default dtype" in str(error)
+                assert "default dtype" in str(error) and "x.double()" in str(error)
                 raised += 1
                 continue
-            assert torch.equal(got, factory(x)), i
+            assert torch.equal(got, function(x)), i
     finally:
         HIGH_PRECISION[0] = False
     assert raised >= 1
@@ -573,40 +594,6 @@ def test_unchanged_programs_keep_their_fast_paths():
         with torch.no_grad():
             tagged(torch.randn(3, 4))
     assert traced.stats.host_free_calls >= 4
-
-
-def promoted(x):
-    if HIGH_PRECISION[0]:
-        before = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            return x * 0.1 + 1
-        finally:
-            torch.set_default_dtype(before)
-    return x * 0.1 + 1
-
-
-@pytest.mark.parametrize("backend", ["aten", "c"])
-@pytest.mark.parametrize("without_host", [False, True])
-def test_an_integer_promoted_under_a_default_dtype_switched_inside_is_a_mismatch(without_host, backend):
-    """Hunt W F2: `int_tensor * 0.1` makes the default dtype; the function switched it to float64
-    on later calls and got float32 values (16777216.2 as 1677721.625) without a word."""
-    x = torch.arange(16777210, 16777214)
-    traced = tracejit.trace(promoted, without_host=without_host, backend=backend)
-    raised = 0
-    try:
-        for i in range(6):
-            HIGH_PRECISION[0] = i >= 3
-            try:
-                got = traced(x)
-            except tracejit.TraceMismatchError as error:
-                assert "default dtype" in str(error) and "x.double()" in str(error)
-                raised += 1
-                continue
-            assert torch.equal(got, promoted(x)), i
-    finally:
-        HIGH_PRECISION[0] = False
-    assert raised >= 1
 
 
 def promoted_in_float64(x):
