@@ -39,6 +39,20 @@ def clipped_train_step(x, y, *, model, opt):
     return loss
 
 
+def logged_train_step(x, y, *, model, opt):
+    """The tutorials' loop: the loss read on the host after the update, on every call."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    LOSSES.append(loss.item())
+    del LOSSES[:-100]  # a running window: the log does not grow with the run
+    return loss.detach()
+
+
+LOSSES: list[float] = []
+
+
 def infer(x, *, model):
     with torch.no_grad():
         return model(x)
@@ -142,6 +156,10 @@ def _rows() -> list[Workload]:
         Workload("mlp_train_clipped", "train",
                  "mlp_train_small's step with clip_grad_norm_(model.parameters(), 1.0) before Adam(lr=1e-3, fused=True)",
                  _training(lambda: models.mlp(small), (32, 64), 10, {"fused": True}, clipped_train_step)),
+        Workload("mlp_train_logged", "train",
+                 "mlp_train_small's step reading the loss on the host after the update (`losses.append(loss.item())`), "
+                 "Adam(lr=1e-3, fused=True)",
+                 _training(lambda: models.mlp(small), (32, 64), 10, {"fused": True}, logged_train_step)),
         Workload("mlp_train_medium", "train",
                  "MLP 784-512-512-10, batch 128, same step, Adam(lr=1e-3, fused=True)",
                  _training(lambda: models.mlp((784, 512, 512, 10)), (128, 784), 10, {"fused": True})),

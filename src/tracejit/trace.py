@@ -54,9 +54,18 @@ from .record.specialize import record_symbols, specialize
 from .record.symbolic import SymbolicRecorder
 from .record.symbolic_shapes import SymbolicSizes, tensor_inputs
 from .runtime import shape_traces
-from .runtime.api_replay import BEFORE_THE_FUNCTION, ApiInterrupted, ApiProgram, NotReplayable, gradient_owners, run_checked
+from .runtime.api_replay import (
+    BEFORE_THE_FUNCTION,
+    ApiInterrupted,
+    ApiProgram,
+    NotReplayable,
+    gradient_owners,
+    run_checked,
+    visible_values,
+)
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
+from .runtime.early_finish import read_exports
 from .runtime.gc_pause import collector_paused
 from .runtime.hostfree import MISS, GuardFailure, HostFreeRunner, refuse_stateful_comm_hooks
 from .runtime.profile import CLOCK, ProfileAccess, Profiler
@@ -1154,7 +1163,7 @@ class trace(ProfileAccess):
                           if entry.record.tensors[h].kind is Kind.EXTERNAL and id(t) in slot_of}
         try:
             if entry.host_free is None:
-                entry.host_free = self._host_free_runner(entry, checked=True)
+                entry.host_free = self._host_free_runner(entry, read_exports(entry.record, visible_values(trace, trace.output)))
             entry.host_free.bind(live, args, kwargs, replayer.names, entry.grad_state, replayer.scalars,
                                  external_slots=external_slots, grad_owners=gradient_owners(trace, external_slots),
                                  reached=(entry.reached, entry.reached_bits), input_grads=input_grads(entry.key))
@@ -1304,10 +1313,13 @@ class trace(ProfileAccess):
                 f"every call. Said once per trace.")
 
     @collector_paused()  # tracejit's own work, not the function's: see runtime/gc_pause.py
-    def _host_free_runner(self, entry: TraceEntry, checked: bool = False) -> HostFreeRunner:
-        """Compile the trace's host-free program (raises HostDependencyError if it has none)."""
+    def _host_free_runner(self, entry: TraceEntry, exports: frozenset[int] | None = None) -> HostFreeRunner:
+        """Compile the trace's host-free program (raises HostDependencyError if it has none); with
+        `exports` (the values it must leave when it runs at a host read), a checked call's."""
         started = CLOCK()
-        graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const)
+        checked = exports is not None
+        graph = build_graph(entry.record, host_visible=False, capture_as_const=self.options.capture_as_const,
+                            read_exports=exports or frozenset())
         options = self._compile_options if entry.shape_trace is None else self._unfused_options
         program, entry.history = compile_host_free(graph, options, self.__name__, self._profiler)
         runner = HostFreeRunner(entry.record, program, self._function, checked, self._gradient_state)

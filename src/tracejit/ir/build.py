@@ -61,7 +61,8 @@ class _Versions:
         return tuple(new_values)
 
 
-def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = False) -> Graph:
+def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = False,
+                read_exports: frozenset[int] = frozenset()) -> Graph:
     versions = _Versions(record)
     nodes: list[Node] = []
     read_handles = {h for op in record.ops for h in op.inputs}
@@ -105,7 +106,8 @@ def build_graph(record: Record, *, host_visible: bool, capture_as_const: bool = 
         values=tuple(versions.values),
         nodes=tuple(nodes),
         outputs=tuple(versions.read(h) for h in record.output.handles()),
-        escaped=escaped,
+        escaped=escaped | read_exports,
+        read_exports=read_exports,
         host_visible=host_visible,
         num_handles=len(record.tensors),
         capture_as_const=capture_as_const,

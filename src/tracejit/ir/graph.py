@@ -132,6 +132,9 @@ class Graph:
     recompute_plan: RecomputePlan | None = None  # set by plan_recomputation (dtr_config)
     host_reads: frozenset[int] = frozenset()  # handles the host read (numpy, item, print...)
     reads: tuple[tuple[int, int], ...] = ()  # (position, handle) of each host read: before op `position`
+    # handles a checked call's program leaves when it runs at a host read (runtime/early_finish.py):
+    # in `escaped` too, for the passes; the epilogue leaves those not escaped otherwise nowhere
+    read_exports: frozenset[int] = frozenset()
     # positions of excluded blocks (arbitrary host code runs there) and of collectives (other
     # processes meet there): nothing is fused across them
     barriers: tuple[int, ...] = ()

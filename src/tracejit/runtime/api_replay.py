@@ -58,6 +58,7 @@ from ..signature import attention_backends, autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
 from .ddp_stand_in import DeferredWrites, distributed_refusal, seal_ddp_spans
+from .early_finish import METADATA_CALLS, Finished, draws_random, hand_over, pure_tail_start, take_back
 from .function_stand_ins import build_function_stand_ins
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
@@ -136,6 +137,15 @@ class ApiProgram:
         self.schedulers: SchedulerStates | None = None  # and the LR schedulers (record/schedulers.py)
         self.call_context: CallContext | None = None  # the thread's context while a call runs, reused
         self.read_slices: dict = {}  # slice -> values, within one call
+        # host reads after which only the record's pure tail runs: the program runs at the first
+        # one this call makes (runtime/early_finish.py)
+        self.finish_from = pure_tail_start(record)
+        self.read_exports = runner.program.graph.read_exports | {
+            h for h in runner.program.graph.escaped if record.tensors[storage_root(record, h)].kind is Kind.INTERNAL}
+        self.finished: Finished | None = None  # this call's, once its program ran at a read
+        self._finishable: tuple | None = None  # (the runner's early handles, whether the reads find them)
+        self.finish_error: BaseException | None = None  # what the program raised when it ran at a read
+        self.call_generator: torch.Tensor | None = None  # the generator's state when the call began
         # plain tensors the function reaches anew on every call (the next batch of an iterator)
         self.rebind_meta, self.rebind_at = _rebindable(trace, record, runner, set(self.located))
         self._rebinding: frozenset = frozenset()  # the slots the step being generated binds
@@ -409,6 +419,57 @@ class ApiProgram:
         except KeyError:  # not made by this point of the record (a tensor kept from another call)
             raise ApiDiverged(f"a host read of t{handle} before the record makes it") from None
 
+    def can_finish(self) -> bool:
+        """Whether the program may run at this call's first read after which only the pure tail
+        runs: every read after it (recorded) finds its value in what the program leaves, and the
+        call has neither diverged, nor moved the generator, nor passed disagreeing numbers."""
+        checker, early = self.checker, self.runner.early
+        if checker.diverged is not None or not early.handles:
+            return False
+        if self._finishable is None or self._finishable[0] is not early.handles:
+            self._finishable = (early.handles, all(
+                call.read[1] in early.handles or self.record.tensors[storage_root(self.record, call.read[1])].kind
+                is not Kind.INTERNAL for call in self.calls
+                if call.kind is CallKind.HOST_READ and call.read is not None and call.read[0] >= self.finish_from))
+        if not self._finishable[1] or (self.agreeing and _disagreeing(self.agreeing, checker.scalars)):
+            return False
+        generator = self.call_generator
+        return generator is None or torch.equal(torch.default_generator.get_state(), generator)
+
+    def finish_early(self, source: str) -> None:
+        """Run the program at the host read at `source` (runtime/early_finish.py); on a guard that
+        fails, the call goes on as before and the program runs after it (and misses again)."""
+        checker, runner = self.checker, self.runner
+        runner.early.on = True
+        try:
+            with torch._C.DisableTorchFunction():
+                output = runner.call(self.checking_args, self.checking_kwargs, checker.scalars, checker.externals)
+        except BaseException as error:
+            self.finish_error = error  # raised for the call, as after the function (no aten-level rerun)
+            raise
+        finally:
+            runner.early.on = False
+            values, runner.early.values = runner.early.values, None
+        if output is MISS:
+            return
+        if self.deferred_writes.pending:
+            self.deferred_writes.apply()
+        self.finished = Finished(output, values or {}, list(checker.scalars), hand_over(self.placeholders, values or {}),
+                                 source)
+
+    def value_after_finish(self, handle: int) -> torch.Tensor:
+        """A value the host reads once the program ran: the program's, or an input or external as
+        it is now (the tail after the read writes none)."""
+        value = self.finished.values.get(handle)
+        if value is not None:
+            return value
+        if self.record.tensors[storage_root(self.record, handle)].kind is not Kind.INTERNAL:
+            env = _bind_leaves(self, self.checking_args, self.checking_kwargs, [handle], self.checker.externals)
+            if env is not None:
+                return env[handle]
+        raise ApiDiverged(f"a host read of t{handle}, which the program that ran at the read at "
+                          f"{self.finished.source} does not leave (the traced call did not read it there)")
+
     def externals(self) -> list | None:
         """The external objects of this call; None if one the call needs is gone (a gradient read
         where it is need not be the recorded object: its reading call binds it)."""
@@ -569,11 +630,17 @@ class _Reader:
         self.program = program
         self.offsets = program.scalar_offsets
         self.key = (tuple(self.ops), tuple(self.leaves))
+        self.finishing = call.index >= 0 and position >= program.finish_from  # a recorded read after which the tail runs
+        self.source = call.source
 
     def __call__(self, args: tuple, kwargs: dict, scalars: list) -> Any:
         program = self.program
         if self.textual and not (len(args) > 1 and args[1]):  # format(t, ".4f") prints the number alone
             raise ApiDiverged(f"repr() of t{self.handle}, which requires grad: the aten level prints eager's text")
+        if program.finished is None and self.finishing and program.can_finish():
+            program.finish_early(self.source)
+        if program.finished is not None:
+            return self.func(program.value_after_finish(self.handle), *args[1:], **kwargs)
         # Reads that need the same slice in one call share its run (foreach Adam reads every
         # step count after one _foreach_add_): the numbers it used cannot have changed since.
         env = program.read_slices.get(self.key)
@@ -609,8 +676,7 @@ class _Reader:
 _OFF_RECORD_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__"})
 
 
-def _random(op: Any) -> bool:
-    return isinstance(op.op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.op.tags
+_random = draws_random
 
 
 def _default_cpu_generator(record: Record, op: Any) -> bool:
@@ -759,14 +825,20 @@ def _direct_name(name: str) -> str:
     return _DUNDERS.get(short, short)
 
 
-def _placeholders(record: Record, trace: ApiTrace, output: Any) -> dict[int, torch.Tensor]:
-    """One placeholder per value the function sees: its recorded layout over one scratch buffer per
-    device and dtype, as large as the largest of them (they are never read or written)."""
+def visible_values(trace: ApiTrace, output: Any) -> set[int]:
+    """The handles of the values the function sees at the API level (each gets a placeholder)."""
     handles: set = set()
     for call in trace.calls:
         if call.kind is not CallKind.REAL:
             template_refs((call.args, call.kwargs, call.result), RefKind.VALUE, handles)
     template_refs(output, RefKind.VALUE, handles)
+    return handles
+
+
+def _placeholders(record: Record, trace: ApiTrace, output: Any) -> dict[int, torch.Tensor]:
+    """One placeholder per value the function sees: its recorded layout over one scratch buffer per
+    device and dtype, as large as the largest of them (they are never read or written)."""
+    handles = visible_values(trace, output)
     spans: dict[tuple, int] = {}
     for handle in handles:
         meta = record.tensors[handle].meta
@@ -828,6 +900,9 @@ class ApiChecker(TorchFunctionMode):
             answer = self._off_record(func, args, kwargs or {}, position)
             if answer is not FAIL:
                 return answer
+            if self.program.finished is not None and _name(func) in METADATA_CALLS:
+                with _WITHOUT_MODES():  # a placeholder has the recorded metadata (early_finish.METADATA_CALLS)
+                    return func(*args, **(kwargs or {}))
         if _short(_name(func)) in RUN_FOR_REAL:
             # An exception the function raises (a KeyError inside optimizer.step()) runs `finally`
             # blocks that restore grad mode: they must restore it, and the exception must go on,
@@ -1004,7 +1079,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if deferred.pending:
         deferred.clear()
     program.checking_args, program.checking_kwargs = args, kwargs  # for host reads (_Reader), recorded or not
-    generator = torch.default_generator.get_state() if program.draws else None
+    generator = program.call_generator = torch.default_generator.get_state() if program.draws else None
     scaler_stages = program.scalers.save(kwargs) if program.scalers else None
     scheduler_states = program.schedulers.save() if program.schedulers else None
     stand_ins = program.stand_ins.install(checker) if program.stand_ins is not None else None
@@ -1015,7 +1090,7 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
     if context is None or context.trace is not trace:
         context = program.call_context = CallContext(trace, checker, trace.options.capture_as_const)
     context.excluded = 0
-    outer = pushed = failure = interrupted = None
+    outer = pushed = failure = interrupted = raised = result = None
     handlers = _install_fast_paths()
     try:
         outer = enter_api_checked_call(context)
@@ -1026,9 +1101,10 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         failure = checker.diverged or "the call diverged"
     except Exception as error:  # noqa: BLE001 - the aten level reruns the call and raises it for real
         failure = f"the function raised {type(error).__name__}"
+        raised = error
     except BaseException as error:  # KeyboardInterrupt, SystemExit, the user's own: as above, and it goes on
         failure = f"the function raised {type(error).__name__}"
-        interrupted = error
+        interrupted = raised = error
     finally:
         if pushed is not None:
             POP_MODE()
@@ -1046,6 +1122,14 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             program.read_slices = {}
         if program.literals:
             program.literals.clear()
+    if program.finish_error is not None:
+        error, program.finish_error = program.finish_error, None
+        program.finished = program.call_generator = None
+        raise error
+    finished = program.finished
+    if finished is not None:
+        program.finished = program.call_generator = None
+        return _end_finished(program, trace, finished, result, failure, raised, inputs, externals), None
     if failure is not None:  # the checker is off the mode stack now: it would answer torch.equal
         _restore_generator(generator)
     elif generator is not None and _restore_generator(generator):
@@ -1099,7 +1183,11 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         return None, "a guard of the compiled program failed"
     if deferred.pending:
         deferred.apply()
-    stats = trace.stats
+    _count_stand_ins(trace.stats, checker)
+    return output, None
+
+
+def _count_stand_ins(stats: Any, checker: ApiChecker) -> None:
     if checker.stood_in:
         stats.optimizer_stand_ins += checker.stood_in
     if checker.stood_in_modules:
@@ -1108,7 +1196,43 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
             stats.ddp_stand_ins += checker.stood_in_ddp
     if checker.stood_in_functions:
         stats.function_stand_ins += checker.stood_in_functions
-    return output, None
+
+
+def _end_finished(program: ApiProgram, trace: Any, finished: Finished, result: Any, failure: str | None,
+                  raised: BaseException | None, inputs: list, externals: list) -> Any:
+    """The end of a call whose program ran at a host read: its effects are done, so a call that
+    went on otherwise than recorded raises instead of running again at the aten level."""
+    checker = program.checker
+    try:
+        if raised is not None and not isinstance(raised, ApiDiverged):
+            raise raised  # the function's own exception, after the effects eager had made by then
+        if failure is None:
+            if checker.diverged is not None:
+                failure = checker.diverged
+            elif checker.position != checker.count and not all(program.read_kinds[checker.position:]):
+                call = program.calls[checker.position]
+                failure = f"the call ended before call #{checker.position} {call.name} at {call.source}"
+            elif program.check_output(result, inputs, externals, program.placeholders) is not True:
+                failure = "the function returned other values than recorded"
+            elif checker.scalars != finished.scalars:
+                failure = "a torch call after the read passed other numbers than recorded"
+    finally:
+        take_back(program, finished.handed)
+    del result
+    # what the function keeps besides the values the program left in its placeholders: gone (each
+    # gets memory of its own, and the program new placeholders)
+    kept = program.kept_placeholders()
+    if kept and failure is None:
+        failure = f"the function keeps {', '.join(f't{h}' for h in kept)} beyond the call, which the traced call did not"
+    if failure is not None:
+        raise TraceMismatchError(
+            f"{trace.__name__}() diverged from its trace after its compiled program ran at the host read at "
+            f"{finished.source}: {failure}. The program runs at a call's last host read when the torch calls "
+            f"after it only compute what the call returns; they must then be the recorded ones "
+            f"(docs/guide.md, 'Host reads').")
+    trace.stats.early_runs += 1
+    _count_stand_ins(trace.stats, checker)
+    return finished.output
 
 
 def _restore_generator(state: torch.Tensor | None) -> bool:

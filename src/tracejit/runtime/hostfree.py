@@ -461,6 +461,19 @@ class KeptSlot:
         return self.tensor
 
 
+class EarlyValues:
+    """What a checked call's program leaves when it runs at a host read (runtime/early_finish.py):
+    while `on`, the program puts the values that outlive the call, and the ones read after it, in
+    `values` by handle, for the function's placeholders of them."""
+
+    __slots__ = ("on", "values", "handles")
+
+    def __init__(self):
+        self.on = False
+        self.values: dict[int, torch.Tensor] | None = None
+        self.handles: frozenset[int] = frozenset()  # what `values` holds: set by each binding
+
+
 class HostFreeRunner:
     """Runs one trace without its function, through one generated function per binding:
     `call(args, kw)` checks the signature and the guards, binds, runs the program and returns
@@ -483,6 +496,7 @@ class HostFreeRunner:
         self.env_template: list = []
         self.unplaced: list[str] = []  # kept tensors the epilogue cannot leave where the function would
         self.kept_slots: dict[int, KeptSlot] = {}
+        self.early = EarlyValues()
         self.gradient_state = gradient_state  # the trace's, which also watches DDPs reached without a keyword
         # externals tracejit cannot find by a path (no locator), as the last binding call reached
         # them: a call may skip the function only after two calls reached the same objects
@@ -1212,10 +1226,16 @@ class HostFreeRunner:
                          if handle in self.program.graph.fresh and obj.is_leaf and obj.grad is not None}
         written: set[int] = set()  # the memory of the views held where tracejit cannot find them
         graph_leaves = None  # ids of the leaves the autograd graphs of returned tensors hold
+        # what a checked call's program leaves when it runs at a read: the values read and seen
+        # (the program computes them: no object needed) and the ones that outlive the call
+        early = set(self.program.graph.read_exports) if self.checked else set()
+        read_only = {h for h in early if not tensors[h].flags & Flag.ESCAPED}  # kept to the end for reads alone
         for handle in sorted(self.program.graph.escaped):
             obj = objects.get(handle)
-            if obj is None:
+            if obj is None or handle in read_only:
                 continue
+            if self.checked and tensors[storage_root(self.record, handle)].kind is Kind.INTERNAL:
+                early.add(handle)
             body: list[str] = []
             self.stores.append((handle, body))
             if id(obj) in self._input_grads:  # this call's input gets its own gradient
@@ -1286,6 +1306,10 @@ class HostFreeRunner:
                 body += [f"o = {ref}()", f"if o is not None and o is not h{handle}:", f"    o.copy_(h{handle})"]
                 written.add(storage_address(obj))
         body = self._grad_mode_views(objects)
+        self.early.handles = frozenset(early)
+        if early:
+            values = src.constant(self.early, "ev")
+            body += [f"if {values}.on:", f"    {values}.values = {{{', '.join(f'{h}: h{h}' for h in sorted(early))}}}"]
         body += [line for _, lines in self.stores for line in lines]
         body += [f"{param}.grad = None" for param in self._cleared_grads]
         for _, ref in self.record.outside_grad_clears:  # parameters the call cleared but no op of it used

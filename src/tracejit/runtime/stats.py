@@ -19,6 +19,7 @@ class TraceStats:
     checked_replays: int = 0  # calls that ran the function against a trace and matched it
     api_replays: int = 0  # of the checked replays, those run at the torch API level (no aten dispatch)
     api_fallbacks: int = 0  # API-level checked calls that diverged and ran at the aten level instead
+    early_runs: int = 0  # of the API-level replays, those whose program ran at a host read (runtime/early_finish.py)
     optimizer_stand_ins: int = 0  # optimizer step()/zero_grad() calls API-level replays answered as a whole
     module_stand_ins: int = 0  # torch.nn module calls API-level replays answered as a whole
     ddp_stand_ins: int = 0  # of those, DistributedDataParallel calls (runtime/ddp_stand_in.py)

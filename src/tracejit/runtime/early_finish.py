@@ -1,0 +1,114 @@
+"""Which host reads of a checked call may run the compiled program early.
+
+A step that logs its loss (`running_loss += loss.item()`) reads a value the program computes. The
+reader (api_replay._Reader) computes it op by op from the call's inputs, and the program computes
+it again once the function has returned. Where what follows the read computes only what the call
+returns, the program can run at the read instead: every torch call that changes state has been
+made and matched by then, so the program leaves the state eager leaves, the read takes its value
+from the program, and the rest of the function is matched against the record as before.
+
+The price is the fallback: a call that diverges after the program ran cannot run again at the
+aten level (its effects are done), so it raises TraceMismatchError, as MegEngine's trace does for
+every divergence. Only the record's pure tail may follow the read, so the effects done are exactly
+the ones eager has made by then."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..record.collectives import is_collective
+from ..record.reads import storage_root
+from ..record.record import Flag, Kind, Record
+
+# torch calls that read a tensor's metadata only: a placeholder has the recorded metadata, so
+# after the program ran they are answered by the placeholder (`print(x.shape)` on some calls)
+METADATA_CALLS = frozenset({
+    "TensorBase.shape.__get__", "TensorBase.ndim.__get__", "TensorBase.dtype.__get__",
+    "TensorBase.device.__get__", "TensorBase.layout.__get__", "TensorBase.is_cuda.__get__",
+    "TensorBase.size", "TensorBase.dim", "TensorBase.numel", "TensorBase.nelement", "TensorBase.stride",
+    "TensorBase.is_contiguous", "TensorBase.is_floating_point", "TensorBase.element_size",
+    "TensorBase.__len__", "Tensor.__len__", "TensorBase.storage_offset",
+})
+
+
+def pure_tail_start(record: Record) -> int:
+    """The first op position from which every op computes a value only the call's return value or
+    later ops hold: it draws no random number, writes into no memory, passes no number, is no
+    collective, and no excluded block or value kept in Python state comes after it."""
+    tensors = record.tensors
+    start = len(record.ops)
+    last_block = max((block.position for block in record.excluded_blocks), default=0)
+    for op in reversed(record.ops):
+        # a number the tail passes may come from the read (`x * (1.0 / n.item())`): not known before it
+        if op.index < last_block or op.mutated or op.scalars or is_collective(op.op) or draws_random(op):
+            break
+        if any(h is not None and tensors[h].flags & Flag.ESCAPED and not tensors[h].flags & Flag.RETURNED
+               for h in op.outputs):
+            break
+        start = op.index
+    return max(start, last_block)
+
+
+def finishing_reads(record: Record) -> frozenset[int]:
+    """The handles of the host reads after which only the pure tail runs: the program, run at the
+    first of them, must leave their values (those in memory the call made) to be read."""
+    start = pure_tail_start(record)
+    return frozenset(read.handle for read in record.host_reads
+                     if read.handle is not None and read.position >= start and _made_by_the_call(record, read.handle))
+
+
+def read_exports(record: Record, visible: set[int]) -> frozenset[int]:
+    """What a checked call's program leaves when it runs at a read: the values read there, and
+    every value of the call's making the function sees (it may read one after the program ran,
+    on a call whose traced call did not: `if step % 100 == 99: print(acc.item())`). None without
+    such a read, so that a program with none keeps all its fusion and memory reuse."""
+    reads = finishing_reads(record)
+    if not reads:
+        return reads
+    return reads | {h for h in visible if _made_by_the_call(record, h)}
+
+
+def _made_by_the_call(record: Record, handle: int) -> bool:
+    return record.tensors[storage_root(record, handle)].kind is Kind.INTERNAL
+
+
+def draws_random(op: Any) -> bool:
+    return isinstance(op.op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.op.tags
+
+
+@dataclass
+class Finished:
+    """A call whose program ran at a host read: what it returns, the values read after, the
+    numbers it ran with, and the placeholders it filled (handle -> a fresh one for later calls)."""
+    output: Any
+    values: dict[int, torch.Tensor]
+    scalars: list
+    handed: dict[int, torch.Tensor]
+    source: str
+
+
+def hand_over(placeholders: dict[int, torch.Tensor], values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Point the placeholders the function holds of `values` at them (a kept `loss.detach()`, a
+    value Python state holds): what the function does with them after the read is eager's. Returns
+    a fresh placeholder (the same view of the scratch memory) for each, for later calls."""
+    handed = {}
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        for handle, value in values.items():
+            placeholder = placeholders.get(handle)
+            if placeholder is not None and placeholder.dtype == value.dtype and placeholder.device == value.device:
+                handed[handle] = placeholder.detach()
+                placeholder.set_(value)
+    return handed
+
+
+def take_back(program: Any, handed: dict[int, torch.Tensor]) -> None:
+    """Give later calls fresh placeholders for those the function now holds with values."""
+    placeholders, handles = program.placeholders, program.placeholder_handles
+    for handle, fresh in handed.items():
+        handles.pop(id(placeholders[handle]), None)
+        placeholders[handle] = fresh
+        handles[id(fresh)] = handle
+    program.placeholder_values = list(placeholders.values())
+    handed.clear()  # held here, a placeholder would count as kept (ApiProgram.kept_placeholders)
