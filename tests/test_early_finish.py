@@ -155,32 +155,69 @@ def test_values_kept_or_read_after_the_read_that_the_traced_call_did_not_are_the
     assert stats.early_runs == stats.api_replays >= 6 and stats.api_fallbacks == 0, stats
 
 
-def test_a_call_that_goes_on_otherwise_after_the_program_ran_raises():
-    # the program ran at the read: the call cannot run again at the aten level, so a torch call
-    # after it that the record does not have raises there; the step is done, as eager's, and the
-    # next call runs as before
-    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "sgd")
+def test_a_call_that_goes_on_otherwise_after_the_program_ran_runs_the_rest_eagerly():
+    # the program ran at the read, so the call cannot run again at the aten level; the state is
+    # eager's there and every value the function holds is real: torch calls the record does not
+    # have run for real (a check, a logged slice, another return value), and the function's own
+    # result is the call's
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "adam")
 
-    def make(model, opt, totals):
+    def make(model, opt, log):
         def step(x, y, *, i):
             out = model(x)
             loss = F.cross_entropy(out, y)
             loss.backward()
             opt.step()
             opt.zero_grad()
+            log.append(loss.item())
+            if i % 3 == 1 and i > 3:  # none of the calls that record and note the trace
+                log.append((bool(torch.isfinite(out).all()), out[0, :3].tolist(), f"{loss:.5f}"))
+                return loss.detach(), out.detach().argmax(1)
+            return loss.detach()
+        return step
+
+    log_a, log_b = [], []
+    eager, traced = make(model_a, opt_a, log_a), tracejit.trace(make(model_b, opt_b, log_b), backend="aten")
+    for i in range(9):
+        got, want = traced(*batch("mlp", i), i=i), eager(*batch("mlp", i), i=i)
+        if isinstance(want, tuple):
+            assert isinstance(got, tuple) and all(torch.equal(g, w) for g, w in zip(got, want)), i
+        else:
+            assert torch.equal(got, want), i
+        assert_same_state(model_a, opt_a, model_b, opt_b)
+    assert log_a == log_b and len(log_a) == 11
+    stats = traced.stats
+    assert stats.early_runs == stats.api_replays >= 6 and stats.api_fallbacks == 0, stats
+
+
+@pytest.mark.parametrize("query", ["loss.grad_fn", "loss.requires_grad", "print(loss)"])
+def test_autograd_questions_after_the_program_ran_raise(query, capsys):
+    # a value the program computed has no autograd history: after the program ran at the read,
+    # asking for it (or for eager's `grad_fn=<...>` text) on a call the record does not have
+    # raises; the step is done, as eager's, and the next call runs as before
+    (model_a, opt_a), (model_b, opt_b) = twin(make_model("mlp"), "sgd")
+
+    def make(model, opt, totals, asks):
+        def step(x, y, *, i):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
             totals.append(loss.item())
-            if i == 4:
-                out.sum()
+            if asks and i == 4:
+                eval(query, {"loss": loss})
             return loss.detach()
         return step
 
     totals_a, totals_b = [], []
-    eager, traced = make(model_a, opt_a, totals_a), tracejit.trace(make(model_b, opt_b, totals_b), backend="aten")
+    eager = make(model_a, opt_a, totals_a, False)
+    traced = tracejit.trace(make(model_b, opt_b, totals_b, True), backend="aten")
     for i in range(STEPS):
         want = eager(*batch("mlp", i), i=i)
         if i == 4:
             with pytest.raises(TraceMismatchError, match=r"after its compiled program ran at the host read at "
-                                                         r"test_early_finish.py:\d+ in step: call #\d+ is TensorBase.sum"):
+                                                         r"test_early_finish.py:\d+ in step: .* of a value the program "
+                                                         r"computed without autograd"):
                 traced(*batch("mlp", i), i=i)
         else:
             assert torch.equal(traced(*batch("mlp", i), i=i), want), i
@@ -273,3 +310,60 @@ def test_an_error_the_program_raises_at_the_read_is_raised_as_eager_raises_it():
     assert totals_a == totals_b
     stats = traced.stats
     assert stats.early_runs >= 3 and stats.api_fallbacks == 0, stats
+
+
+def _linear_step(kind: str):
+    """A step whose read after the update is made in one of the ways hunt X found silently wrong
+    or broken with the program run at the read."""
+    def make(model, opt, log):
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)  # backward makes new gradients, which outlive the call
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            if kind == "literal":  # a literal written in place, read after the program ran
+                correct = torch.tensor(0.0)
+                correct += (out.argmax(1) == y).sum()
+                log.append(loss.item())
+                log.append(correct.item())
+            elif kind == "autocast":  # the read inside an autocast region: the program runs outside it
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    log.append(loss.item())
+            elif kind == "inference_mode":  # ...and outside inference_mode: its tensors are not inference tensors
+                with torch.inference_mode():
+                    log.append(loss.item())
+            else:  # views of a parameter and of an input
+                log.append(loss.item())
+                log.append((model.weight[0, 1].item(), x[1, 2].item()))
+            return loss.detach()
+        return step
+    return make
+
+
+@pytest.mark.parametrize("kind", ["literal", "autocast", "inference_mode", "views"])
+@pytest.mark.parametrize("backend", ["aten", "c"])
+def test_reads_after_the_update_that_the_program_must_not_answer_otherwise(kind, backend):
+    torch.manual_seed(0)
+    model_a = torch.nn.Linear(8, 4)
+    model_b = torch.nn.Linear(8, 4)
+    model_b.load_state_dict(model_a.state_dict())
+    opt_a, opt_b = torch.optim.SGD(model_a.parameters(), lr=0.1), torch.optim.SGD(model_b.parameters(), lr=0.1)
+    log_a, log_b = [], []
+    make = _linear_step(kind)
+    eager, traced = make(model_a, opt_a, log_a), tracejit.trace(make(model_b, opt_b, log_b), backend=backend)
+    exact = backend == "aten"
+    for i in range(8):  # the first call finds no gradients, the second records again with them
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        got, want = traced(x, y), eager(x, y)
+        assert torch.equal(got, want) if exact else torch.allclose(got, want, atol=1e-6), i
+        assert not got.is_inference() and not model_b.weight.grad.is_inference(), i
+        for a, b in zip(model_a.parameters(), model_b.parameters()):
+            assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-6), i
+            assert torch.equal(a.grad, b.grad) if exact else torch.allclose(a.grad, b.grad, atol=1e-6), i
+    assert log_a == log_b if exact else log_a == pytest.approx(log_b, abs=1e-5)
+    stats = traced.stats
+    assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
+    # inside autocast or inference_mode the program waits for the function's end
+    assert (stats.early_runs == 0) if kind in ("autocast", "inference_mode") else (stats.early_runs == stats.api_replays)

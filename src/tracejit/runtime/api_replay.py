@@ -58,7 +58,16 @@ from ..signature import attention_backends, autocast_state, call_context_key
 from .api_match import FAIL, Numbers, answer_expr, match_lines, same_literal, template_refs
 from .codegen import with_recorded_grad_mode
 from .ddp_stand_in import DeferredWrites, distributed_refusal, seal_ddp_spans
-from .early_finish import METADATA_CALLS, Finished, draws_random, hand_over, pure_tail_start, take_back
+from .early_finish import (
+    METADATA_CALLS,
+    Finished,
+    autograd_query,
+    draws_random,
+    hand_over,
+    pure_tail_start,
+    read_where_it_is,
+    take_back,
+)
 from .function_stand_ins import build_function_stand_ins
 from .hostfree import MISS, HostFreeRunner
 from .program import scalar_layout
@@ -427,11 +436,17 @@ class ApiProgram:
         if checker.diverged is not None or not early.handles:
             return False
         if self._finishable is None or self._finishable[0] is not early.handles:
+            record = self.record
             self._finishable = (early.handles, all(
-                call.read[1] in early.handles or self.record.tensors[storage_root(self.record, call.read[1])].kind
-                is not Kind.INTERNAL for call in self.calls
+                (call.read[1] in early.handles or read_where_it_is(record, call.read[1]))
+                and not (call.read_requires_grad and _short(call.name) in _TEXT_READS)  # see _Reader.textual
+                for call in self.calls
                 if call.kind is CallKind.HOST_READ and call.read is not None and call.read[0] >= self.finish_from))
         if not self._finishable[1] or (self.agreeing and _disagreeing(self.agreeing, checker.scalars)):
+            return False
+        # the program runs in the caller's context: not inside an autocast, inference_mode or
+        # default dtype the function entered (grad mode it sets itself)
+        if call_context_key()[1:] != self.context[1:]:
             return False
         generator = self.call_generator
         return generator is None or torch.equal(torch.default_generator.get_state(), generator)
@@ -463,7 +478,7 @@ class ApiProgram:
         value = self.finished.values.get(handle)
         if value is not None:
             return value
-        if self.record.tensors[storage_root(self.record, handle)].kind is not Kind.INTERNAL:
+        if read_where_it_is(self.record, handle):
             env = _bind_leaves(self, self.checking_args, self.checking_kwargs, [handle], self.checker.externals)
             if env is not None:
                 return env[handle]
@@ -601,7 +616,7 @@ class _Reader:
         self.func = call.func
         # a repr() of a tensor requiring grad: eager prints `grad_fn=<NllLossBackward0>` (or
         # `requires_grad=True`), which a value computed without autograd has not
-        self.textual = _short(_name(call.func)) in ("__repr__", "__format__", "__str__") and call.read_requires_grad
+        self.textual = _short(_name(call.func)) in _TEXT_READS and call.read_requires_grad
         self.handle = handle
         self.ops, _ = read_slice(record, position, handle)
         self.draws = any(_random(record.ops[i]) for i in self.ops)
@@ -673,6 +688,7 @@ class _Reader:
 # reads whose answer is a Python value: not numpy() or __array__ (an array over the reader's copy
 # would not see the program's writes, nor the program its own), nor repr() and format() (computed
 # without grad, they would lose the `grad_fn=` eager prints), which diverge as before
+_TEXT_READS = frozenset({"__repr__", "__format__", "__str__"})
 _OFF_RECORD_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__"})
 
 
@@ -880,9 +896,12 @@ class ApiChecker(TorchFunctionMode):
         self.stood_in_modules = 0  # torch.nn module calls answered as a whole
         self.stood_in_ddp = 0  # of which DistributedDataParallel calls (runtime/ddp_stand_in.py)
         self.stood_in_functions = 0  # gradient clipping calls (runtime/function_stand_ins.py)
+        self.continued = False  # the rest of the call runs eagerly (_after_finish)
         return self
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.continued:
+            return self._after_finish(func, args, kwargs or {})
         position = self.position
         if self.diverged is not None and _short(_name(func)) in RUN_FOR_REAL:
             return func(*args, **(kwargs or {}))  # unwinding: `finally` blocks restore grad mode
@@ -900,9 +919,14 @@ class ApiChecker(TorchFunctionMode):
             answer = self._off_record(func, args, kwargs or {}, position)
             if answer is not FAIL:
                 return answer
-            if self.program.finished is not None and _name(func) in METADATA_CALLS:
-                with _WITHOUT_MODES():  # a placeholder has the recorded metadata (early_finish.METADATA_CALLS)
-                    return func(*args, **(kwargs or {}))
+            if self.program.finished is not None:
+                if _name(func) in METADATA_CALLS:  # a placeholder has the recorded metadata
+                    with _WITHOUT_MODES():
+                        return func(*args, **(kwargs or {}))
+                # The program ran at a read: the state is eager's at this point, and every value the
+                # function holds is real (early_finish.hand_over). The rest of the call runs eagerly.
+                self.continued = True
+                return self._after_finish(func, args, kwargs or {})
         if _short(_name(func)) in RUN_FOR_REAL:
             # An exception the function raises (a KeyError inside optimizer.step()) runs `finally`
             # blocks that restore grad mode: they must restore it, and the exception must go on,
@@ -915,6 +939,18 @@ class ApiChecker(TorchFunctionMode):
         if same_function:
             self.diverge(f"call #{position} {call.name} has other arguments than recorded at {call.source}")
         self.diverge(f"call #{position} is {_name(func)}, recorded {call.name} at {call.source}")
+
+    def _after_finish(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch call after the program ran at a read and the call went otherwise than recorded:
+        run for real, on the values the placeholders hold. Their autograd history is not eager's
+        (they have none), so autograd's attributes of one, and its text (`grad_fn=<...>`), raise."""
+        name = _name(func)
+        if autograd_query(name) or (_short(name) in _TEXT_READS and not (len(args) > 1 and args[1])):
+            for tensor in args:
+                if isinstance(tensor, torch.Tensor) and self.program.leaf_handle(tensor, self.inputs, self.externals) is None:
+                    self.diverge(f"{name} of a value the program computed without autograd")
+        with _WITHOUT_MODES():
+            return func(*args, **kwargs)
 
     def _off_record(self, func: Any, args: tuple, kwargs: dict, position: int) -> Any:
         """A host read the record does not have (`loss.item()` logged every 100th call) of a value
@@ -962,10 +998,13 @@ class ApiChecker(TorchFunctionMode):
 
     # the handler protocol of a traced call (modes.Handler): none of these happen in a matching call
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.continued:
+            return func(*args, **kwargs)
         self.diverge(f"aten op {func} dispatched outside a recorded torch call")
 
     def on_host_read(self, tensor: torch.Tensor, what: str) -> None:
-        self.diverge(f"a host read {what} the record does not have")
+        if not self.continued:
+            self.diverge(f"a host read {what} the record does not have")
 
     def on_excluded_block(self) -> None:
         self.diverge("an exclude_from_trace() block the record does not have")
@@ -1097,8 +1136,8 @@ def run_checked(program: ApiProgram, trace: Any, args: tuple, kwargs: dict, inpu
         PUSH_MODE(checker)  # what `with checker:` does, without its two Python frames each way
         pushed = checker
         result = trace._function(*args, **kwargs)
-    except ApiDiverged:
-        failure = checker.diverged or "the call diverged"
+    except ApiDiverged as why:  # the checker's, or a reader's (which the checker has not noted)
+        failure = checker.diverged or str(why) or "the call diverged"
     except Exception as error:  # noqa: BLE001 - the aten level reruns the call and raises it for real
         failure = f"the function raised {type(error).__name__}"
         raised = error
@@ -1203,21 +1242,22 @@ def _end_finished(program: ApiProgram, trace: Any, finished: Finished, result: A
     """The end of a call whose program ran at a host read: its effects are done, so a call that
     went on otherwise than recorded raises instead of running again at the aten level."""
     checker = program.checker
+    own = False  # the function's result is the call's: it went on otherwise than recorded
     try:
         if raised is not None and not isinstance(raised, ApiDiverged):
             raise raised  # the function's own exception, after the effects eager had made by then
         if failure is None:
             if checker.diverged is not None:
                 failure = checker.diverged
-            elif checker.position != checker.count and not all(program.read_kinds[checker.position:]):
-                call = program.calls[checker.position]
-                failure = f"the call ended before call #{checker.position} {call.name} at {call.source}"
-            elif program.check_output(result, inputs, externals, program.placeholders) is not True:
-                failure = "the function returned other values than recorded"
-            elif checker.scalars != finished.scalars:
-                failure = "a torch call after the read passed other numbers than recorded"
+            # Otherwise than recorded, but eagerly from the read on, on real values: the function's
+            # result (the placeholders in it hold the program's values) is eager's
+            own = (checker.continued
+                   or checker.position != checker.count and not all(program.read_kinds[checker.position:])
+                   or program.check_output(result, inputs, externals, program.placeholders) is not True
+                   or checker.scalars != finished.scalars)
     finally:
         take_back(program, finished.handed)
+    output = result if own else finished.output
     del result
     # what the function keeps besides the values the program left in its placeholders: gone (each
     # gets memory of its own, and the program new placeholders)
@@ -1232,7 +1272,7 @@ def _end_finished(program: ApiProgram, trace: Any, finished: Finished, result: A
             f"(docs/guide.md, 'Host reads').")
     trace.stats.early_runs += 1
     _count_stand_ins(trace.stats, checker)
-    return finished.output
+    return output
 
 
 def _restore_generator(state: torch.Tensor | None) -> bool:

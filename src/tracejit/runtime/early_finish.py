@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from ..record.collectives import is_collective
-from ..record.reads import storage_root
 from ..record.record import Flag, Kind, Record
 
 # torch calls that read a tensor's metadata only: a placeholder has the recorded metadata, so
@@ -31,6 +30,18 @@ METADATA_CALLS = frozenset({
     "TensorBase.is_contiguous", "TensorBase.is_floating_point", "TensorBase.element_size",
     "TensorBase.__len__", "Tensor.__len__", "TensorBase.storage_offset",
 })
+
+
+# autograd's attributes and methods: a value the program computed has no history, so after the
+# program ran they are eager's only for the call's inputs and externals
+_AUTOGRAD = frozenset({"requires_grad", "grad_fn", "is_leaf", "grad", "backward", "retain_grad", "retains_grad",
+                       "register_hook", "requires_grad_", "register_post_accumulate_grad_hook", "_base",
+                       "output_nr", "_version", "is_inference"})
+
+
+def autograd_query(name: str) -> bool:
+    parts = name.split(".")
+    return (parts[-2] if len(parts) > 1 and parts[-1] in ("__get__", "__set__") else parts[-1]) in _AUTOGRAD
 
 
 def pure_tail_start(record: Record) -> int:
@@ -53,25 +64,31 @@ def pure_tail_start(record: Record) -> int:
 
 def finishing_reads(record: Record) -> frozenset[int]:
     """The handles of the host reads after which only the pure tail runs: the program, run at the
-    first of them, must leave their values (those in memory the call made) to be read."""
+    first of them, must leave their values to be read (all but inputs and externals themselves,
+    which are read where they are)."""
     start = pure_tail_start(record)
     return frozenset(read.handle for read in record.host_reads
-                     if read.handle is not None and read.position >= start and _made_by_the_call(record, read.handle))
+                     if read.handle is not None and read.position >= start and not read_where_it_is(record, read.handle))
 
 
 def read_exports(record: Record, visible: set[int]) -> frozenset[int]:
     """What a checked call's program leaves when it runs at a read: the values read there, and
-    every value of the call's making the function sees (it may read one after the program ran,
-    on a call whose traced call did not: `if step % 100 == 99: print(acc.item())`). None without
-    such a read, so that a program with none keeps all its fusion and memory reuse."""
+    every value the function sees (it may read or keep one after the program ran, on a call whose
+    traced call did not: `if step % 100 == 99: print(acc.item())`). None without such a read, so
+    that a program with none keeps all its fusion and memory reuse."""
     reads = finishing_reads(record)
     if not reads:
         return reads
-    return reads | {h for h in visible if _made_by_the_call(record, h)}
+    return reads | {h for h in visible if not read_where_it_is(record, h)}
 
 
-def _made_by_the_call(record: Record, handle: int) -> bool:
-    return record.tensors[storage_root(record, handle)].kind is Kind.INTERNAL
+def read_where_it_is(record: Record, handle: int) -> bool:
+    """An input, an external, or a constant no call writes or lets outlive it, itself (not a
+    view): after the program ran, its value at a read in the pure tail is the one it has."""
+    info = record.tensors[handle]
+    if info.base is not None or info.kind is Kind.INTERNAL:
+        return False
+    return not info.literal or handle not in record.fresh_literals()
 
 
 def draws_random(op: Any) -> bool:
