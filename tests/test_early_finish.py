@@ -367,3 +367,37 @@ def test_reads_after_the_update_that_the_program_must_not_answer_otherwise(kind,
     assert stats.api_replays >= 3 and stats.api_fallbacks == 0, stats
     # inside autocast or inference_mode the program waits for the function's end
     assert (stats.early_runs == 0) if kind in ("autocast", "inference_mode") else (stats.early_runs == stats.api_replays)
+
+
+def test_a_gradient_reached_after_the_read_and_used_on_some_calls_is_the_programs():
+    # `.grad` read after the read on every call hands out a value made before it; a later call
+    # that goes on with it (a logged norm) must find the program's gradient there
+    torch.manual_seed(0)
+    model_a = torch.nn.Linear(8, 4)
+    model_b = torch.nn.Linear(8, 4)
+    model_b.load_state_dict(model_a.state_dict())
+    opt_a, opt_b = torch.optim.SGD(model_a.parameters(), lr=0.1), torch.optim.SGD(model_b.parameters(), lr=0.1)
+
+    def make(model, opt, log):
+        def step(x, y, *, i):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            log.append(loss.item())
+            grad = model.weight.grad
+            if i > 4 and i % 2:
+                log.append(grad.square().sum().item())
+            return loss.detach()
+        return step
+
+    log_a, log_b = [], []
+    eager, traced = make(model_a, opt_a, log_a), tracejit.trace(make(model_b, opt_b, log_b), backend="aten")
+    for i in range(9):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        assert torch.equal(traced(x, y, i=i), eager(x, y, i=i)), i
+        assert torch.equal(model_a.weight.grad, model_b.weight.grad), i
+    assert log_a == log_b and len(log_a) == 11
+    stats = traced.stats
+    assert stats.early_runs == stats.api_replays >= 4 and stats.api_fallbacks == 0, stats

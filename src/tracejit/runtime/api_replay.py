@@ -149,6 +149,13 @@ class ApiProgram:
         # host reads after which only the record's pure tail runs: the program runs at the first
         # one this call makes (runtime/early_finish.py)
         self.finish_from = pure_tail_start(record)
+        # the values the calls after such a read hand out (a `.grad` read included): their
+        # placeholders get the program's values whether or not the function holds them yet
+        tail_values: set[int] = set()
+        for call in trace.calls:
+            if call.span[0] >= self.finish_from and call.kind is not CallKind.REAL:
+                template_refs(call.result, RefKind.VALUE, tail_values)
+        self.tail_values = frozenset(tail_values)
         self.read_exports = runner.program.graph.read_exports | {
             h for h in runner.program.graph.escaped if record.tensors[storage_root(record, h)].kind is Kind.INTERNAL}
         self.finished: Finished | None = None  # this call's, once its program ran at a read
@@ -469,8 +476,8 @@ class ApiProgram:
             return
         if self.deferred_writes.pending:
             self.deferred_writes.apply()
-        self.finished = Finished(output, values or {}, list(checker.scalars), hand_over(self.placeholders, values or {}),
-                                 source)
+        self.finished = Finished(output, values or {}, list(checker.scalars),
+                                 hand_over(self.placeholders, values or {}, self.tail_values), source)
 
     def value_after_finish(self, handle: int) -> torch.Tensor:
         """A value the host reads once the program ran: the program's, or an input or external as

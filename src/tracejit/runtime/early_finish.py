@@ -13,6 +13,7 @@ every divergence. Only the record's pure tail may follow the read, so the effect
 the ones eager has made by then."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,17 +107,27 @@ class Finished:
     source: str
 
 
-def hand_over(placeholders: dict[int, torch.Tensor], values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Point the placeholders the function holds of `values` at them (a kept `loss.detach()`, a
-    value Python state holds): what the function does with them after the read is eager's. Returns
-    a fresh placeholder (the same view of the scratch memory) for each, for later calls."""
+def hand_over(placeholders: dict[int, torch.Tensor], values: dict[int, torch.Tensor],
+              tail: frozenset[int]) -> dict[int, torch.Tensor]:
+    """Point the placeholders of `values` that something holds (the function's locals, a kept
+    `loss.detach()`, Python state), and those the rest of the call will get (`tail`), at them:
+    what the function does with them after the read is eager's. Returns a fresh placeholder (the
+    same view of the scratch memory) for each, for later calls."""
     handed = {}
-    with torch._C.DisableTorchFunction(), torch.no_grad():
-        for handle, value in values.items():
-            placeholder = placeholders.get(handle)
-            if placeholder is not None and placeholder.dtype == value.dtype and placeholder.device == value.device:
-                handed[handle] = placeholder.detach()
-                placeholder.set_(value)
+    grad = torch.is_grad_enabled()  # off: a view of a parameter is set_ into a placeholder, a leaf
+    torch._C._set_grad_enabled(False)
+    try:
+        with torch._C.DisableTorchFunction():
+            for handle, value in values.items():
+                # held by the dict, the program's list of them and getrefcount alone: nobody has it
+                if handle not in placeholders or (handle not in tail and sys.getrefcount(placeholders[handle]) <= 3):
+                    continue
+                placeholder = placeholders[handle]
+                if placeholder.dtype == value.dtype and placeholder.device == value.device:
+                    handed[handle] = placeholder.detach()
+                    placeholder.set_(value)
+    finally:
+        torch._C._set_grad_enabled(grad)
     return handed
 
 
