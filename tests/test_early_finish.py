@@ -401,3 +401,53 @@ def test_a_gradient_reached_after_the_read_and_used_on_some_calls_is_the_program
     assert log_a == log_b and len(log_a) == 11
     stats = traced.stats
     assert stats.early_runs == stats.api_replays >= 4 and stats.api_fallbacks == 0, stats
+
+
+@pytest.mark.parametrize("after", ["write the input", "a second step", "log in an excluded block"])
+def test_what_a_call_does_eagerly_after_the_program_ran_is_eagers(after, capsys):
+    # hunt Y: once a call goes on otherwise than recorded after the program ran at the read,
+    # nothing of the record answers for it any more (a module's forward in the tail after the
+    # input was written; a second step's forward and backward on the real parameters; an excluded
+    # block the record does not have)
+    torch.manual_seed(0)
+    model_a = torch.nn.Linear(4, 3)
+    model_b = torch.nn.Linear(4, 3)
+    model_b.load_state_dict(model_a.state_dict())
+    opt_a, opt_b = torch.optim.SGD(model_a.parameters(), lr=0.1), torch.optim.SGD(model_b.parameters(), lr=0.1)
+
+    def make(model, opt, log):
+        def step(x, y, *, i):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            log.append(loss.item())
+            if i > 3:
+                if after == "write the input":
+                    x.mul_(2)
+                elif after == "a second step":
+                    again = F.mse_loss(model(x), y)
+                    log.append(again.requires_grad)
+                    again.backward()
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    with tracejit.exclude_from_trace():
+                        print(f"step {i}")
+            with torch.no_grad():
+                evaluated = model(x)
+            return loss.detach(), evaluated
+        return step
+
+    log_a, log_b = [], []
+    eager, traced = make(model_a, opt_a, log_a), tracejit.trace(make(model_b, opt_b, log_b), backend="aten")
+    for i in range(8):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(2, 4, generator=g), torch.randn(2, 3, generator=g)
+        want, got = eager(x.clone(), y, i=i), traced(x.clone(), y, i=i)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), i
+        for a, b in zip(model_a.parameters(), model_b.parameters()):
+            assert torch.equal(a, b), i
+    assert log_a == log_b
+    stats = traced.stats
+    assert stats.early_runs == stats.api_replays >= 4 and stats.api_fallbacks == 0, stats

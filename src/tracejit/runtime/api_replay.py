@@ -888,6 +888,7 @@ class ApiChecker(TorchFunctionMode):
         self.grad_modes = [call.args[0] if call.kind is CallKind.REAL and call.args else None for call in program.calls]
         self.program = program
         self.placeholders = program.placeholders
+        self.derived: dict[int, weakref.ref] = {}
         self.start([], [])
 
     def start(self, inputs: list, externals: list) -> ApiChecker:
@@ -904,6 +905,8 @@ class ApiChecker(TorchFunctionMode):
         self.stood_in_ddp = 0  # of which DistributedDataParallel calls (runtime/ddp_stand_in.py)
         self.stood_in_functions = 0  # gradient clipping calls (runtime/function_stand_ins.py)
         self.continued = False  # the rest of the call runs eagerly (_after_finish)
+        if self.derived:
+            self.derived = {}  # id -> what it computes from the program's values (weakly)
         return self
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -950,14 +953,28 @@ class ApiChecker(TorchFunctionMode):
     def _after_finish(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch call after the program ran at a read and the call went otherwise than recorded:
         run for real, on the values the placeholders hold. Their autograd history is not eager's
-        (they have none), so autograd's attributes of one, and its text (`grad_fn=<...>`), raise."""
+        (they have none, nor has what is computed from them here), so autograd's attributes of
+        one, and its text (`grad_fn=<...>`), raise; a forward of the parameters has eager's."""
         name = _name(func)
-        if autograd_query(name) or (_short(name) in _TEXT_READS and not (len(args) > 1 and args[1])):
-            for tensor in args:
-                if isinstance(tensor, torch.Tensor) and self.program.leaf_handle(tensor, self.inputs, self.externals) is None:
-                    self.diverge(f"{name} of a value the program computed without autograd")
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        without_history = [t for t in tensors if self._without_history(t)]
+        if without_history and (autograd_query(name) or (_short(name) in _TEXT_READS and not (len(args) > 1 and args[1]))):
+            self.diverge(f"{name} of a value the program computed without autograd")
         with _WITHOUT_MODES():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if without_history:
+            for value in (result if isinstance(result, (tuple, list)) else (result,)):
+                if isinstance(value, torch.Tensor):
+                    self.derived[id(value)] = weakref.ref(value)
+        return result
+
+    def _without_history(self, tensor: torch.Tensor) -> bool:
+        """A placeholder holding the program's value, or a value computed from one after it ran."""
+        handle = self.program.placeholder_handles.get(id(tensor))
+        if handle is not None and self.placeholders.get(handle) is tensor:
+            return True
+        derived = self.derived.get(id(tensor))  # (a WeakSet would compare tensors with ==)
+        return derived is not None and derived() is tensor
 
     def _off_record(self, func: Any, args: tuple, kwargs: dict, position: int) -> Any:
         """A host read the record does not have (`loss.item()` logged every 100th call) of a value
@@ -1014,7 +1031,10 @@ class ApiChecker(TorchFunctionMode):
             self.diverge(f"a host read {what} the record does not have")
 
     def on_excluded_block(self) -> None:
-        self.diverge("an exclude_from_trace() block the record does not have")
+        if self.program.finished is not None:  # eager code, after the program ran: the rest runs eagerly
+            self.continued = True
+        if not self.continued:
+            self.diverge("an exclude_from_trace() block the record does not have")
 
 
 # Two ways into the checker that cost more than its own work, shortened while a checked call runs

@@ -47,7 +47,7 @@ class _FunctionStandIn:
         function = answerable.function
         # this thread's call under the checker itself (not another trace's call inside the function),
         # in torch's wrapper where it has one (which turned grad mode off), not diverged
-        if (checker is None or checker.diverged is not None or checker.thread != get_ident()
+        if (checker is None or checker.diverged is not None or checker.continued or checker.thread != get_ident()
                 or _STACK_DEPTH() == 0 or _STACK_AT(_STACK_DEPTH() - 1) is not checker
                 or answerable.without_grad and _GRAD_ENABLED()):
             return function(*args, **kwargs)

@@ -81,7 +81,8 @@ class _StandIn:
         if checker.thread != get_ident():  # another thread's call of the optimizer: not the checked one
             return real(*args, **kwargs)
         region = checker.region(self.regions)
-        if region is not None and checker.diverged is None and not profiler_enabled() and self._takes(args, kwargs, region):
+        if (region is not None and checker.diverged is None and not checker.continued and not profiler_enabled()
+                and self._takes(args, kwargs, region)):
             steps = checker.steps_answered
             answered = steps.get(id(optimizer), 0)
             if region.check(optimizer, checker.externals, checker.inputs, checker.scalars, answered):
@@ -525,7 +526,7 @@ class _ForwardStandIn:
         """The recorded result, the checker moved past the module's span; FAIL where the record has
         no span of this module here or its state differs."""
         region = checker.region(self.regions)
-        if region is None or checker.diverged is not None or profiler_enabled():
+        if region is None or checker.diverged is not None or checker.continued or profiler_enabled():
             return FAIL
         same_objects, same_values, end = region
         module, inputs, externals, placeholders = self.module, checker.inputs, checker.externals, checker.placeholders
