@@ -17,14 +17,26 @@ from tracejit.errors import TraceMismatchError
 STEPS = 6
 
 
+def _sgd_twins(make_module):
+    """Two identical modules with an SGD(lr=0.1) each: one for eager, one for the traced run."""
+    torch.manual_seed(0)
+    module_a, module_b = make_module(), make_module()
+    module_b.load_state_dict(module_a.state_dict())
+    return (module_a, torch.optim.SGD(module_a.parameters(), lr=0.1)), (module_b, torch.optim.SGD(module_b.parameters(), lr=0.1))
+
+
+def _update(loss, opt):
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def logging_step(model, opt, totals, history=None, state=None):
     """A tutorial training step: the loss and the accuracy read on every call after the update."""
     def step(x, y):
         out = model(x)
         loss = F.cross_entropy(out, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        _update(loss, opt)
         correct = (out.argmax(1) == y).sum()
         detached, logits = loss.detach(), out.detach()
         if history is not None:
@@ -94,9 +106,7 @@ def test_reads_and_shape_queries_after_the_read_that_the_traced_call_did_not_mak
 
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        _update(loss, opt)
         seen.append(loss.item())
         calls[0] += 1
         if calls[0] > 2 and calls[0] % 2 == 0:  # not in the calls that record and note the trace
@@ -130,9 +140,7 @@ def test_values_kept_or_read_after_the_read_that_the_traced_call_did_not_are_the
         def step(x, y, *, i):
             out = model(x)
             loss = F.cross_entropy(out, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _update(loss, opt)
             correct, logits = (out.argmax(1) == y).sum(), out.detach()
             kept.append(loss.item())
             if i >= 3 and i % 3 == 1:  # none of the calls that record and note the trace
@@ -166,9 +174,7 @@ def test_a_call_that_goes_on_otherwise_after_the_program_ran_runs_the_rest_eager
         def step(x, y, *, i):
             out = model(x)
             loss = F.cross_entropy(out, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _update(loss, opt)
             log.append(loss.item())
             if i % 3 == 1 and i > 3:  # none of the calls that record and note the trace
                 log.append((bool(torch.isfinite(out).all()), out[0, :3].tolist(), f"{loss:.5f}"))
@@ -200,9 +206,7 @@ def test_autograd_questions_after_the_program_ran_raise(query, capsys):
     def make(model, opt, totals, asks):
         def step(x, y, *, i):
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _update(loss, opt)
             totals.append(loss.item())
             if asks and i == 4:
                 eval(query, {"loss": loss})
@@ -232,9 +236,7 @@ def test_an_exception_after_the_read_is_the_functions_own():
     def make(model, opt):
         def step(x, y, *, i):
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _update(loss, opt)
             if loss.item() > 0 and i == 3:
                 raise KeyError("stop here")
             return loss.detach()
@@ -259,9 +261,7 @@ def test_a_read_on_some_calls_only_runs_the_program_at_the_read_when_made():
     def make(model, opt, seen):
         def step(x, y, *, i):
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _update(loss, opt)
             if i <= 3 or i % 3:  # the calls that record (1, 2 again: Adam's state) and note the trace (3) read it
                 seen.append(loss.item())
             return loss.detach()
@@ -280,18 +280,12 @@ def test_a_read_on_some_calls_only_runs_the_program_at_the_read_when_made():
 def test_an_error_the_program_raises_at_the_read_is_raised_as_eager_raises_it():
     # an index out of range reaches the embedding on one call: eager raises in the forward, the
     # program when it runs at the read; nothing runs again, and the next call goes on
-    torch.manual_seed(0)
-    emb_a = torch.nn.Embedding(10, 4)
-    emb_b = torch.nn.Embedding(10, 4)
-    emb_b.load_state_dict(emb_a.state_dict())
-    opt_a, opt_b = torch.optim.SGD(emb_a.parameters(), lr=0.1), torch.optim.SGD(emb_b.parameters(), lr=0.1)
+    (emb_a, opt_a), (emb_b, opt_b) = _sgd_twins(lambda: torch.nn.Embedding(10, 4))
 
     def make(emb, opt, totals):
         def step(index):
             loss = emb(index).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _update(loss, opt)
             totals.append(loss.item())
             return loss.detach()
         return step
@@ -344,11 +338,7 @@ def _linear_step(kind: str):
 @pytest.mark.parametrize("kind", ["literal", "autocast", "inference_mode", "views"])
 @pytest.mark.parametrize("backend", ["aten", "c"])
 def test_reads_after_the_update_that_the_program_must_not_answer_otherwise(kind, backend):
-    torch.manual_seed(0)
-    model_a = torch.nn.Linear(8, 4)
-    model_b = torch.nn.Linear(8, 4)
-    model_b.load_state_dict(model_a.state_dict())
-    opt_a, opt_b = torch.optim.SGD(model_a.parameters(), lr=0.1), torch.optim.SGD(model_b.parameters(), lr=0.1)
+    (model_a, opt_a), (model_b, opt_b) = _sgd_twins(lambda: torch.nn.Linear(8, 4))
     log_a, log_b = [], []
     make = _linear_step(kind)
     eager, traced = make(model_a, opt_a, log_a), tracejit.trace(make(model_b, opt_b, log_b), backend=backend)
@@ -372,11 +362,7 @@ def test_reads_after_the_update_that_the_program_must_not_answer_otherwise(kind,
 def test_a_gradient_reached_after_the_read_and_used_on_some_calls_is_the_programs():
     # `.grad` read after the read on every call hands out a value made before it; a later call
     # that goes on with it (a logged norm) must find the program's gradient there
-    torch.manual_seed(0)
-    model_a = torch.nn.Linear(8, 4)
-    model_b = torch.nn.Linear(8, 4)
-    model_b.load_state_dict(model_a.state_dict())
-    opt_a, opt_b = torch.optim.SGD(model_a.parameters(), lr=0.1), torch.optim.SGD(model_b.parameters(), lr=0.1)
+    (model_a, opt_a), (model_b, opt_b) = _sgd_twins(lambda: torch.nn.Linear(8, 4))
 
     def make(model, opt, log):
         def step(x, y, *, i):
@@ -409,18 +395,12 @@ def test_what_a_call_does_eagerly_after_the_program_ran_is_eagers(after, capsys)
     # nothing of the record answers for it any more (a module's forward in the tail after the
     # input was written; a second step's forward and backward on the real parameters; an excluded
     # block the record does not have)
-    torch.manual_seed(0)
-    model_a = torch.nn.Linear(4, 3)
-    model_b = torch.nn.Linear(4, 3)
-    model_b.load_state_dict(model_a.state_dict())
-    opt_a, opt_b = torch.optim.SGD(model_a.parameters(), lr=0.1), torch.optim.SGD(model_b.parameters(), lr=0.1)
+    (model_a, opt_a), (model_b, opt_b) = _sgd_twins(lambda: torch.nn.Linear(4, 3))
 
     def make(model, opt, log):
         def step(x, y, *, i):
             loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _update(loss, opt)
             log.append(loss.item())
             if i > 3:
                 if after == "write the input":
