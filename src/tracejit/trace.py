@@ -60,8 +60,8 @@ from .runtime.api_replay import (
     ApiProgram,
     NotReplayable,
     gradient_owners,
+    held_after_calls,
     run_checked,
-    visible_values,
 )
 from .runtime.compiler import CompileOptions, compile_host_free, compile_kernels, optimize
 from .runtime.ddp_stand_in import kept_by_ddp
@@ -1163,7 +1163,7 @@ class trace(ProfileAccess):
                           if entry.record.tensors[h].kind is Kind.EXTERNAL and id(t) in slot_of}
         try:
             if entry.host_free is None:
-                entry.host_free = self._host_free_runner(entry, read_exports(entry.record, visible_values(trace, trace.output)))
+                entry.host_free = self._host_free_runner(entry, read_exports(entry.record, held_after_calls(trace, trace.output)))
             entry.host_free.bind(live, args, kwargs, replayer.names, entry.grad_state, replayer.scalars,
                                  external_slots=external_slots, grad_owners=gradient_owners(trace, external_slots),
                                  reached=(entry.reached, entry.reached_bits), input_grads=input_grads(entry.key))

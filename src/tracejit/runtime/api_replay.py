@@ -151,9 +151,11 @@ class ApiProgram:
         self.finish_from = pure_tail_start(record)
         # the values the calls after such a read hand out (a `.grad` read included): their
         # placeholders get the program's values whether or not the function holds them yet
+        first = next((call.index for call in trace.calls if call.kind is CallKind.HOST_READ and call.read is not None
+                      and call.read[0] >= self.finish_from), len(trace.calls))
         tail_values: set[int] = set()
-        for call in trace.calls:
-            if call.span[0] >= self.finish_from and call.kind is not CallKind.REAL:
+        for call in trace.calls[first + 1:]:
+            if call.kind is not CallKind.REAL:
                 template_refs(call.result, RefKind.VALUE, tail_values)
         self.tail_values = frozenset(tail_values)
         self.read_exports = runner.program.graph.read_exports | {
@@ -854,6 +856,23 @@ def visible_values(trace: ApiTrace, output: Any) -> set[int]:
     for call in trace.calls:
         if call.kind is not CallKind.REAL:
             template_refs((call.args, call.kwargs, call.result), RefKind.VALUE, handles)
+    template_refs(output, RefKind.VALUE, handles)
+    return handles
+
+
+def held_after_calls(trace: ApiTrace, output: Any) -> set[int]:
+    """The values the function's own code may still hold late in the call: those of the calls it
+    makes itself, and what module forwards, optimizer methods and clipping it calls return, not
+    the values those compute inside (gone with their frames, unless kept in state: escaped)."""
+    inside: set[int] = set()
+    for span in (*trace.module_calls, *trace.optimizer_calls, *trace.function_calls):
+        inside.update(range(span.start, span.end))
+    handles: set = set()
+    for call in trace.calls:
+        if call.kind is not CallKind.REAL and call.index not in inside:
+            template_refs((call.args, call.kwargs, call.result), RefKind.VALUE, handles)
+    for span in (*trace.module_calls, *trace.function_calls):
+        template_refs(span.result, RefKind.VALUE, handles)
     template_refs(output, RefKind.VALUE, handles)
     return handles
 

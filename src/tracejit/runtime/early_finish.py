@@ -74,9 +74,10 @@ def finishing_reads(record: Record) -> frozenset[int]:
 
 def read_exports(record: Record, visible: set[int]) -> frozenset[int]:
     """What a checked call's program leaves when it runs at a read: the values read there, and
-    every value the function sees (it may read or keep one after the program ran, on a call whose
-    traced call did not: `if step % 100 == 99: print(acc.item())`). None without such a read, so
-    that a program with none keeps all its fusion and memory reuse."""
+    every value the function's own code may hold then (`visible`, api_replay.held_after_calls: it
+    may read or keep one after the program ran, on a call whose traced call did not: `if step %
+    100 == 99: print(acc.item())`). None without such a read, so that a program with none keeps
+    all its fusion and memory reuse."""
     reads = finishing_reads(record)
     if not reads:
         return reads
