@@ -135,8 +135,7 @@ class ApiProgram:
         self.located = _located_externals(trace.calls)
         # the program draws the call's random numbers after the function ran: the function must not
         # have moved the generator meanwhile (checked around it, see run_checked)
-        self.draws = any(torch.Tag.nondeterministic_seeded in op.op.tags for op in record.ops
-                         if isinstance(op.op, torch._ops.OpOverload))
+        self.draws = any(map(draws_random, record.ops))
         self.sources: list[str] = []
         self.checking_args: tuple | None = None  # the call being checked, for host reads
         self.checking_kwargs: dict | None = None
@@ -628,7 +627,7 @@ class _Reader:
         self.textual = _short(_name(call.func)) in _TEXT_READS and call.read_requires_grad
         self.handle = handle
         self.ops, _ = read_slice(record, position, handle)
-        self.draws = any(_random(record.ops[i]) for i in self.ops)
+        self.draws = any(draws_random(record.ops[i]) for i in self.ops)
         if self.draws:
             # The program draws the call's random numbers in record order from where the generator
             # stands after the function: the slice draws every random op before the read in that
@@ -636,7 +635,7 @@ class _Reader:
             ops = set(self.ops)
             for index in range(position):
                 op = record.ops[index]
-                if _random(op):
+                if draws_random(op):
                     if not _default_cpu_generator(record, op):
                         raise _NotReplayable(f"the host reads t{handle}, which depends on the random op {op.name} "
                                              f"at {op.source}, and {op.name} at {op.source} draws from a generator "
@@ -699,9 +698,6 @@ class _Reader:
 # without grad, they would lose the `grad_fn=` eager prints), which diverge as before
 _TEXT_READS = frozenset({"__repr__", "__format__", "__str__"})
 _OFF_RECORD_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__"})
-
-
-_random = draws_random
 
 
 def _default_cpu_generator(record: Record, op: Any) -> bool:
